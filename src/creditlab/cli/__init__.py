@@ -1,0 +1,1 @@
+"""Command-line interface (typer). Registries of names live here, at the edge."""

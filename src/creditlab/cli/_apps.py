@@ -1,0 +1,22 @@
+"""The typer apps. Command modules import these and register their commands on them."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="creditlab",
+    help="Find and fix the silent failures of agentic RL training: reward, execution, credit.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+lab_app = typer.Typer(help="Run a lab: reproduce a failure and its fix on a CPU.", no_args_is_help=True)
+fork_app = typer.Typer(help="FORK reward: score rubric-graded responses.", no_args_is_help=True)
+diagnose_app = typer.Typer(help="Diagnostics on rollout dumps.", no_args_is_help=True)
+bench_app = typer.Typer(help="Speed benchmarks.", no_args_is_help=True)
+
+app.add_typer(lab_app, name="lab")
+app.add_typer(fork_app, name="fork")
+app.add_typer(diagnose_app, name="diagnose")
+app.add_typer(bench_app, name="bench")

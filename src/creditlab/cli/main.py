@@ -1,0 +1,32 @@
+"""Entry point of the ``creditlab`` console script.
+
+Typed creditlab errors (bad configuration, bad input) are printed as one line naming the
+parameter or record, with a non-zero exit code and no traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+
+from creditlab.cli._apps import app
+from creditlab.errors import CreditlabError
+
+# Each command module registers its commands on the apps when imported.
+from creditlab.cli import lab_coverage  # noqa: E402,F401  isort: skip
+
+__all__ = ["app", "main"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI; a :class:`CreditlabError` exits with code 2 and a one-line message."""
+    try:
+        app(args=argv, prog_name="creditlab")
+    except CreditlabError as err:
+        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

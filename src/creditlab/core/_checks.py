@@ -1,0 +1,91 @@
+"""The one small helper every public ``core`` function calls first.
+
+A wrong shape, dtype, NaN/inf or a non-boolean mask raises :class:`creditlab.errors.InputError`
+(a ``ValueError``) naming the argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from creditlab.errors import InputError
+
+Dim = int | str | None
+
+
+def check_tensor(
+    name: str,
+    x: object,
+    *,
+    shape: Sequence[Dim] | None = None,
+    ndim: int | None = None,
+    floating: bool = False,
+    boolean: bool = False,
+    integer: bool = False,
+    finite: bool = False,
+    finite_where: torch.Tensor | None = None,
+    dims: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Validate ``x`` and return it.
+
+    ``shape`` entries are ints (exact), ``None`` (any) or symbolic names such as ``"B"``; a
+    symbolic name is bound in ``dims`` on first sight and must match afterwards, so one ``dims``
+    dict shared across the checks of a function enforces consistent shapes between arguments.
+    ``finite_where`` restricts the finiteness check to positions where the mask is True (masked
+    positions may hold junk).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None and x.dim() != ndim:
+        raise InputError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
+    if shape is not None:
+        if x.dim() != len(shape):
+            raise InputError(
+                f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}"
+            )
+        for i, want in enumerate(shape):
+            got = x.shape[i]
+            if want is None:
+                continue
+            if isinstance(want, str):
+                if dims is None:
+                    continue
+                bound = dims.setdefault(want, got)
+                if bound != got:
+                    raise InputError(
+                        f"{name}: dimension {i} ({want}) is {got} but another argument has {want}={bound}"
+                    )
+            elif got != want:
+                raise InputError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+    if boolean and x.dtype != torch.bool:
+        raise InputError(f"{name}: expected a boolean mask (torch.bool), got dtype {x.dtype}")
+    if floating and not x.is_floating_point():
+        raise InputError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    if integer and (x.is_floating_point() or x.dtype == torch.bool or x.is_complex()):
+        raise InputError(f"{name}: expected an integer tensor, got dtype {x.dtype}")
+    if finite and x.is_floating_point():
+        bad = ~torch.isfinite(x)
+        if finite_where is not None:
+            bad = bad & finite_where
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in bad.nonzero()[0].tolist())
+            raise InputError(f"{name}: contains NaN or inf (first at index {idx})")
+    return x
+
+
+def check_scalar(name: str, value: float, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False) -> float:
+    """Validate a numeric scalar lies in ``[low, high]`` (or the open variants)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise InputError(f"{name}: expected a number, got {value!r}") from None
+    if v != v:
+        raise InputError(f"{name}: is NaN")
+    if low is not None and (v < low or (low_open and v == low)):
+        raise InputError(f"{name}: must be {'>' if low_open else '>='} {low}, got {v}")
+    if high is not None and (v > high or (high_open and v == high)):
+        raise InputError(f"{name}: must be {'<' if high_open else '<='} {high}, got {v}")
+    return v
