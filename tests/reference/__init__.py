@@ -1,0 +1,1 @@
+"""Slow loop references of the vectorised kernels."""
