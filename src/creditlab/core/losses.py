@@ -1,0 +1,298 @@
+"""Masked aggregation, the PPO/GRPO clipped policy loss and OPSD distillation losses.
+
+Every reduction goes through :func:`aggregate`. Token tensors are ``(B, L)``; ``mask`` is the
+``(B, L)`` bool loss mask (policy tokens). Losses are computed in float32 (float64 for float64
+inputs) whatever the input precision, and junk (even NaN/inf) at masked positions neither changes
+the value nor produces NaN gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from creditlab.core._checks import check_scalar, check_tensor
+from creditlab.errors import ConfigError, InputError
+
+__all__ = [
+    "AGG_MODES",
+    "aggregate",
+    "opsd_loss",
+    "opsd_sampled_advantages",
+    "opsd_sampled_loss",
+    "policy_loss",
+]
+
+#: Reduction modes of :func:`aggregate` (verl's ``loss_agg_mode`` with underscores).
+AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+
+_F64 = torch.float64
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return _F64 if x.dtype == _F64 else torch.float32
+
+
+def _check_agg(agg: str) -> None:
+    if agg not in AGG_MODES:
+        raise ConfigError("agg", f"unknown aggregation mode {agg!r}; valid: {', '.join(AGG_MODES)}")
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` cast to ``dtype`` with masked positions replaced by 0 (value and gradient safe)."""
+    return torch.where(mask, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))
+
+
+def _aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm: float | None) -> torch.Tensor:
+    """:func:`aggregate` without checks; ``loss`` already zero at masked positions."""
+    if mode == "token_mean":
+        return loss.sum() / mask.sum().clamp_min(1).to(loss.dtype)
+    row_sum = loss.sum(dim=1)  # (B,)
+    count = mask.sum(dim=1)  # (B,)
+    if mode == "seq_mean_token_sum_norm":
+        return row_sum.sum() / (mask.shape[1] if norm is None else norm)
+    nonempty = count > 0
+    if mode == "seq_mean_token_mean":
+        row_sum = row_sum / count.clamp_min(1).to(loss.dtype)
+    return row_sum.sum() / nonempty.sum().clamp_min(1).to(loss.dtype)
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", *,
+              norm: float | None = None) -> torch.Tensor:
+    """Reduce a ``(B, L)`` token loss to a scalar over the True positions of ``mask``.
+
+    Modes (verl's ``agg_loss`` semantics):
+
+    - ``token_mean``: ``sum_{b,t} m l / sum_{b,t} m`` (every token weighs the same; DAPO).
+    - ``seq_mean_token_mean``: mean over non-empty rows of the row's token mean (GRPO).
+    - ``seq_mean_token_sum``: mean over non-empty rows of the row's token sum.
+    - ``seq_mean_token_sum_norm``: ``sum_b sum_t m l / norm`` with the constant ``norm``
+      defaulting to ``L`` (Dr. GRPO). As in verl this sums (not averages) over rows.
+
+    A fully masked row contributes 0 and is not counted in the ``seq_mean`` denominators; a
+    fully masked batch gives 0, never NaN. ``loss`` may hold junk (NaN, inf) at masked positions.
+
+    >>> loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0], [9.0, 9.0, 9.0]])
+    >>> mask = torch.tensor([[True, True, True], [True, True, False], [False, False, False]])
+    >>> [round(float(aggregate(loss, mask, m)), 4) for m in AGG_MODES]
+    [3.0, 3.25, 7.5, 5.0]
+    """
+    dims: dict[str, int] = {}
+    check_tensor("mask", mask, shape=("B", "L"), boolean=True, dims=dims)
+    check_tensor("loss", loss, shape=("B", "L"), floating=True, finite=True, finite_where=mask, dims=dims)
+    _check_agg(mode)
+    if norm is not None:
+        check_scalar("norm", norm, low=0.0, low_open=True)
+    return _aggregate(_masked(loss, mask, _compute_dtype(loss)), mask, mode, norm)
+
+
+def _mean_metric(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x.detach().to(_F64), 0.0).sum() / mask.sum().clamp_min(1).to(_F64)
+
+
+def _to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    values = torch.stack([v.detach().to(_F64).reshape(()) for v in metrics.values()]).tolist()
+    return dict(zip(metrics.keys(), values, strict=True))
+
+
+def _broadcast_advantages(advantages: torch.Tensor, B: int, L: int) -> torch.Tensor:
+    if advantages.dim() == 1:
+        check_tensor("advantages", advantages, shape=(B,), floating=True, finite=True)
+        return advantages[:, None].expand(B, L)
+    check_tensor("advantages", advantages, shape=(B, L), floating=True)
+    return advantages
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    weights: torch.Tensor | None = None,
+    agg: str = "token_mean",
+    norm: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO/GRPO clipped surrogate, optionally reweighted per token.
+
+    ``r_t = exp(logprobs_t - old_logprobs_t)`` (log ratio clamped to ``[-20, 20]`` as verl does),
+    token loss ``l_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))``
+    (Schulman et al., 2017; asymmetric clip as in DAPO), reduced by :func:`aggregate`.
+
+    Args:
+        logprobs: ``(B, L)`` learner log-probs (carries the gradient).
+        old_logprobs: ``(B, L)`` log-probs of the sampling checkpoint (detached inside).
+        advantages: ``(B,)`` (broadcast over tokens) or ``(B, L)``.
+        mask: ``(B, L)`` bool loss mask (policy tokens).
+        clip_low, clip_high: ratio clip range.
+        weights: ``(B, L)`` detached per-token coefficients (e.g. :func:`interq_weights` or verl's
+            ``rollout_is_weights``), or None.
+        agg: one of :data:`AGG_MODES`; ``norm`` is the constant of ``seq_mean_token_sum_norm``.
+
+    Returns:
+        scalar loss (float32, float64 for float64 ``logprobs``) and metrics ``loss/policy``,
+        ``loss/clip_frac`` (share of tokens where the clipped branch is active), ``loss/approx_kl``
+        (mean ``old - new`` log-prob), ``loss/ratio_mean``, ``loss/weight_mean``.
+
+    >>> lp = torch.zeros(1, 2, requires_grad=True)
+    >>> loss, m = policy_loss(lp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool))
+    >>> float(loss.detach()), m["loss/clip_frac"]
+    (-1.0, 0.0)
+    """
+    dims: dict[str, int] = {}
+    check_tensor("mask", mask, shape=("B", "L"), boolean=True, dims=dims)
+    check_tensor("logprobs", logprobs, shape=("B", "L"), floating=True, finite=True, finite_where=mask,
+                 dims=dims)
+    check_tensor("old_logprobs", old_logprobs, shape=("B", "L"), floating=True, finite=True,
+                 finite_where=mask, dims=dims)
+    B, L = mask.shape
+    adv = _broadcast_advantages(advantages, B, L)
+    check_tensor("advantages", adv, finite=True, finite_where=mask)
+    if weights is not None:
+        check_tensor("weights", weights, shape=("B", "L"), floating=True, finite=True, finite_where=mask,
+                     dims=dims)
+    check_scalar("clip_low", clip_low, low=0.0, high=1.0)
+    check_scalar("clip_high", clip_high, low=0.0)
+    _check_agg(agg)
+    if norm is not None:
+        check_scalar("norm", norm, low=0.0, low_open=True)
+
+    dt = _compute_dtype(logprobs)
+    lp = _masked(logprobs, mask, dt)
+    old = _masked(old_logprobs.detach(), mask, dt)
+    a = _masked(adv.detach(), mask, dt)
+    log_ratio = (lp - old).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    pg_unclipped = -a * ratio
+    pg_clipped = -a * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    tok = torch.maximum(pg_unclipped, pg_clipped)
+    if weights is not None:
+        w = _masked(weights.detach(), mask, dt)
+        tok = tok * w
+    else:
+        w = None
+    loss = _aggregate(tok, mask, agg, norm)
+    with torch.no_grad():
+        metrics = {
+            "loss/policy": loss.detach(),
+            "loss/clip_frac": _mean_metric((pg_clipped > pg_unclipped).to(dt), mask),
+            "loss/approx_kl": _mean_metric(-log_ratio, mask),
+            "loss/ratio_mean": _mean_metric(ratio, mask),
+            "loss/weight_mean": _mean_metric(w, mask) if w is not None else loss.new_ones((), dtype=_F64),
+        }
+    return loss, _to_floats(metrics)
+
+
+# --------------------------------------------------------------------------------------------
+# on-policy self-distillation
+
+_LOG_FLOOR = -1e4  # log-prob floor: a -inf logit (masked vocabulary entry) gives p = 0, not NaN
+
+
+def _kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """``sum_v p (log p - log q)`` over the last dimension."""
+    return (logp.exp() * (logp - logq)).sum(dim=-1)
+
+
+def opsd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    beta: float = 0.5,
+    *,
+    agg: str = "token_mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-level generalised Jensen-Shannon divergence between teacher and student.
+
+    On-policy self-distillation: the student's own rollouts are scored by a frozen teacher that
+    sees privileged information (reference answer, per-turn advice). With
+    ``M = beta P_T + (1 - beta) P_S`` (GKD, Agarwal et al. 2024; TRL's ``generalized_jsd_loss``):
+    ``JSD_beta = beta KL(P_T || M) + (1 - beta) KL(P_S || M)`` for ``0 < beta < 1``,
+    ``beta = 0`` is the forward ``KL(P_T || P_S)`` and ``beta = 1`` the reverse ``KL(P_S || P_T)``.
+    Reduced over policy tokens by :func:`aggregate` (``token_mean`` by default).
+
+    Args:
+        student_logits: ``(B, L, V)`` (carries the gradient).
+        teacher_logits: ``(B, L, V)`` (detached inside).
+        mask: ``(B, L)`` bool, policy tokens.
+        beta: interpolation in ``[0, 1]``.
+
+    Returns:
+        scalar loss and metrics ``loss/opsd``, ``opsd/forward_kl``, ``opsd/reverse_kl``.
+    """
+    dims: dict[str, int] = {}
+    check_tensor("mask", mask, shape=("B", "L"), boolean=True, dims=dims)
+    check_tensor("student_logits", student_logits, shape=("B", "L", "V"), floating=True, dims=dims)
+    check_tensor("teacher_logits", teacher_logits, shape=("B", "L", "V"), floating=True, dims=dims)
+    for name, x in (("student_logits", student_logits), ("teacher_logits", teacher_logits)):
+        bad = torch.isnan(x) | (x == math.inf)  # -inf is a legal masked vocabulary entry
+        if bool((bad & mask[..., None]).any()):
+            raise InputError(f"{name}: contains NaN or +inf at a policy token")
+    check_scalar("beta", beta, low=0.0, high=1.0)
+    _check_agg(agg)
+
+    dt = _compute_dtype(student_logits)
+    m3 = mask[..., None]
+    zero = torch.zeros((), dtype=dt, device=mask.device)
+    log_s = torch.log_softmax(torch.where(m3, student_logits.to(dt), zero), dim=-1).clamp_min(_LOG_FLOOR)
+    log_t = torch.log_softmax(torch.where(m3, teacher_logits.detach().to(dt), zero), dim=-1)
+    log_t = log_t.clamp_min(_LOG_FLOOR)
+    if beta == 0.0:
+        tok = _kl(log_t, log_s)
+    elif beta == 1.0:
+        tok = _kl(log_s, log_t)
+    else:
+        log_m = torch.logsumexp(torch.stack([log_s + math.log(1.0 - beta), log_t + math.log(beta)]), dim=0)
+        tok = beta * _kl(log_t, log_m) + (1.0 - beta) * _kl(log_s, log_m)
+    tok = torch.where(mask, tok, zero)
+    loss = _aggregate(tok, mask, agg, None)
+    with torch.no_grad():
+        metrics = {
+            "loss/opsd": loss.detach(),
+            "opsd/forward_kl": _mean_metric(_kl(log_t, log_s), mask),
+            "opsd/reverse_kl": _mean_metric(_kl(log_s, log_t), mask),
+        }
+    return loss, _to_floats(metrics)
+
+
+def opsd_sampled_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                            mask: torch.Tensor) -> torch.Tensor:
+    """Per-token distillation advantage ``teacher - student`` log-prob ``(B, L)``, detached, 0 off mask.
+
+    The sampled-token form of OPSD: on the student's sampled token, ``log p_T - log p_S`` is a
+    one-sample estimate of the negative reverse KL, usable as a dense token advantage.
+    """
+    dims: dict[str, int] = {}
+    check_tensor("mask", mask, shape=("B", "L"), boolean=True, dims=dims)
+    check_tensor("student_logprobs", student_logprobs, shape=("B", "L"), floating=True, finite=True,
+                 finite_where=mask, dims=dims)
+    check_tensor("teacher_logprobs", teacher_logprobs, shape=("B", "L"), floating=True, finite=True,
+                 finite_where=mask, dims=dims)
+    dt = _compute_dtype(student_logprobs)
+    with torch.no_grad():
+        return _masked(teacher_logprobs, mask, dt) - _masked(student_logprobs, mask, dt)
+
+
+def opsd_sampled_loss(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    agg: str = "token_mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Sampled-token OPSD: ``aggregate(-sg(log p_T - log p_S) * log p_S)``.
+
+    Its gradient is the policy-gradient estimate of ``-grad KL(P_S || P_T)`` restricted to the
+    sampled tokens (on-policy distillation with a per-token reverse-KL reward). Returns the
+    scalar loss and metrics ``loss/opsd_sampled``, ``opsd/reverse_kl`` (mean ``log p_S - log p_T``).
+    """
+    adv = opsd_sampled_advantages(student_logprobs, teacher_logprobs, mask)
+    _check_agg(agg)
+    dt = _compute_dtype(student_logprobs)
+    lp = _masked(student_logprobs, mask, dt)
+    loss = _aggregate(-adv * lp, mask, agg, None)
+    metrics = {"loss/opsd_sampled": loss.detach(), "opsd/reverse_kl": _mean_metric(-adv, mask)}
+    return loss, _to_floats(metrics)
