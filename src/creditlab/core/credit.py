@@ -110,11 +110,14 @@ def concentrated(advantages: torch.Tensor, selected_mask: torch.Tensor, step_mas
     return _masked(advantages.unsqueeze(-1) * torch.where(has, sel, step_mask.to(sel.dtype)), step_mask)
 
 
-def shuffled(credit: torch.Tensor, step_mask: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def shuffled(credit: torch.Tensor, step_mask: torch.Tensor, generator: torch.Generator | None = None, *,
+             keys: torch.Tensor | None = None) -> torch.Tensor:
     """Permute each row's credit among that row's real steps, uniformly at random.
 
     Matches the concentration (the multiset of per-step values, hence ``sum |a|``) of ``credit``
-    and removes its targeting information. Masked steps stay 0.
+    and removes its targeting information. Masked steps stay 0. ``keys`` ``(B, T)``: optional
+    uniform random keys to use instead of drawing from ``generator`` (so a caller can keep one
+    random stream per seed); the permutation sorts the real steps by key.
     """
     dims: dict[str, int] = {}
     check_tensor("step_mask", step_mask, shape=("B", "T"), boolean=True, dims=dims)
@@ -123,9 +126,12 @@ def shuffled(credit: torch.Tensor, step_mask: torch.Tensor, generator: torch.Gen
     # source order: real steps first, in order; destination order: real steps first, at random
     idx = torch.arange(T, device=credit.device).expand(B, T)
     src = torch.argsort((~step_mask).to(torch.int64) * T + idx, dim=-1)
-    keys = torch.rand(B, T, generator=generator, device=credit.device if generator is None else generator.device)
-    keys = keys.to(credit.device)
-    dst = torch.argsort(torch.where(step_mask, keys, torch.full_like(keys, 2.0)), dim=-1)
+    if keys is None:
+        gen_device = credit.device if generator is None else generator.device
+        keys = torch.rand(B, T, generator=generator, device=gen_device).to(credit.device)
+    else:
+        check_tensor("keys", keys, shape=("B", "T"), floating=True, finite=True, dims=dims)
+    dst = torch.argsort(torch.where(step_mask, keys, torch.full_like(keys, float("inf"))), dim=-1)
     vals = torch.gather(torch.where(step_mask, credit, torch.zeros_like(credit)), -1, src)
     out = torch.zeros_like(credit).scatter(-1, dst, vals)
     return _masked(out, step_mask)

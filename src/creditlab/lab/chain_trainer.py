@@ -1,0 +1,232 @@
+"""Batched GRPO training of many small chain policies at once (the engine of the coverage lab).
+
+One call trains ``M`` models — every (configuration, arm, seed) of a sweep cell — as one tensor
+program: a batched MLP policy per model, ``G`` rollouts per update, GRPO outcome advantages, one of
+the credit geometries of :mod:`creditlab.core.credit` per model, a per-model global grad-norm clip
+and Adam. Every arm gets the same total credit ``sum_t |a[i,t]| = |A_i|`` per rollout.
+
+Randomness is drawn from one stream per seed (action noise, shuffle keys, random-step keys), shared by
+every model with that seed, so the arms of a seed are paired (same task, same initial weights, same
+noise) and a model's result does not depend on which other models share its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from creditlab.core import credit as cr
+from creditlab.core.advantages import grpo_advantages
+from creditlab.envs.chain import ChainTasks, chain_outcome, exact_score, make_tasks, obs_dim, observe, validate
+from creditlab.errors import ConfigError
+from creditlab.models.batched_mlp import BatchedAdam, BatchedMLP
+
+__all__ = ["ARMS", "ChainTrainConfig", "ModelSpec", "train_chain"]
+
+ARMS = ("uniform", "concentrated", "targeted", "per_turn", "shuffled", "random_k")
+"""Credit arms: ``uniform`` (A_i/T on every step); ``concentrated`` (on the first k causal steps);
+``targeted`` (independent local signal on the exposed causal steps only); ``per_turn`` (on the steps
+where the verifier saw progress, among the exposed steps; uniform when it saw none); ``shuffled`` (per_turn credit permuted to random steps);
+``random_k`` (on k steps drawn at random per rollout)."""
+
+EXPOSURES = ("independent", "prefix")
+
+
+@dataclass(frozen=True)
+class ChainTrainConfig:
+    """Training configuration shared by every model of a batch."""
+
+    T: int = 12
+    """Steps per episode."""
+    K: int = 4
+    """Actions per step."""
+    hidden: int = 32
+    """Hidden width of the MLP policy."""
+    group: int = 16
+    """Rollouts per update (one GRPO group per model)."""
+    updates: int = 400
+    """Policy updates."""
+    lr: float = 0.03
+    """Adam learning rate."""
+    max_grad_norm: float = 1.0
+    """Global grad-norm clip, per model."""
+    state_dependent: bool = False
+    """Policy also observes the correct-prefix length and a broken-chain bit."""
+    eval_points: int = 20
+    """Number of (noise-free, exact) evaluations over training, the last one at the end."""
+
+    def validate(self) -> None:
+        for name in ("T", "hidden", "group", "updates", "eval_points"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.K < 2:
+            raise ConfigError("K", f"needs at least 2 actions per step, got {self.K}")
+        if self.group < 2:
+            raise ConfigError("group", f"GRPO needs at least 2 rollouts per group, got {self.group}")
+        if not self.lr > 0:
+            raise ConfigError("lr", f"must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model of a batch: its task, its credit arm and the arm's parameters."""
+
+    seed: int
+    C: int
+    arm: str
+    k: int = 0
+    """Steps that receive credit (``concentrated``: first k causal steps; ``random_k``: k random steps)."""
+    vd: float = 1.0
+    """Verifier density for ``targeted`` and ``per_turn``/``shuffled``: share of causal steps the
+    verifier can judge (``targeted`` gets a local signal there; ``per_turn`` sees progress there)."""
+    exposure: str = "independent"
+    """``independent``: each causal step exposed with probability vd; ``prefix``: the first round(vd*C)."""
+
+    def validate(self, T: int, K: int) -> None:
+        if self.arm not in ARMS:
+            raise ConfigError("arm", f"unknown arm {self.arm!r}; valid arms: {', '.join(ARMS)}")
+        validate(T, self.C, K)
+        if self.arm in ("concentrated", "random_k"):
+            if self.k < 1:
+                raise ConfigError("k", f"must be >= 1 for arm {self.arm!r}, got {self.k}")
+            if self.k > T:
+                raise ConfigError("k", f"must be <= T={T}, got {self.k}")
+        if not 0.0 <= self.vd <= 1.0:
+            raise ConfigError("vd", f"verifier density must be in [0, 1], got {self.vd}")
+        if self.exposure not in EXPOSURES:
+            raise ConfigError("exposure", f"unknown exposure {self.exposure!r}; valid: {', '.join(EXPOSURES)}")
+
+    def row(self) -> dict:
+        return asdict(self)
+
+
+def _exposed_steps(tasks: ChainTasks, specs: list[ModelSpec]) -> torch.Tensor:
+    """``(M, T)`` bool: causal steps the verifier can judge, fixed per (seed, C). Independent
+    exposure uses one uniform draw per causal step, so exposure sets are nested in vd."""
+    M, T = tasks.M, tasks.T
+    exposed = torch.zeros(M, T, dtype=torch.bool)
+    for m, s in enumerate(specs):
+        C = s.C
+        if s.exposure == "independent":
+            g = torch.Generator().manual_seed(int(s.seed) * 7_368_787 + C * 101 + 5)
+            ok = torch.rand(C, generator=g) < s.vd
+        else:
+            ok = torch.arange(C) < round(s.vd * C)
+        exposed[m, tasks.causal_pos[m, :C][ok]] = True
+    return exposed
+
+
+def train_chain(specs: list[ModelSpec], cfg: ChainTrainConfig) -> dict[str, torch.Tensor]:
+    """Train one model per spec; returns ``final_score`` ``(M,)``, ``curve`` ``(M, E)`` (exact expected
+    reward at ``eval_at``), ``eval_at`` ``(E,)`` and ``train_reward`` ``(M, updates)``."""
+    cfg.validate()
+    if not specs:
+        raise ConfigError("specs", "no model to train")
+    for s in specs:
+        s.validate(cfg.T, cfg.K)
+    T, K, G = cfg.T, cfg.K, cfg.group
+    M = len(specs)
+    tasks = make_tasks(T, K, [s.C for s in specs], [s.seed for s in specs])
+    seeds = sorted({s.seed for s in specs})
+    seed_idx = torch.tensor([seeds.index(s.seed) for s in specs])
+    streams = [torch.Generator().manual_seed(int(sd) * 15_485_863 + 3) for sd in seeds]
+    policy = BatchedMLP.init([s.seed for s in specs], obs_dim(T, cfg.state_dependent), cfg.hidden, K)
+    opt = BatchedAdam(policy, cfg.lr, cfg.max_grad_norm)
+
+    arms = [s.arm for s in specs]
+    arm_rows = {a: torch.tensor([i for i, x in enumerate(arms) if x == a]) for a in ARMS if a in arms}
+    k_col = torch.tensor([s.k for s in specs]).view(M, 1, 1)
+    first_k = tasks.is_causal & (tasks.order < k_col.view(M, 1))  # concentrated selection
+    exposed = _exposed_steps(tasks, specs)
+    step_mask = torch.ones(M * G, T, dtype=torch.bool)
+    group_ids = torch.arange(M).repeat_interleave(G)
+    t_idx = torch.arange(T)
+    eval_at = torch.unique(torch.linspace(0, cfg.updates, cfg.eval_points + 1).round().long()[1:])
+    curve = torch.zeros(M, len(eval_at))
+    train_reward = torch.zeros(M, cfg.updates)
+    x_static = observe(T, t_idx).expand(M, T, T) if not cfg.state_dependent else None
+
+    def evaluate() -> torch.Tensor:
+        if not cfg.state_dependent:
+            logits, _ = policy.forward(x_static)
+            p = torch.softmax(logits, -1).gather(2, tasks.correct.unsqueeze(-1)).squeeze(-1)  # (M, T)
+            p_causal = p.gather(1, tasks.causal_pos)
+        else:  # on the still-correct path, causal step j is seen with prefix j and unbroken
+            j = torch.arange(tasks.causal_pos.shape[1]).expand(M, -1)
+            x = observe(T, tasks.causal_pos, j, torch.zeros_like(j, dtype=torch.bool))
+            logits, _ = policy.forward(x)
+            corr = tasks.correct.gather(1, tasks.causal_pos)
+            p_causal = torch.softmax(logits, -1).gather(2, corr.unsqueeze(-1)).squeeze(-1)
+        return exact_score(tasks, p_causal)
+
+    e = 0
+    for u in range(cfg.updates):
+        noise = torch.stack([torch.rand(3, G, T, generator=g) for g in streams])[seed_idx]  # (M, 3, G, T)
+        act_noise, shuffle_keys, step_keys = noise[:, 0], noise[:, 1], noise[:, 2]
+        # --- rollouts
+        if not cfg.state_dependent:
+            logits, h = policy.forward(x_static)  # (M, T, K): the observation is the step index only
+            probs = torch.softmax(logits, -1)
+            cdf = probs.cumsum(-1).unsqueeze(1)  # (M, 1, T, K)
+            actions = (act_noise.unsqueeze(-1) > cdf[..., :-1]).sum(-1)  # inverse-CDF sampling
+            x_used = x_static
+        else:
+            prefix = torch.zeros(M, G, dtype=torch.long)
+            broken = torch.zeros(M, G, dtype=torch.bool)
+            xs, acts = [], []
+            for t in range(T):
+                x_t = observe(T, torch.full((M, G), t), prefix, broken)
+                lg, _ = policy.forward(x_t)
+                cdf = torch.softmax(lg, -1).cumsum(-1)
+                a_t = (act_noise[:, :, t].unsqueeze(-1) > cdf[..., :-1]).sum(-1)
+                causal_t = tasks.is_causal[:, t].unsqueeze(1)
+                ok = a_t == tasks.correct[:, t].unsqueeze(1)
+                prefix = prefix + (causal_t & ok & ~broken).long()
+                broken = broken | (causal_t & ~ok)
+                xs.append(x_t)
+                acts.append(a_t)
+            x_used = torch.stack(xs, 2).reshape(M, G * T, -1)
+            actions = torch.stack(acts, 2)
+            logits, h = policy.forward(x_used)
+            probs = torch.softmax(logits, -1)
+        reward, step_correct, progress = chain_outcome(tasks, actions)
+        train_reward[:, u] = reward.mean(1)
+        # --- advantages and credit (flattened B = M * G rollouts)
+        A = grpo_advantages(reward.reshape(-1), group_ids)
+        credit = torch.zeros(M, G, T)
+        for arm, rows in arm_rows.items():
+            a_r = A.view(M, G)[rows].reshape(-1)
+            mask_r = step_mask[: len(rows) * G]
+            if arm == "uniform":
+                c = cr.uniform(a_r, mask_r)
+            elif arm == "concentrated":
+                c = cr.concentrated(a_r, first_k[rows].repeat_interleave(G, 0), mask_r)
+            elif arm == "random_k":
+                rank = step_keys[rows].argsort(-1).argsort(-1)
+                c = cr.concentrated(a_r, (rank < k_col[rows]).reshape(-1, T), mask_r)
+            elif arm in ("per_turn", "shuffled"):
+                seen = progress[rows] * exposed[rows].unsqueeze(1)  # progress the verifier can see
+                c = cr.per_turn(a_r, seen.reshape(-1, T), mask_r)
+                if arm == "shuffled":
+                    c = cr.shuffled(c, mask_r, keys=shuffle_keys[rows].reshape(-1, T))
+            else:  # targeted: group-normalised local correctness on exposed steps, total |A_i|
+                loc = step_correct[rows].float()
+                mu, sd = loc.mean(1, keepdim=True), loc.std(1, keepdim=True)
+                loc = torch.where(exposed[rows].unsqueeze(1), (loc - mu) / (sd + 1e-6), torch.zeros_like(loc))
+                loc = loc.reshape(-1, T)
+                mass = loc.abs().sum(-1, keepdim=True)
+                c = torch.where(mass > 0, loc * a_r.abs().unsqueeze(-1) / mass.clamp_min(1e-12), torch.zeros_like(loc))
+            credit[rows] = c.view(len(rows), G, T)
+        # --- policy gradient of L = -(1/G) sum_{g,t} a[g,t] log pi(a_gt | s_gt)
+        onehot = torch.nn.functional.one_hot(actions, K).to(probs.dtype)  # (M, G, T, K)
+        if not cfg.state_dependent:
+            dlogits = -(torch.einsum("mgt,mgtk->mtk", credit, onehot) - probs * credit.sum(1).unsqueeze(-1)) / G
+        else:
+            dl = -(credit.unsqueeze(-1) * (onehot - probs.view(M, G, T, K))) / G
+            dlogits = dl.reshape(M, G * T, K)
+        opt.step(policy.backward(x_used, h, dlogits))
+        if e < len(eval_at) and u + 1 == int(eval_at[e]):
+            curve[:, e] = evaluate()
+            e += 1
+    return {"final_score": curve[:, -1].clone(), "curve": curve, "eval_at": eval_at, "train_reward": train_reward}
