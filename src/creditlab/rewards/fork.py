@@ -1,0 +1,220 @@
+"""``FORKReward``: runs a :class:`~creditlab.judge.base.Judge` over responses and applies the FORK math.
+
+Per response, at most one judge call per stage (so at most 5 requests with an HTTP judge):
+``unitize`` and ``coverage`` in parallel, then ``match`` and ``correctness`` in parallel, then the
+unit credits (:func:`creditlab.core.precision.unit_credit`), then ``threshold`` (when
+``tau="judge"``), then :func:`creditlab.core.precision.fork_scores`.
+
+A judge failure is an explicit error on that item (``reward=None``, ``error`` set), never a silent
+0 or 0.5; the TRL-style ``__call__`` returns ``None`` for it (TRL skips ``None`` rewards).
+
+>>> import asyncio
+>>> from creditlab.rewards.items import ForkItem, Rubric
+>>> class Toy:  # a judge whose answers are written down (see creditlab.judge for real ones)
+...     name, can_judge_correctness = "toy", True
+...     async def unitize(self, prompt, response): return response.split(". ")
+...     async def coverage(self, prompt, response, rubrics): return [True, False]
+...     async def match(self, prompt, rubrics, units): return [[True, True, False], [False, False, False]]
+...     async def correctness(self, prompt, units): return [True, True, True]
+...     async def threshold(self, prompt, units, credits): return 0.5
+>>> item = ForkItem("a", "q", "Rest. Sleep. Eat", (Rubric("rest", 3.0), Rubric("hydrate", 1.0)))
+>>> r = asyncio.run(FORKReward(Toy()).score([item]))[0]
+>>> round(r.precision, 4), r.recall, round(r.reward, 4), r.credits
+(0.6667, 0.75, 0.7059, [0.5, 0.5, 0.0])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from creditlab.core.precision import COMBINE_MODES, fork_scores, unit_credit
+from creditlab.errors import ConfigError, InputError
+from creditlab.judge.base import Judge, JudgeError, track_usage
+from creditlab.rewards.items import ForkItem, Rubric, parse_rubrics, render_messages
+
+__all__ = ["FORKReward", "ForkResult"]
+
+
+@dataclass
+class ForkResult:
+    """Score of one response. ``N`` (necessity) and ``C`` (correctness) are aligned with ``units``;
+    ``coverage`` with the item's rubrics. ``reward`` is None exactly when ``error`` is set."""
+
+    id: str
+    reward: float | None
+    precision: float | None = None
+    recall: float | None = None
+    units: list[str] = field(default_factory=list)
+    credits: list[float] = field(default_factory=list)
+    N: list[bool] = field(default_factory=list)
+    C: list[bool] = field(default_factory=list)
+    coverage: list[bool] = field(default_factory=list)
+    n_units: int = 0
+    length_words: int = 0
+    tau: float | None = None
+    requests: int = 0
+    cache_hits: int = 0
+    error: str | None = None
+    assume_correct: bool = False
+    judge: str = ""
+    mode: str = "fork"
+    beta: float = 1.0
+
+    def to_row(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class FORKReward:
+    """FORK reward over a judge.
+
+    Args:
+        judge: any :class:`~creditlab.judge.base.Judge`.
+        beta: F-beta parameter; beta > 1 favours recall.
+        tau: ``"judge"`` (the judge's threshold stage picks it per response) or a fixed float > 0.
+        mode: ``fork`` (F-beta), or a baseline under the same API: ``recall``, ``mean``, ``f2``.
+        assume_correct: treat every unit as factually correct and skip the correctness stage.
+            Required for judges that cannot judge correctness (the offline judge); recorded in
+            every result.
+    """
+
+    def __init__(self, judge: Judge, beta: float = 1.0, tau: str | float = "judge", *, mode: str = "fork",
+                 assume_correct: bool = False):
+        if not isinstance(judge, Judge):
+            raise ConfigError("judge", f"{type(judge).__name__} does not implement the Judge protocol")
+        if not beta > 0:
+            raise ConfigError("beta", f"must be > 0, got {beta}")
+        if mode not in COMBINE_MODES:
+            raise ConfigError("mode", f"unknown {mode!r}; valid: {', '.join(COMBINE_MODES)}")
+        if tau != "judge":
+            try:
+                tau = float(tau)
+            except (TypeError, ValueError):
+                raise ConfigError("tau", f"must be 'judge' or a number > 0, got {tau!r}") from None
+            if not tau > 0:
+                raise ConfigError("tau", f"must be > 0, got {tau}")
+        if not judge.can_judge_correctness and not assume_correct:
+            raise ConfigError("assume_correct", f"judge {judge.name} cannot judge factual correctness; pass "
+                                                "assume_correct=True (--assume-correct) to score anyway")
+        self.judge = judge
+        self.beta = float(beta)
+        self.tau = tau
+        self.mode = mode
+        self.assume_correct = assume_correct
+
+    # -- async API -------------------------------------------------------------------------------------
+    async def score(self, items: Sequence[ForkItem]) -> list[ForkResult]:
+        """Score every item concurrently (the judge bounds its own concurrency); results in input order."""
+        return list(await asyncio.gather(*(self.score_one(it) for it in items)))
+
+    async def score_iter(self, items: Iterable[ForkItem]) -> AsyncIterator[ForkResult]:
+        """Yield results as they finish (any order)."""
+        tasks = [asyncio.ensure_future(self.score_one(it)) for it in items]
+        try:
+            for fut in asyncio.as_completed(tasks):
+                yield await fut
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def score_one(self, item: ForkItem) -> ForkResult:
+        base = {"id": item.id, "assume_correct": self.assume_correct, "judge": self.judge.name,
+                "mode": self.mode, "beta": self.beta, "length_words": len(item.response.split())}
+        with track_usage() as usage:
+            try:
+                res = await self._score(item, base)
+            except JudgeError as err:
+                res = ForkResult(reward=None, error=str(err), **base)
+        res.requests = usage.requests
+        res.cache_hits = usage.cache_hits
+        return res
+
+    async def _score(self, item: ForkItem, base: dict[str, Any]) -> ForkResult:
+        j = self.judge
+        criteria = [r.criterion for r in item.rubrics]
+        units, coverage = await asyncio.gather(j.unitize(item.prompt, item.response),
+                                               j.coverage(item.prompt, item.response, criteria))
+        _expect("unitize", "units", units, None, str)
+        _expect("coverage", "coverage flags", coverage, len(criteria), bool)
+        if units and criteria:
+            if self.assume_correct:
+                match = await j.match(item.prompt, criteria, units)
+                correct = [True] * len(units)
+            else:
+                match, correct = await asyncio.gather(j.match(item.prompt, criteria, units),
+                                                      j.correctness(item.prompt, units))
+        elif units:
+            match = []
+            correct = [True] * len(units) if self.assume_correct else await j.correctness(item.prompt, units)
+        else:
+            match, correct = [[] for _ in criteria], []
+        _expect("match", "match rows", match, len(criteria), list)
+        for row in match:
+            _expect("match", "match entries in a row", row, len(units), bool)
+        _expect("correctness", "correctness flags", correct, len(units), bool)
+
+        J, n = len(criteria), len(units)
+        m = torch.tensor(match, dtype=torch.bool).reshape(1, J, n)
+        rmask = torch.ones(1, J, dtype=torch.bool)
+        umask = torch.ones(1, n, dtype=torch.bool)
+        weights = torch.tensor([[r.points for r in item.rubrics]], dtype=torch.float32).reshape(1, J)
+        credits = unit_credit(m, rmask & (weights > 0), umask)[0].tolist()
+        if self.tau == "judge":
+            tau = await j.threshold(item.prompt, units, credits) if n else 1.0
+            if not isinstance(tau, int | float) or not tau > 0:
+                raise JudgeError("threshold", "invalid_reply", f"tau must be > 0, got {tau!r}")
+        else:
+            tau = self.tau
+        out = fork_scores(m, torch.tensor([coverage], dtype=torch.bool).reshape(1, J), weights,
+                          torch.tensor([correct], dtype=torch.bool).reshape(1, n), rmask, umask,
+                          tau=float(tau), beta=self.beta, mode=self.mode)
+        return ForkResult(
+            reward=float(out.reward[0]), precision=float(out.precision[0]), recall=float(out.recall[0]),
+            units=list(units), credits=[round(c, 6) for c in credits], N=out.necessary[0].tolist(),
+            C=list(correct), coverage=list(coverage), n_units=n, tau=float(tau), **base)
+
+    # -- TRL-style reward function -----------------------------------------------------------------
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
+        """TRL reward-function signature: one float per completion, ``None`` where the judge failed.
+
+        Rubrics come from the dataset column ``rubrics`` (or ``Rubrics``), one list per sample.
+        Prompts and completions may be strings or chat message lists.
+        """
+        rubrics = kwargs.get("rubrics", kwargs.get("Rubrics"))
+        if rubrics is None or len(rubrics) != len(completions):
+            raise InputError("rubrics: pass one rubric list per completion (a dataset column 'rubrics')")
+        if len(prompts) != len(completions):
+            raise InputError(f"prompts: {len(prompts)} prompts for {len(completions)} completions")
+        items = []
+        for k, (p, c, rs) in enumerate(zip(prompts, completions, rubrics, strict=True)):
+            where = f"sample {k}"
+            parsed = tuple(r if isinstance(r, Rubric) else parse_rubrics([r], where)[0] for r in rs) \
+                if isinstance(rs, list) else parse_rubrics(rs, where)
+            items.append(ForkItem(str(k), render_messages(p, where, "prompt"),
+                                  render_messages(c, where, "completion", last_assistant=True), parsed))
+        results = _run_sync(self.score(items))
+        self.last_results = results
+        return [r.reward for r in results]
+
+
+def _expect(stage: str, what: str, value: Any, n: int | None, typ: type) -> None:
+    if not isinstance(value, list) or (n is not None and len(value) != n) or \
+            not all(isinstance(v, typ) for v in value):
+        got = len(value) if isinstance(value, list) else type(value).__name__
+        want = f"{n} " if n is not None else ""
+        raise JudgeError(stage, "invalid_reply", f"judge returned {got} {what}, expected a list of {want}"
+                                                 f"{typ.__name__}")
+
+
+def _run_sync(coro: Any) -> Any:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with cf.ThreadPoolExecutor(1) as ex:  # called from inside a running loop (e.g. a notebook)
+        return ex.submit(asyncio.run, coro).result()
