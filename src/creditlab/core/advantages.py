@@ -10,11 +10,13 @@ and TRL's ``GRPOTrainer``; a group of one trajectory gets advantage 0.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from creditlab.core._checks import check_scalar, check_tensor
 
-__all__ = ["grpo_advantages", "group_stats"]
+__all__ = ["grpo_advantages", "group_stats", "prm_mixed_advantages"]
 
 
 def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,3 +57,62 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float =
     check_scalar("eps", eps, low=0.0)
     mean, std, _ = group_stats(rewards, group_ids)
     return (rewards - mean) / (std + eps)
+
+
+def prm_mixed_advantages(
+    outcome_rewards: torch.Tensor,
+    turn_scores: torch.Tensor,
+    turn_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    lam: float,
+    *,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Turn-level advantages mixing the GRPO outcome advantage with a process reward, ``(B, T)``.
+
+    ``A[i, t] = A_out[i] + lam * A_proc[i, t]`` where ``A_out`` is :func:`grpo_advantages` of the
+    outcome rewards and ``A_proc[i, t] = (s[i, t] - mean_g s) / (std_g s + eps)`` normalises the
+    process score over *all valid turns of the group* ``g`` of trajectory ``i`` (unbiased std; a
+    group with a single valid turn gets ``A_proc = 0``). ``lam`` is usually a schedule evaluated
+    at the update index (:mod:`creditlab.core.schedules`), decayed to 0 so that a hackable process
+    reward only shapes early training. Masked turns get 0.
+
+    Args:
+        outcome_rewards: ``(B,)`` float, terminal reward per trajectory.
+        turn_scores: ``(B, T)`` float, process reward per turn (junk allowed where masked).
+        turn_mask: ``(B, T)`` bool, True on real turns.
+        group_ids: ``(B,)`` integer group label.
+        lam: mixing weight of the process advantage.
+        eps: added to both group standard deviations.
+
+    >>> prm_mixed_advantages(torch.tensor([1.0, 0.0]), torch.tensor([[1.0, 0.0], [0.0, 0.0]]),
+    ...                      torch.tensor([[True, True], [True, False]]), torch.tensor([0, 0]), 0.5)
+    tensor([[ 1.2845,  0.4184],
+            [-0.9958,  0.0000]])
+
+    (``A_out = +-0.7071``; the group's three turn scores 1, 0, 0 have mean 1/3 and std
+    ``sqrt(1/3)``, so ``A_proc = 1.1547, -0.5774, -0.5774``.)
+    """
+    dims: dict[str, int] = {}
+    check_tensor("outcome_rewards", outcome_rewards, shape=("B",), floating=True, finite=True, dims=dims)
+    check_tensor("turn_mask", turn_mask, shape=("B", "T"), boolean=True, dims=dims)
+    check_tensor("turn_scores", turn_scores, shape=("B", "T"), floating=True, finite=True,
+                 finite_where=turn_mask, dims=dims)
+    check_tensor("group_ids", group_ids, shape=("B",), integer=True, dims=dims)
+    check_scalar("lam", lam, low=-sys.float_info.max, high=sys.float_info.max)
+    check_scalar("eps", eps, low=0.0)
+    a_out = grpo_advantages(outcome_rewards, group_ids, eps).to(torch.float64)  # (B,)
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    zero = torch.zeros((), dtype=torch.float64, device=turn_scores.device)
+    s = torch.where(turn_mask, turn_scores.to(torch.float64), zero)  # (B, T)
+    count = torch.zeros(n_groups, dtype=torch.float64, device=s.device).index_add_(
+        0, inverse, turn_mask.sum(dim=1).to(torch.float64)
+    )
+    mean = torch.zeros_like(count).index_add_(0, inverse, s.sum(dim=1)) / count.clamp_min(1)
+    centred = torch.where(turn_mask, s - mean[inverse][:, None], zero)  # (B, T)
+    sq = torch.zeros_like(count).index_add_(0, inverse, centred.square().sum(dim=1))
+    std = torch.where(count > 1, (sq / (count - 1).clamp_min(1)).sqrt(), torch.zeros_like(sq))
+    a_proc = centred / (std[inverse][:, None] + eps)
+    out = torch.where(turn_mask, a_out[:, None] + lam * a_proc, zero)
+    return out.to(torch.promote_types(outcome_rewards.dtype, torch.float32))

@@ -147,7 +147,9 @@ def _token_metrics(delta: torch.Tensor, pm: torch.Tensor) -> dict[str, torch.Ten
 # budget allocation
 
 
-def allocate_budget(C_s: torch.Tensor, rho_s: torch.Tensor, alpha_g: float = 0.5, iters: int = 80) -> torch.Tensor:
+def allocate_budget(
+    C_s: torch.Tensor, rho_s: torch.Tensor, alpha_g: float = 0.5, iters: int = 80
+) -> torch.Tensor:
     """Per-segment shrinkage ``alpha_s`` ``(S,)`` under a fixed correction budget.
 
     Solves ``max sum_s C_s rho_s alpha_s`` s.t. ``sum_s C_s alpha_s^2 <= alpha_g^2 sum_s C_s``,
@@ -517,7 +519,8 @@ def mismatch_metrics(
                 0, tix, pm.reshape(-1).to(_F64))
             cur = torch.zeros_like(count).index_add_(0, tix, delta.reshape(-1))
             prefix_all = delta.cumsum(dim=1)
-            pre = torch.zeros_like(count).index_add_(0, tix, prefix_all.reshape(-1).masked_fill(~pm.reshape(-1), 0))
+            prefix_all.masked_fill_(~pm, 0.0)
+            pre = torch.zeros_like(count).index_add_(0, tix, prefix_all.reshape(-1))
             del prefix_all
             present = (count[:T] > 0).tolist()
             for k in range(T):

@@ -68,7 +68,8 @@ def segments(policy_mask: torch.Tensor, valid_mask: torch.Tensor | None = None) 
     token; the turn index of a token is the running count of starts in its row minus one, and the
     flat id adds the number of segments of all earlier rows. One host synchronisation reads ``S``.
 
-    >>> pm = torch.tensor([[True, True, False, True], [False, False, False, False], [True, False, True, True]])
+    >>> pm = torch.tensor([[True, True, False, True], [False, False, False, False],
+    ...                    [True, False, True, True]])
     >>> seg = segments(pm)
     >>> seg.seg_id
     tensor([[ 0,  0, -1,  1],
