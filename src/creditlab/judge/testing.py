@@ -100,8 +100,8 @@ class ChatServer:
         fence: wrap replies in a markdown code fence with a sentence around it (a model that does
             not honour structured output).
 
-    ``url`` is the ``base_url`` to give a client; ``stats`` counts requests and injected faults;
-    ``requests`` keeps the last 200 request bodies and headers.
+    ``url`` is the ``base_url`` to give a client; ``stats`` counts requests, injected faults and the
+    most requests in flight at once; ``requests`` keeps the last 200 request bodies and headers.
     """
 
     def __init__(self, *, latency: float = 0.0, fault_rate: float = 0.0, fault_kinds: Iterable[str] = FAULTS,
@@ -121,6 +121,7 @@ class ChatServer:
         self.requests: deque[dict[str, Any]] = deque(maxlen=200)
         self._script: deque[str] = deque()
         self._seen: Counter[str] = Counter()
+        self._inflight = 0
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -139,6 +140,18 @@ class ChatServer:
         with self._lock:
             self._script.extend(faults)
 
+    def reset(self, **settings: Any) -> None:
+        """Clear counters, scripted faults and history; optionally change settings (``latency=``...)."""
+        with self._lock:
+            self.stats.clear()
+            self.requests.clear()
+            self._script.clear()
+            self._seen.clear()
+            for k, v in settings.items():
+                if not hasattr(self, k):
+                    raise ValueError(f"unknown setting {k!r}")
+                setattr(self, k, v)
+
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> ChatServer:
         ready = threading.Event()
@@ -152,7 +165,10 @@ class ChatServer:
             ready.set()
             self._loop.run_forever()
             self._server.close()
-            self._loop.run_until_complete(self._server.wait_closed())
+            pending = asyncio.all_tasks(self._loop)
+            for t in pending:
+                t.cancel()
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self._loop.close()
 
         self._thread = threading.Thread(target=run, name="chat-server", daemon=True)
@@ -205,7 +221,7 @@ class ChatServer:
                         "Connection: keep-alive", *[f"{k}: {v}" for k, v in extra.items()]]
                 writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
                 await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError, asyncio.CancelledError):
             pass
         finally:
             try:
@@ -217,7 +233,7 @@ class ChatServer:
                      body: bytes) -> tuple[int, bytes, dict[str, str]]:
         if method == "GET" and path.startswith("/stats"):
             return 200, json.dumps(dict(self.stats)).encode(), {}
-        if method != "POST" or not path.rstrip("/").endswith("/chat/completions"):
+        if method != "POST" or path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
             return 404, b'{"error": {"message": "not found"}}', {}
         self.stats["requests"] += 1
         try:
@@ -228,6 +244,15 @@ class ChatServer:
             return 400, b'{"error": {"message": "bad request"}}', {}
         self.requests.append({"body": req, "headers": dict(headers)})
         fault = self._draw_fault(body)
+        self._inflight += 1
+        self.stats["max_inflight"] = max(self.stats["max_inflight"], self._inflight)
+        try:
+            return await self._answer(req, payload, body, fault)
+        finally:
+            self._inflight -= 1
+
+    async def _answer(self, req: dict[str, Any], payload: dict[str, Any], body: bytes,
+                      fault: str | None) -> tuple[int, bytes, dict[str, str]]:
         if self.latency:
             await asyncio.sleep(self.latency)
         if fault:
