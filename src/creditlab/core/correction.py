@@ -154,9 +154,9 @@ def allocate_budget(
 
     Solves ``max sum_s C_s rho_s alpha_s`` s.t. ``sum_s C_s alpha_s^2 <= alpha_g^2 sum_s C_s``,
     ``0 <= alpha_s <= 1``. By the KKT conditions the solution is ``alpha_s = min(c rho_s, 1)``;
-    ``c`` is found by ``iters`` steps of geometric bisection between ``c0 = sqrt(budget /
-    sum C rho^2)`` (no segment capped) and ``1/min rho`` (every segment capped), so the budget
-    binds whenever it can. When it cannot (``sum_{rho>0} C_s < alpha_g^2 sum C_s``) every segment
+    ``c`` is found by ``iters`` steps of bisection on ``log c`` between ``c0 = sqrt(budget /
+    sum C rho^2)`` (no segment capped) and ``1/min rho`` (every positive-support segment capped),
+    so the budget binds whenever it can. When it cannot (``sum_{rho>0} C_s < alpha_g^2 sum C_s``) every segment
     with positive support gets ``alpha_s = 1``. Segments with ``rho_s = 0`` get 0 while another
     segment has support; if no segment has both ``C_s > 0`` and ``rho_s > 0`` the objective is
     flat and every segment gets ``alpha_g`` (the ``global`` arm). Equal ``rho`` gives
@@ -188,20 +188,21 @@ def allocate_budget(
     rho = rho_s.to(_F64).clamp(0.0, 1.0)
     target = alpha_g**2 * C.sum()
     pos = (C > 0) & (rho > 0)
-    inf = torch.tensor(math.inf, dtype=_F64, device=C.device)
-    rho_min = torch.where(pos, rho, inf).amin() if C.numel() else inf
-    hi = 1.0 / rho_min  # every positive-support segment capped at 1
+    # bisect on log c: alpha_s = exp(min(log c + log rho_s, 0)); works for rho down to denormals
+    log_rho = torch.log(rho)  # -inf where rho = 0 (alpha = 0)
+    log_hi = -torch.where(pos, log_rho, torch.zeros_like(log_rho)).amin() if C.numel() else C.new_zeros(())
+    log_hi = torch.where(pos.any(), log_hi, torch.zeros_like(log_hi))  # every positive-support seg capped
     quad = (C * rho * rho).sum()
-    lo = torch.sqrt(target / quad.clamp_min(1e-300)).clamp_max(hi)
-    lo = torch.where(lo > 0, lo, hi)  # alpha_g == 0: lo = 0 breaks the geometric mean; fixed below
+    log_lo = 0.5 * (torch.log(target) - torch.log(quad))  # c0: no segment capped; inf/nan if degenerate
+    log_lo = torch.where(torch.isfinite(log_lo), torch.minimum(log_lo, log_hi), torch.full_like(log_hi, -800.0))
     for _ in range(int(iters)):
-        mid = torch.sqrt(lo * hi)
-        spent = (C * torch.clamp(mid * rho, max=1.0).square()).sum()
+        mid = 0.5 * (log_lo + log_hi)
+        spent = (C * torch.exp(2.0 * torch.clamp(mid + log_rho, max=0.0))).sum()
         below = spent < target
-        lo = torch.where(below, mid, lo)
-        hi = torch.where(below, hi, mid)
-    c = torch.where(target > 0, hi, torch.zeros_like(hi))
-    alpha = torch.clamp(c * rho, max=1.0)
+        log_lo = torch.where(below, mid, log_lo)
+        log_hi = torch.where(below, log_hi, mid)
+    alpha = torch.exp(torch.clamp(log_hi + log_rho, max=0.0))
+    alpha = torch.where(target > 0, alpha, torch.zeros_like(alpha))
     flat = ~pos.any()
     return torch.where(flat, torch.full_like(alpha, alpha_g), alpha)
 
