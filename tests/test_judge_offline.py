@@ -8,7 +8,7 @@ import pytest
 
 from creditlab.errors import ConfigError
 from creditlab.judge import EmbeddingJudge, JudgeError, split_units
-from creditlab.rewards import FORKReward, ForkItem, Rubric
+from creditlab.rewards import ForkItem, FORKReward, Rubric
 
 
 def test_split_units_drops_boilerplate_and_keeps_wording():
