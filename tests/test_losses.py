@@ -155,7 +155,7 @@ def test_policy_loss_junk_at_masked_positions():
     adv_tok = adv[:, None].expand(3, 25).masked_fill(~mask, float("nan"))
     loss_j, m_j = policy_loss(lp_j, old_j, adv_tok, mask, weights=w_j)
     loss, m = policy_loss(lp, old, adv, mask)
-    assert float(loss_j) == pytest.approx(float(loss), rel=1e-15)
+    assert float(loss_j.detach()) == pytest.approx(float(loss), rel=1e-15)
     assert m_j == pytest.approx(m)
     loss_j.backward()
     assert bool(torch.isfinite(lp_j.grad).all()) and bool((lp_j.grad[~mask] == 0).all())
@@ -166,7 +166,7 @@ def test_policy_loss_low_precision(dtype):
     lp, old, adv, mask = _tokens(5, 4, 500, dtype=dtype)
     lp.requires_grad_(True)
     loss, m = policy_loss(lp, old, adv, mask)
-    assert loss.dtype == torch.float32 and math.isfinite(float(loss))
+    assert loss.dtype == torch.float32 and math.isfinite(float(loss.detach()))
     loss.backward()
     assert lp.grad.dtype == dtype and bool(torch.isfinite(lp.grad.float()).all())
 
@@ -246,7 +246,7 @@ def test_opsd_masked_vocabulary_and_junk():
     s2[~mask] = math.nan
     s2.requires_grad_(True)
     loss, m = opsd_loss(s2, t2, mask, 0.5)
-    assert math.isfinite(float(loss))
+    assert math.isfinite(float(loss.detach()))
     loss.backward()
     assert bool(torch.isfinite(s2.grad).all())
     with pytest.raises(InputError, match="student_logits"):
