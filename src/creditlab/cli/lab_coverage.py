@@ -17,16 +17,21 @@ def coverage(
     seeds: int = typer.Option(None, "--seeds", help="Seeds per arm and configuration (default 16; quick 6)."),
     updates: int = typer.Option(None, "--updates", help="Policy updates per run (default 400; quick 150)."),
     workers: int = typer.Option(2, "--workers", help="Worker processes for the sweep cells."),
+    experiment: list[str] = typer.Option(None, "--experiment", "-e",
+                                         help="Run only these experiments (c_sweep, vd_sweep, shuffle, dose)."),
 ) -> None:
     """Credit geometries on a hard-prerequisite chain: C sweep, verifier-density sweep, shuffled
     control, dose-response. Resumes an interrupted run in the same --out directory."""
     import time
+    from dataclasses import replace
 
-    from creditlab.lab.coverage import CoverageConfig, config_with, report_markdown, run_coverage, summary_tables
+    from creditlab.lab.coverage import CoverageConfig, config_with, run_coverage, summary_tables
     from creditlab.lab.report import to_markdown
 
     cfg = CoverageConfig.quick() if quick else CoverageConfig()
     cfg = config_with(cfg, seeds=seeds, updates=updates)
+    if experiment:
+        cfg = replace(cfg, experiments=tuple(experiment))
     cfg.validate()
     console = Console()
     t0 = time.perf_counter()
@@ -36,5 +41,4 @@ def coverage(
         if key in tabs:
             console.print(f"[bold]{key}[/]")
             console.print(to_markdown(tabs[key]), markup=False, highlight=False)
-    del report_markdown
     console.print(f"wrote {out}/report.md, parquet/markdown tables and PNG plots in {time.perf_counter() - t0:.1f} s")

@@ -50,7 +50,7 @@ def p_cover(T, C, k) -> torch.Tensor:
     >>> float(p_cover(12, 4, 3))
     0.0
     """
-    T, C, k = (_as_tensor(v) for v in (T, C, k))
+    T, C, k = (_as_tensor(v).to(torch.float64) for v in (T, C, k))
     if bool((C < 0).any()) or bool((k < 0).any()):
         raise InputError("p_cover: C and k must be >= 0")
     if bool((C > T).any()):

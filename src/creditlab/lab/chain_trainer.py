@@ -27,7 +27,8 @@ __all__ = ["ARMS", "ChainTrainConfig", "ModelSpec", "train_chain"]
 ARMS = ("uniform", "concentrated", "targeted", "per_turn", "shuffled", "random_k")
 """Credit arms: ``uniform`` (A_i/T on every step); ``concentrated`` (on the first k causal steps);
 ``targeted`` (independent local signal on the exposed causal steps only); ``per_turn`` (on the steps
-where the verifier saw progress, among the exposed steps; uniform when it saw none); ``shuffled`` (per_turn credit permuted to random steps);
+where the verifier saw progress, among the exposed steps; uniform when it saw none); ``shuffled``
+(per_turn credit permuted to random steps);
 ``random_k`` (on k steps drawn at random per rollout)."""
 
 EXPOSURES = ("independent", "prefix")
@@ -51,6 +52,8 @@ class ChainTrainConfig:
     """Adam learning rate."""
     max_grad_norm: float = 1.0
     """Global grad-norm clip, per model."""
+    adam_eps: float = 1e-8
+    """Adam's epsilon."""
     state_dependent: bool = False
     """Policy also observes the correct-prefix length and a broken-chain bit."""
     eval_points: int = 20
@@ -132,7 +135,7 @@ def train_chain(specs: list[ModelSpec], cfg: ChainTrainConfig) -> dict[str, torc
     seed_idx = torch.tensor([seeds.index(s.seed) for s in specs])
     streams = [torch.Generator().manual_seed(int(sd) * 15_485_863 + 3) for sd in seeds]
     policy = BatchedMLP.init([s.seed for s in specs], obs_dim(T, cfg.state_dependent), cfg.hidden, K)
-    opt = BatchedAdam(policy, cfg.lr, cfg.max_grad_norm)
+    opt = BatchedAdam(policy, cfg.lr, cfg.max_grad_norm, eps=cfg.adam_eps)
 
     arms = [s.arm for s in specs]
     arm_rows = {a: torch.tensor([i for i, x in enumerate(arms) if x == a]) for a in ARMS if a in arms}

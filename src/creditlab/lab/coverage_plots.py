@@ -33,7 +33,7 @@ def plot_c_sweep(df: pd.DataFrame, cfg, out: Path) -> None:
     Cs = np.arange(1, T + 1)
     # concentrated credit can only teach the first k causal steps; the rest stay at chance 1/K
     ceiling = [(min(C, k) + sum(K ** -j for j in range(1, C - min(C, k) + 1))) / C for C in Cs]
-    a1.plot(Cs, ceiling, "--", color=COLORS["concentrated"], alpha=0.7, label="analytic ceiling, concentrated")
+    a1.plot(Cs, ceiling, "--", color=COLORS["concentrated"], alpha=0.7, label="analytic: untaught steps at chance 1/K")
     a1.axvline(k, color="grey", ls=":", lw=1)
     a1.text(k + 0.1, 0.05, f"C = k = {k}", color="grey")
     a1.set(xlabel="chain length C", ylabel="final score (expected prefix / C)", ylim=(0, 1.05),
@@ -43,7 +43,8 @@ def plot_c_sweep(df: pd.DataFrame, cfg, out: Path) -> None:
     pos = pc > 0
     a2.semilogy(Cs[pos], pc[pos], "s-", color="black", label=f"P_cover(T={T}, C, k={k})")
     a2.plot(Cs[~pos], np.full((~pos).sum(), 1e-4), "kv", mfc="none", label="P_cover = 0 (C > k)")
-    a2.set(xlabel="chain length C", ylabel="probability (log)", title="analytic: a random k-step update covers the chain")
+    a2.set(xlabel="chain length C", ylabel="probability (log)",
+           title="analytic: a random k-step update covers the chain")
     a2.set_ylim(5e-5, 2)
     a2.legend(fontsize=8)
     fig.tight_layout()

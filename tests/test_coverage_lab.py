@@ -1,0 +1,100 @@
+"""The coverage lab end to end: tables, plots, resumability, determinism, the CLI."""
+
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from creditlab.lab.chain_trainer import ChainTrainConfig
+from creditlab.lab.coverage import CoverageConfig, build_cells, run_coverage
+from creditlab.lab.runner import Cell, run_cells
+from creditlab.lab.store import ResultStore
+
+TINY = CoverageConfig(train=ChainTrainConfig(T=6, K=3, hidden=8, group=4, updates=8, eval_points=2), seeds=2,
+                      Cs=(1, 4), vd_C=4, vds=(0.0, 1.0), shuffle_Cs=(4,), shuffle_vds=(1.0,), dose_C=2, dose_ks=(1, 6))
+
+
+def test_lab_writes_tables_plots_report(tmp_path):
+    frames = run_coverage(TINY, tmp_path, progress=False)
+    for name in ("c_sweep", "vd_sweep", "shuffle", "dose"):
+        df = pd.read_parquet(tmp_path / f"{name}.parquet")
+        assert {"arm", "seed", "C", "k", "vd", "final_score", "aulc", "cfg_updates"} <= set(df.columns)
+        assert (tmp_path / f"{name}.md").read_text().startswith("|")
+        assert (tmp_path / f"{name}.png").stat().st_size > 5000
+        assert len(df) == len(frames[name])
+    assert set(pd.read_parquet(tmp_path / "c_sweep.parquet")["arm"]) == {"uniform", "concentrated"}
+    assert len(pd.read_parquet(tmp_path / "c_sweep.parquet")) == 2 * 2 * 2  # C x arms x seeds
+    report = (tmp_path / "report.md").read_text()
+    assert "Paired difference uniform - concentrated" in report
+
+
+def test_rerun_computes_only_missing_cells_and_is_identical(tmp_path):
+    cells = build_cells(TINY)
+    store = ResultStore(tmp_path / "store")
+    first = [c for cs in cells.values() for c in cs]
+    # an interrupted run: only half of the cells finished
+    run_cells(first[: len(first) // 2], store, progress=False)
+    assert len(store.done()) == len(first) // 2
+    calls = []
+
+    class CountingExecutor:
+        def submit_all(self, todo):
+            calls.extend(c.key for c in todo)
+            for c in todo:
+                yield c, c.run()
+
+    full = run_cells(first, store, executor=CountingExecutor(), progress=False)
+    assert len(calls) == len(first) - len(first) // 2
+    fresh = run_cells(first, ResultStore(tmp_path / "fresh"), progress=False)
+    cols = ["cell_key", "arm", "seed", "C", "final_score"]
+    pd.testing.assert_frame_equal(full[cols].reset_index(drop=True), fresh[cols].reset_index(drop=True))
+    calls.clear()
+    run_cells(first, store, executor=CountingExecutor(), progress=False)
+    assert calls == []
+
+
+def _boom():
+    raise RuntimeError("cell failed")
+
+
+def test_a_failing_cell_keeps_the_finished_ones(tmp_path):
+    store = ResultStore(tmp_path)
+    cells = [Cell("ok", _rows, {"x": 1}), Cell("bad", _boom, {})]
+    with pytest.raises(RuntimeError, match="cell failed"):
+        run_cells(cells, store, progress=False)
+    assert store.done() == {"ok"}
+
+
+def _rows(x):
+    return [{"x": x}]
+
+
+def test_process_pool_gives_the_same_numbers(tmp_path):
+    cfg = CoverageConfig(**{**TINY.__dict__, "experiments": ("c_sweep",)})
+    serial = run_coverage(cfg, tmp_path / "a", workers=1, progress=False)["c_sweep"]
+    pooled = run_coverage(cfg, tmp_path / "b", workers=2, progress=False)["c_sweep"]
+    pd.testing.assert_series_equal(serial["final_score"], pooled["final_score"])
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "creditlab.cli.main", *args], capture_output=True, text=True)
+
+
+def test_cli_bad_input_exits_nonzero_without_traceback(tmp_path):
+    r = _cli("lab", "coverage", "--out", str(tmp_path), "--seeds", "0")
+    assert r.returncode == 2
+    assert "seeds" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_runs_and_resumes(tmp_path):
+    args = ("lab", "coverage", "--quick", "--out", str(tmp_path), "--updates", "3", "--seeds", "1", "--workers", "1",
+            "-e", "vd_sweep", "-e", "dose")
+    r = _cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "report.md").exists() and (tmp_path / "vd_sweep.png").exists()
+    assert not (tmp_path / "c_sweep.png").exists()
+    n_cells = len(list((tmp_path / "store" / "cells").glob("*.parquet")))
+    r2 = _cli(*args)
+    assert r2.returncode == 0
+    assert len(list((tmp_path / "store" / "cells").glob("*.parquet"))) == n_cells
