@@ -54,7 +54,7 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float =
     >>> grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1]))
     tensor([ 0.7071, -0.7071,  0.0000,  0.0000])
     """
-    check_scalar("eps", eps, low=0.0)
+    check_scalar("eps", eps, low=0.0, low_open=True)  # eps > 0: a group with identical rewards gets 0, not NaN
     mean, std, _ = group_stats(rewards, group_ids)
     return (rewards - mean) / (std + eps)
 
@@ -100,7 +100,7 @@ def prm_mixed_advantages(
                  finite_where=turn_mask, dims=dims)
     check_tensor("group_ids", group_ids, shape=("B",), integer=True, dims=dims)
     check_scalar("lam", lam, low=-sys.float_info.max, high=sys.float_info.max)
-    check_scalar("eps", eps, low=0.0)
+    check_scalar("eps", eps, low=0.0, low_open=True)  # eps > 0: a group with identical rewards gets 0, not NaN
     a_out = grpo_advantages(outcome_rewards, group_ids, eps).to(torch.float64)  # (B,)
     _, inverse = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
