@@ -1,0 +1,333 @@
+"""Pieces shared by the verl and TRL integrations (no trainer library is imported here).
+
+* :class:`TurnLayout`: the turns of a ``(B, L)`` token batch (a turn is a maximal run of policy
+  tokens, i.e. of 1s in verl's ``response_mask`` or in TRL's ``completion_mask * tool_mask``),
+  and the two ways a per-token reward tensor maps onto turns (span sums, first-token values).
+* :func:`turn_credit`: the credit geometries of :mod:`creditlab.core.credit` and PRM mixing
+  (:func:`creditlab.core.advantages.prm_mixed_advantages`) on a ``(B, T)`` turn tensor.
+* :func:`fork_reward`: one cached :class:`~creditlab.rewards.fork.FORKReward` per judge config, and
+  :class:`MicroBatcher`, which coalesces concurrent single-sample calls into one batched
+  ``FORKReward.score`` call (verl calls its reward function once per sample, concurrently).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from creditlab.core import credit
+from creditlab.core._checks import check_scalar, check_tensor
+from creditlab.core.advantages import grpo_advantages, prm_mixed_advantages
+from creditlab.core.masks import Segments, segments
+from creditlab.core.schedules import constant, decay
+from creditlab.errors import ConfigError, InputError
+
+__all__ = [
+    "ADVANTAGE_GEOMETRIES",
+    "REWARD_GEOMETRIES",
+    "CreditSettings",
+    "MicroBatcher",
+    "TurnLayout",
+    "fork_reward",
+    "turn_credit",
+    "turn_layout",
+]
+
+#: Geometries that only need the outcome advantage ``A_i`` (and per-turn scores for some).
+ADVANTAGE_GEOMETRIES = ("uniform", "per_turn", "concentrated", "shuffled", "prm")
+#: Geometries that need the raw outcome reward ``R_i`` (or the per-turn rewards) themselves.
+REWARD_GEOMETRIES = ("binary", "discretized", "reward_to_go")
+
+
+# --------------------------------------------------------------------------------------------
+# turns
+
+
+class TurnLayout(NamedTuple):
+    """Turn structure of a ``(B, L)`` token batch.
+
+    Attributes:
+        seg: :class:`~creditlab.core.masks.Segments` of the policy mask (``seg.turn_index`` is the
+            turn of each policy token, -1 elsewhere).
+        span: ``(B, L)`` int64 turn whose *span* holds each position: a turn's span runs from its
+            first token up to the token before the next turn starts (so it includes the tool /
+            observation tokens that follow it); positions before the first turn belong to turn 0.
+        first: ``(B, L)`` bool, the first token of each turn.
+        step_mask: ``(B, T)`` bool, True on the turns a row really has (``T`` = most turns of a row,
+            at least 1).
+    """
+
+    seg: Segments
+    span: torch.Tensor
+    first: torch.Tensor
+    step_mask: torch.Tensor
+
+    @property
+    def num_turns(self) -> int:
+        return self.step_mask.shape[1]
+
+    def span_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` sum of ``(B, L)`` ``values`` over each turn's span (all positions count)."""
+        out = torch.zeros(self.step_mask.shape, dtype=values.dtype, device=values.device)
+        return out.scatter_add_(1, self.span, values)
+
+    def first_values(self, values: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` value of ``(B, L)`` ``values`` at the first token of each turn (0 elsewhere)."""
+        out = torch.zeros(self.step_mask.shape, dtype=values.dtype, device=values.device)
+        return out.scatter_add_(1, self.span, torch.where(self.first, values, torch.zeros_like(values)))
+
+    def to_tokens(self, step_values: torch.Tensor) -> torch.Tensor:
+        """``(B, L)`` with each policy token carrying its turn's value of ``(B, T)`` ``step_values``
+        (0 on non-policy tokens)."""
+        idx = self.seg.turn_index.clamp_min(0)
+        out = torch.gather(step_values, 1, idx)
+        return torch.where(self.seg.policy, out, torch.zeros_like(out))
+
+
+def turn_layout(policy_mask: torch.Tensor) -> TurnLayout:
+    """The :class:`TurnLayout` of a ``(B, L)`` bool policy mask.
+
+    >>> lay = turn_layout(torch.tensor([[True, True, False, True, False], [True, False, False, False, False]]))
+    >>> lay.span.tolist(), lay.step_mask.tolist()
+    ([[0, 0, 0, 1, 1], [0, 0, 0, 0, 0]], [[True, True], [True, False]])
+    """
+    check_tensor("policy_mask", policy_mask, ndim=2, boolean=True)
+    seg = segments(policy_mask)
+    B, L = policy_mask.shape
+    first = policy_mask.clone()
+    if L > 1:
+        first[:, 1:] &= ~policy_mask[:, :-1]
+    span = (torch.cumsum(first, dim=1) - 1).clamp_min(0)
+    T = max(int(seg.n_segments.max().item()) if B else 0, 1)
+    step_mask = torch.arange(T, device=policy_mask.device)[None, :] < seg.n_segments[:, None]
+    return TurnLayout(seg, span, first, step_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# credit geometries on turns
+
+
+@dataclass(frozen=True)
+class CreditSettings:
+    """Knobs of :func:`turn_credit` (the same names are the keys of the trainer configs)."""
+
+    conserve: bool = False
+    """Rescale each rollout so ``sum_t |a[i,t]| = |A_i|`` (equal total credit for every geometry).
+    False (default): GRPO scale, e.g. ``uniform`` puts ``A_i`` on every turn."""
+    eps: float = 1e-6
+    """Added to the group standard deviation of GRPO advantages."""
+    threshold: float = 1.0
+    """``binary``: success is ``R_i >= threshold``."""
+    levels: tuple[float, ...] = (0.0, 0.5, 1.0)
+    """``discretized``: the outcome is rounded to the nearest level."""
+    seed: int = 0
+    """``shuffled``: seed of the permutation (combined with the training step)."""
+    prm_lambda: float = 0.5
+    """``prm``: the mixing weight ``lambda`` (``l0`` of the schedule)."""
+    prm_schedule: str = "constant"
+    """``prm``: ``constant`` or ``decay`` (``l0`` until ``prm_start``, then ``l0 (1-s)^prm_power`` to 0 at
+    ``prm_end``), evaluated at the trainer's global step."""
+    prm_start: float = 20
+    """``prm`` decay: first step of the decay."""
+    prm_end: float = 30
+    """``prm`` decay: step from which lambda is 0."""
+    prm_power: float = 3
+    """``prm`` decay: exponent of the decay."""
+
+    @classmethod
+    def from_mapping(cls, mapping: Any, where: str) -> CreditSettings:
+        """Build from a dict-like config section; unknown keys raise :class:`ConfigError`."""
+        if mapping is None:
+            return cls()
+        items = dict(mapping.items())
+        valid = [f for f in cls.__dataclass_fields__]
+        unknown = sorted(set(items) - set(valid))
+        if unknown:
+            raise ConfigError(where, f"unknown key(s) {unknown}; valid: {', '.join(valid)}")
+        if "levels" in items:
+            items["levels"] = tuple(float(v) for v in items["levels"])
+        if "conserve" in items and not isinstance(items["conserve"], bool):
+            raise ConfigError(f"{where}.conserve", f"must be true or false, got {items['conserve']!r}")
+        out = cls(**items)
+        if out.prm_schedule not in ("constant", "decay"):
+            raise ConfigError(f"{where}.prm_schedule", f"unknown {out.prm_schedule!r}; valid: constant, decay")
+        out.schedule()  # validates the schedule parameters
+        return out
+
+    def schedule(self):
+        if self.prm_schedule == "decay":
+            return decay(self.prm_lambda, self.prm_start, self.prm_end, self.prm_power)
+        return constant(self.prm_lambda)
+
+
+def turn_credit(
+    geometry: str,
+    step_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    advantages: torch.Tensor | None = None,
+    rewards: torch.Tensor | None = None,
+    step_scores: torch.Tensor | None = None,
+    step: int | None = None,
+    settings: CreditSettings = CreditSettings(),
+) -> torch.Tensor:
+    """Per-turn credit ``(B, T)`` of one geometry.
+
+    Args:
+        geometry: one of :data:`ADVANTAGE_GEOMETRIES` + :data:`REWARD_GEOMETRIES`.
+        step_mask: ``(B, T)`` bool real turns.
+        group_ids: ``(B,)`` integer group labels.
+        advantages: ``(B,)`` outcome advantage ``A_i``; computed as GRPO of ``rewards`` when None.
+        rewards: ``(B,)`` outcome reward ``R_i`` (needed by ``binary`` / ``discretized``, and when
+            ``advantages`` is None).
+        step_scores: ``(B, T)`` per-turn score: progress ``dS`` for ``per_turn`` (must be >= 0),
+            selection ``score > 0`` for ``concentrated`` and ``shuffled`` (which permutes the
+            ``per_turn`` credit), process score for ``prm``, step reward for ``reward_to_go``.
+        step: the trainer's update index (``prm`` schedule, ``shuffled`` seed).
+        settings: :class:`CreditSettings`.
+    """
+    s = settings
+    if geometry not in ADVANTAGE_GEOMETRIES + REWARD_GEOMETRIES:
+        raise ConfigError("geometry", f"unknown {geometry!r}; valid: "
+                                      f"{', '.join(ADVANTAGE_GEOMETRIES + REWARD_GEOMETRIES)}")
+    needs_scores = geometry in ("per_turn", "concentrated", "shuffled", "prm", "reward_to_go")
+    if needs_scores and step_scores is None:
+        raise InputError(f"step_scores: geometry {geometry!r} needs a per-turn score")
+    if geometry in REWARD_GEOMETRIES and geometry != "reward_to_go" and rewards is None:
+        raise InputError(f"rewards: geometry {geometry!r} needs the outcome rewards")
+    if geometry == "binary":
+        return credit.binary(rewards, group_ids, step_mask, threshold=s.threshold, eps=s.eps, conserve=s.conserve)
+    if geometry == "discretized":
+        return credit.discretized(rewards, group_ids, step_mask, levels=s.levels, eps=s.eps, conserve=s.conserve)
+    if geometry == "reward_to_go":
+        return credit.reward_to_go(step_scores, group_ids, step_mask, eps=s.eps, conserve=s.conserve)
+    if advantages is None:
+        if rewards is None:
+            raise InputError("advantages: pass the outcome advantages or the outcome rewards")
+        advantages = grpo_advantages(rewards, group_ids, s.eps)
+    if geometry == "uniform":
+        return credit.uniform(advantages, step_mask, conserve=s.conserve)
+    if geometry == "per_turn":
+        return credit.per_turn(advantages, step_scores, step_mask, conserve=s.conserve)
+    if geometry == "concentrated":
+        return credit.concentrated(advantages, step_scores > 0, step_mask, conserve=s.conserve)
+    if geometry == "shuffled":
+        gen = torch.Generator().manual_seed(int(s.seed) * 1_000_003 + max(int(step or 0), 0))
+        base = credit.per_turn(advantages, step_scores, step_mask, conserve=s.conserve)
+        keys = torch.rand(step_mask.shape, generator=gen, dtype=torch.float64).to(step_mask.device)
+        return credit.shuffled(base, step_mask, keys=keys.to(base.dtype))
+    # prm: A[i,t] = A_i + lambda(k) * A_proc[i,t]; prm_mixed_advantages of zero outcomes is lambda * A_proc
+    if s.prm_schedule == "decay" and (step is None or step < 0):
+        raise ConfigError("prm_schedule", "the decay schedule needs the trainer's global step, which is not set")
+    lam = s.schedule()(max(int(step or 0), 0))
+    proc = prm_mixed_advantages(torch.zeros_like(advantages), step_scores, step_mask, group_ids, lam, eps=s.eps)
+    out = advantages.to(proc.dtype)[:, None] + proc
+    return torch.where(step_mask, out, torch.zeros_like(out)).to(advantages.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# FORK judge construction and micro-batching
+
+
+_REWARDS: dict[tuple, Any] = {}
+_REWARDS_LOCK = threading.Lock()
+
+
+def fork_reward(judge: str = "offline", *, base_url: str | None = None, model: str | None = None,
+                api_key_env: str = "OPENAI_API_KEY", concurrency: int = 16, timeout: float = 60.0,
+                max_retries: int = 4, beta: float = 1.0, tau: str | float = "judge", mode: str = "fork",
+                assume_correct: bool = False, match_threshold: float = 0.55, offline_tau: float = 0.75,
+                cache_path: str | None = None):
+    """A :class:`~creditlab.rewards.fork.FORKReward` for a judge described by plain values, built once
+    per process and configuration (trainer configs carry strings and numbers, not objects).
+
+    ``judge="openai"``: :class:`~creditlab.judge.openai_compat.OpenAIJudge` at ``base_url`` serving
+    ``model`` (key read from the environment variable ``api_key_env``). ``judge="offline"``: the
+    embedding judge, which cannot judge correctness, so ``assume_correct=True`` is required.
+    """
+    key = (judge, base_url, model, api_key_env, concurrency, timeout, max_retries, beta, str(tau), mode,
+           assume_correct, match_threshold, offline_tau, cache_path)
+    with _REWARDS_LOCK:
+        if key in _REWARDS:
+            return _REWARDS[key]
+        from creditlab.rewards.fork import FORKReward
+
+        if judge == "openai":
+            from creditlab.judge.openai_compat import OpenAIJudge
+
+            if not base_url or not model:
+                raise ConfigError("base_url", "judge 'openai' needs base_url and model")
+            cache = None
+            if cache_path:
+                from creditlab.judge.cache import JudgeCache
+
+                cache = JudgeCache(cache_path)
+            j = OpenAIJudge(base_url, model, api_key_env=api_key_env, concurrency=concurrency, timeout=timeout,
+                            max_retries=max_retries, cache=cache)
+        elif judge == "offline":
+            from creditlab.judge.offline import EmbeddingJudge
+
+            j = EmbeddingJudge(match_threshold=match_threshold, tau=offline_tau)
+        else:
+            raise ConfigError("judge", f"unknown judge {judge!r}; valid: openai, offline")
+        reward = FORKReward(j, beta=beta, tau=tau, mode=mode, assume_correct=assume_correct)
+        _REWARDS[key] = reward
+        return reward
+
+
+class MicroBatcher:
+    """Coalesce concurrent single-item requests into batched calls of ``fn(items) -> results``.
+
+    The first request of a batch waits at most ``max_wait_s`` for others to join; a batch is sent
+    at once when it reaches ``max_batch`` items. One batcher serves one event loop (verl runs each
+    reward worker's samples as concurrent tasks of one loop).
+    """
+
+    def __init__(self, fn, *, max_batch: int = 64, max_wait_s: float = 0.05):
+        check_scalar("max_batch", max_batch, low=1)
+        check_scalar("max_wait_s", max_wait_s, low=0.0)
+        self.fn = fn
+        self.max_batch = int(max_batch)
+        self.max_wait_s = float(max_wait_s)
+        self.batches: list[int] = []  # sizes of the batches sent (for logs and tests)
+        self._pending: list[tuple[Any, asyncio.Future]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def submit(self, item: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._pending.append((item, fut))
+        if len(self._pending) >= self.max_batch:
+            self._flush()
+        elif self._timer is None:
+            self._timer = loop.call_later(self.max_wait_s, self._flush)
+        return await fut
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self._pending = self._pending, []
+        if not batch:
+            return
+        self.batches.append(len(batch))
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, batch: list[tuple[Any, asyncio.Future]]) -> None:
+        try:
+            results = await self.fn([item for item, _ in batch])
+        except BaseException as err:  # every waiter sees the failure
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(err)
+            return
+        for (_, fut), res in zip(batch, results, strict=True):
+            if not fut.done():
+                fut.set_result(res)

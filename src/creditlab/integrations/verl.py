@@ -1,0 +1,383 @@
+"""creditlab inside verl (tested with verl 0.9.1): rollout correction, advantage estimators, FORK reward.
+
+Load it in every verl process with verl's external-module mechanism::
+
+    export VERL_USE_EXTERNAL_MODULES=creditlab.integrations.verl
+
+Importing the module registers everything (idempotently; importing or calling :func:`install` again
+changes nothing):
+
+* **Rollout correction** (InterQ-RL and the baselines of :mod:`creditlab.core.correction`):
+  ``algorithm.rollout_correction.rollout_is: creditlab_<arm>[:key=value,...]`` with ``<arm>`` one of
+  ``interq``, ``prefix``, ``global``, ``tis``, ``mis``, ``seq_is``, ``geo``, ``none``. verl computes
+  ``rollout_is_weights`` on the driver from ``old_log_probs - rollout_log_probs`` and
+  ``response_mask`` (0 on tool/observation tokens, whose rollout log-probs are 0.0) in
+  ``rollout_corr_helper.compute_rollout_correction_weights``; verl has no registry for that step,
+  so this module wraps that one function (:func:`install_rollout_correction`): a ``rollout_is``
+  value starting with ``creditlab_`` is computed by creditlab, every other value goes to verl's
+  own function unchanged. The wrapper refuses to install on a verl version it was not tested with
+  or whose function signature changed (:class:`~creditlab.errors.CreditlabError` at import).
+  Metrics arrive in verl's logs as ``rollout_corr/creditlab/...`` (K3, per-turn prefix vs
+  current log ratio, clip rates, rho and alpha quantiles).
+* **Advantage estimators** in verl's registry (``algorithm.adv_estimator``): ``creditlab_uniform``,
+  ``creditlab_per_turn``, ``creditlab_concentrated``, ``creditlab_shuffled``, ``creditlab_binary``,
+  ``creditlab_discretized``, ``creditlab_reward_to_go`` and ``creditlab_prm`` (PRM mixing with a
+  schedule of verl's global step). Their knobs live in ``algorithm.creditlab``
+  (:class:`~creditlab.integrations._common.CreditSettings`).
+* **FORK reward function** :func:`fork_compute_score` (async, micro-batched).
+
+Convention for per-turn scores in ``token_level_rewards``
+--------------------------------------------------------
+A *turn* is a maximal run of 1s in ``response_mask``. Its *span* runs from its first token to the
+token before the next turn (so it includes the tool/observation tokens after it).
+
+* Outcome-only estimators (``uniform``, ``binary``, ``discretized``) use the row sum of
+  ``token_level_rewards`` as the outcome ``R_i``, as verl's GRPO does (verl's reward managers put a
+  scalar score on the last valid response token).
+* ``per_turn`` / ``concentrated`` / ``shuffled`` / ``reward_to_go``: the score of turn ``t`` is the sum
+  of ``token_level_rewards`` over its span (put it on any token of the turn or of the observation
+  that follows); the outcome is the row sum (so progress increments summing to the final score
+  work as they are).
+* ``prm``: the process score of turn ``t`` sits on the **first token** of the turn; the outcome
+  is everything else (the row sum minus the first-token values), so verl's default scalar score on
+  the last token is the outcome, and all-zero process scores give plain GRPO.
+  :func:`pack_turn_rewards` writes this layout and refuses the one ambiguous case (a one-token
+  final turn with both an outcome and a process score).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from typing import Any
+
+import numpy as np
+import torch
+import verl
+from verl.trainer.ppo import core_algos, rollout_corr_helper
+from verl.utils.skip.skip_manager import SkipManager
+
+from creditlab.core import correction
+from creditlab.core._checks import check_tensor
+from creditlab.errors import ConfigError, CreditlabError, InputError
+from creditlab.integrations._common import (
+    ADVANTAGE_GEOMETRIES,
+    REWARD_GEOMETRIES,
+    CreditSettings,
+    MicroBatcher,
+    fork_reward,
+    turn_credit,
+    turn_layout,
+)
+
+__all__ = [
+    "ESTIMATORS",
+    "ROLLOUT_ARMS",
+    "TESTED_VERL_VERSIONS",
+    "fork_compute_score",
+    "install",
+    "install_rollout_correction",
+    "pack_turn_rewards",
+    "parse_rollout_is",
+    "rollout_weights",
+]
+
+#: verl versions this module was tested against (``CREDITLAB_ALLOW_UNTESTED_VERL=1`` lets another
+#: version through when the wrapped function's signature is unchanged).
+TESTED_VERL_VERSIONS = ("0.9.1",)
+#: Values of ``algorithm.rollout_correction.rollout_is`` handled by creditlab (``creditlab_<arm>``).
+ROLLOUT_ARMS = correction.ARMS
+ROLLOUT_PREFIX = "creditlab_"
+#: Registered advantage estimators (``creditlab_<geometry>``).
+ESTIMATORS = tuple(ROLLOUT_PREFIX + g for g in ADVANTAGE_GEOMETRIES + REWARD_GEOMETRIES)
+
+_WRAPPED_SIGNATURE = ("log_ratio", "response_mask", "rollout_is", "rollout_is_threshold",
+                      "rollout_is_batch_normalize")
+_ARM_FUNCS = {
+    "tis": correction.tis_weights,
+    "mis": correction.mis_weights,
+    "seq_is": correction.seq_is_weights,
+    "geo": correction.geo_weights,
+    "none": correction.none_weights,
+}
+_INTERQ_PARAMS = ("eps_low", "eps_high", "alpha_g", "rho_eps", "iters")
+
+
+# --------------------------------------------------------------------------------------------
+# rollout correction
+
+
+def _arm_params(arm: str) -> tuple[str, ...]:
+    if arm in correction.INTERQ_MODES:
+        return _INTERQ_PARAMS
+    sig = inspect.signature(_ARM_FUNCS[arm])
+    return tuple(n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def parse_rollout_is(spec: str) -> tuple[str, dict[str, float]]:
+    """Parse ``creditlab_<arm>[:key=value,...]`` into the arm and its keyword parameters.
+
+    >>> parse_rollout_is("creditlab_interq:alpha_g=0.3,eps_high=0.05")
+    ('interq', {'alpha_g': 0.3, 'eps_high': 0.05})
+    >>> parse_rollout_is("creditlab_tis:cap=3")
+    ('tis', {'cap': 3.0})
+    """
+    where = "algorithm.rollout_correction.rollout_is"
+    if not isinstance(spec, str) or not spec.startswith(ROLLOUT_PREFIX):
+        raise ConfigError(where, f"expected '{ROLLOUT_PREFIX}<arm>[:key=value,...]', got {spec!r}")
+    head, _, tail = spec[len(ROLLOUT_PREFIX):].partition(":")
+    arm = head.strip()
+    if arm not in ROLLOUT_ARMS:
+        raise ConfigError(where, f"unknown arm {arm!r}; valid: {', '.join(ROLLOUT_PREFIX + a for a in ROLLOUT_ARMS)}")
+    valid = _arm_params(arm)
+    params: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in tail.split(","))):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq or key not in valid:
+            raise ConfigError(where, f"bad parameter {part!r} for {arm}; valid keys: {', '.join(valid) or 'none'}")
+        try:
+            params[key] = int(value) if key == "iters" else float(value)
+        except ValueError:
+            raise ConfigError(f"{where}:{key}", f"expected a number, got {value.strip()!r}") from None
+    return arm, params
+
+
+def rollout_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, spec: str
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+    """creditlab's ``rollout_is_weights`` ``(bs, response_length)`` and metrics, in verl's contract.
+
+    ``log_ratio`` is verl's ``old_log_probs - rollout_log_probs`` (junk on tool tokens, where the
+    rollout log-prob is 0.0: it is never read); ``response_mask`` is the policy mask. Weights are
+    detached, in the dtype of ``log_ratio`` and 0 where ``response_mask`` is 0 (verl's convention for
+    its own weights). Metric keys start with ``creditlab/`` (verl adds ``rollout_corr/``).
+    """
+    arm, params = parse_rollout_is(spec)
+    dims: dict[str, int] = {}
+    check_tensor("response_mask", response_mask, shape=("B", "L"), dims=dims)
+    check_tensor("log_ratio", log_ratio, shape=("B", "L"), floating=True, dims=dims)
+    pm = response_mask.bool()
+    zeros = torch.zeros_like(log_ratio)
+    if arm in correction.INTERQ_MODES:
+        w, m = correction.interq_weights(log_ratio, zeros, pm, mode=arm, **params)
+        diag = correction.mismatch_metrics(log_ratio, zeros, pm, **params)
+    else:
+        w, m = _ARM_FUNCS[arm](log_ratio, zeros, pm, **params)
+        diag = correction.mismatch_metrics(log_ratio, zeros, pm)
+    metrics = {f"creditlab/{k}": float(v) for k, v in {**diag, **m}.items()}
+    weights = (w.to(log_ratio.dtype) * response_mask.to(log_ratio.dtype)).detach()
+    return weights, metrics
+
+
+def _wrap(original):
+    @functools.wraps(original)
+    def compute_rollout_correction_weights(log_ratio, response_mask, rollout_is="token", rollout_is_threshold=2.0,
+                                           rollout_is_batch_normalize=False):
+        if isinstance(rollout_is, str) and rollout_is.startswith(ROLLOUT_PREFIX):
+            if rollout_is_batch_normalize:
+                raise ConfigError("algorithm.rollout_correction.rollout_is_batch_normalize",
+                                  f"must be false with {rollout_is!r} (creditlab weights are not renormalised)")
+            return rollout_weights(log_ratio, response_mask, rollout_is)
+        return original(log_ratio, response_mask, rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold,
+                        rollout_is_batch_normalize=rollout_is_batch_normalize)
+
+    compute_rollout_correction_weights.__creditlab_original__ = original
+    return compute_rollout_correction_weights
+
+
+def install_rollout_correction() -> None:
+    """Wrap ``verl.trainer.ppo.rollout_corr_helper.compute_rollout_correction_weights`` (once).
+
+    Every verl trainer reaches that function through the module global (``ray_trainer`` and the
+    v1 trainer via ``compute_rollout_correction_and_add_to_batch``, bypass mode via
+    ``compute_policy_loss_bypass_mode``), so replacing the global is enough. Raises
+    :class:`CreditlabError` on an untested verl version or a changed signature.
+    """
+    current = rollout_corr_helper.compute_rollout_correction_weights
+    if getattr(current, "__creditlab_original__", None) is not None:
+        return
+    version = getattr(verl, "__version__", "unknown")
+    if version not in TESTED_VERL_VERSIONS and os.environ.get("CREDITLAB_ALLOW_UNTESTED_VERL") != "1":
+        raise CreditlabError(
+            f"creditlab.integrations.verl was tested with verl {', '.join(TESTED_VERL_VERSIONS)}, found {version}: "
+            "install a tested version, or set CREDITLAB_ALLOW_UNTESTED_VERL=1 to try anyway")
+    names = tuple(inspect.signature(current).parameters)
+    if names != _WRAPPED_SIGNATURE:
+        raise CreditlabError(
+            f"verl {version}: rollout_corr_helper.compute_rollout_correction_weights{names} no longer has the "
+            f"signature {_WRAPPED_SIGNATURE}; creditlab's rollout correction cannot be installed")
+    rollout_corr_helper.compute_rollout_correction_weights = _wrap(current)
+
+
+# --------------------------------------------------------------------------------------------
+# advantage estimators
+
+
+def pack_turn_rewards(response_mask: torch.Tensor, outcome: torch.Tensor | None = None,
+                      turn_scores: torch.Tensor | None = None) -> torch.Tensor:
+    """``token_level_rewards`` ``(bs, L)`` in the ``creditlab_prm`` layout.
+
+    ``outcome`` ``(bs,)`` goes on the last policy token of each row, ``turn_scores`` ``(bs, T)`` on the
+    first token of each turn (junk beyond a row's turns is ignored). A row whose last turn is one
+    token long cannot hold both a non-zero outcome and a non-zero last process score there:
+    :class:`InputError`.
+
+    >>> rm = torch.tensor([[1, 1, 0, 1, 1, 0]])
+    >>> pack_turn_rewards(rm, torch.tensor([1.0]), torch.tensor([[0.2, 0.5]])).tolist()
+    [[0.20000000298023224, 0.0, 0.0, 0.5, 1.0, 0.0]]
+    """
+    check_tensor("response_mask", response_mask, ndim=2)
+    pm = response_mask.bool()
+    lay = turn_layout(pm)
+    B, L = pm.shape
+    out = torch.zeros(B, L, dtype=torch.float32, device=pm.device)
+    if turn_scores is not None:
+        check_tensor("turn_scores", turn_scores, shape=(B, None), floating=True)
+        T = lay.num_turns
+        scores = torch.zeros(B, T, dtype=out.dtype, device=pm.device)
+        k = min(T, turn_scores.shape[1])
+        scores[:, :k] = turn_scores[:, :k].to(out.dtype)
+        scores = torch.where(lay.step_mask, scores, torch.zeros_like(scores))
+        check_tensor("turn_scores", scores, finite=True)
+        out = torch.where(lay.first, torch.gather(scores, 1, lay.span), out)
+    if outcome is not None:
+        check_tensor("outcome", outcome, shape=(B,), floating=True, finite=True)
+        has = pm.any(dim=1)
+        last = (L - 1 - torch.argmax(pm.flip(1).to(torch.int8), dim=1)).clamp_min(0)
+        rows = torch.arange(B, device=pm.device)
+        clash = has & lay.first[rows, last] & (out[rows, last] != 0) & (outcome != 0)
+        if bool(clash.any()):
+            i = int(clash.nonzero()[0, 0])
+            raise InputError(f"turn_scores: row {i}: the last turn is one token long, so its process score and the "
+                             "outcome would share a token; put the outcome on a later (e.g. observation) token")
+        if bool((has == 0).any() & (outcome[~has] != 0).any()):
+            raise InputError("outcome: a row without policy tokens cannot carry an outcome")
+        out[rows[has], last[has]] += outcome[has].to(out.dtype)
+    return out
+
+
+def _group_ids(index: Any) -> torch.Tensor:
+    if index is None:
+        raise ConfigError("index", "creditlab estimators group rollouts by verl's 'uid' (index), which is missing")
+    _, inverse = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
+    return torch.as_tensor(inverse.reshape(-1), dtype=torch.long)
+
+
+def _settings(config: Any) -> CreditSettings:
+    if config is None:
+        return CreditSettings()
+    if config.get("norm_adv_by_std_in_grpo", True) is False:
+        raise ConfigError("algorithm.norm_adv_by_std_in_grpo",
+                          "creditlab estimators always normalise by the group std; set it to true")
+    return CreditSettings.from_mapping(config.get("creditlab", None), "algorithm.creditlab")
+
+
+def _estimator(geometry: str):
+    def estimator(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: Any = None,
+                  index: Any = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        settings = _settings(config)
+        dims: dict[str, int] = {}
+        check_tensor("response_mask", response_mask, shape=("B", "L"), dims=dims)
+        check_tensor("token_level_rewards", token_level_rewards, shape=("B", "L"), floating=True, finite=True,
+                     dims=dims)
+        with torch.no_grad():
+            r = token_level_rewards.to(torch.float32)
+            lay = turn_layout(response_mask.bool())
+            gid = _group_ids(index).to(r.device)
+            if gid.shape[0] != r.shape[0]:
+                raise InputError(f"index: {gid.shape[0]} uids for {r.shape[0]} rows")
+            total = r.sum(dim=1)
+            if geometry == "prm":
+                scores = lay.first_values(r)
+                outcome = total - scores.sum(dim=1)
+            else:
+                scores = lay.span_sums(r)
+                outcome = total
+            step = SkipManager.step if SkipManager.step >= 0 else None
+            a = turn_credit(geometry, lay.step_mask, gid, rewards=outcome, step_scores=scores, step=step,
+                            settings=settings)
+            adv = lay.to_tokens(a.to(torch.float32)).to(token_level_rewards.dtype)
+        return adv, adv.clone()
+
+    estimator.__name__ = estimator.__qualname__ = f"compute_creditlab_{geometry}_advantage"
+    estimator.__doc__ = (f"verl advantage estimator ``creditlab_{geometry}``: per-turn credit geometry "
+                         f"``{geometry}`` broadcast to the tokens of each turn (see the module docstring).")
+    return estimator
+
+
+_ESTIMATOR_FNS = {ROLLOUT_PREFIX + g: _estimator(g) for g in ADVANTAGE_GEOMETRIES + REWARD_GEOMETRIES}
+
+
+def install_estimators() -> None:
+    """Register the ``creditlab_*`` estimators in verl's ``ADV_ESTIMATOR_REGISTRY`` (once)."""
+    for name, fn in _ESTIMATOR_FNS.items():
+        registered = core_algos.ADV_ESTIMATOR_REGISTRY.get(name)
+        if registered is fn:
+            continue
+        if registered is not None and not getattr(registered, "__module__", "").startswith("creditlab."):
+            raise CreditlabError(f"verl advantage estimator {name!r} is already registered by {registered.__module__}")
+        core_algos.ADV_ESTIMATOR_REGISTRY[name] = fn
+
+
+# --------------------------------------------------------------------------------------------
+# FORK reward function
+
+
+_BATCHERS: dict[tuple, MicroBatcher] = {}
+
+
+async def fork_compute_score(data_source: Any = None, solution_str: str = "", ground_truth: Any = None,
+                             extra_info: dict | None = None, *, judge: str = "offline", base_url: str | None = None,
+                             model: str | None = None, api_key_env: str = "OPENAI_API_KEY", concurrency: int = 16,
+                             timeout: float = 60.0, max_retries: int = 4, beta: float = 1.0,
+                             tau: str | float = "judge", mode: str = "fork", assume_correct: bool = False,
+                             match_threshold: float = 0.55, offline_tau: float = 0.75, cache_path: str | None = None,
+                             max_batch: int = 64, max_wait_s: float = 0.05, **kwargs: Any) -> dict[str, float]:
+    """verl custom reward function (``reward.custom_reward_function``): FORK of one response.
+
+    Set ``path: pkg://creditlab.integrations.verl`` and ``name: fork_compute_score``; the judge options
+    go in ``reward_kwargs``. verl calls it once per sample, concurrently; calls are coalesced into
+    batches of at most ``max_batch`` (waiting at most ``max_wait_s``) that the judge scores together.
+
+    The rubrics are ``ground_truth`` (a list of ``{"criterion", "points"}`` records, or its JSON text);
+    the prompt is ``extra_info["prompt"]`` (or ``extra_info["question"]``). Returns ``{"score",
+    "precision", "recall"}``. A judge failure (after the judge's own retries) raises
+    :class:`CreditlabError` naming the stage: a silent 0 would train on a wrong reward.
+    """
+    from creditlab.rewards.items import ForkItem, parse_rubrics, render_messages
+
+    info = extra_info or {}
+    prompt = info.get("prompt", info.get("question"))
+    if prompt is None:
+        raise InputError("extra_info: needs 'prompt' (or 'question'): FORK judges the response against its prompt")
+    item_id = str(info.get("index", info.get("id", "")))
+    where = f"sample {item_id or '?'} ({data_source})"
+    item = ForkItem(item_id, render_messages(prompt, where, "prompt"), str(solution_str),
+                    parse_rubrics(ground_truth, where, "ground_truth"))
+    reward = fork_reward(judge, base_url=base_url, model=model, api_key_env=api_key_env, concurrency=concurrency,
+                         timeout=timeout, max_retries=max_retries, beta=beta, tau=tau, mode=mode,
+                         assume_correct=assume_correct, match_threshold=match_threshold, offline_tau=offline_tau,
+                         cache_path=cache_path)
+    import asyncio
+
+    key = (id(reward), id(asyncio.get_running_loop()), int(max_batch), float(max_wait_s))
+    batcher = _BATCHERS.get(key)
+    if batcher is None:
+        batcher = _BATCHERS[key] = MicroBatcher(reward.score, max_batch=max_batch, max_wait_s=max_wait_s)
+    res = await batcher.submit(item)
+    if res.reward is None:
+        raise CreditlabError(f"FORK reward of {where}: {res.error}")
+    return {"score": float(res.reward), "precision": float(res.precision), "recall": float(res.recall)}
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def install() -> None:
+    """Register creditlab's estimators and rollout correction with verl (idempotent)."""
+    install_rollout_correction()
+    install_estimators()
+
+
+install()
