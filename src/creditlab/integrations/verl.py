@@ -141,7 +141,18 @@ def parse_rollout_is(spec: str) -> tuple[str, dict[str, float]]:
             params[key] = int(value) if key == "iters" else float(value)
         except ValueError:
             raise ConfigError(f"{where}:{key}", f"expected a number, got {value.strip()!r}") from None
+    try:  # validate the values now, with the config path in the message
+        one = torch.zeros(1, 1)
+        _arm_call(arm, one, one, one.bool(), params)
+    except InputError as err:
+        raise ConfigError(where, f"{spec!r}: {err}") from None
     return arm, params
+
+
+def _arm_call(arm: str, old: torch.Tensor, rollout: torch.Tensor, pm: torch.Tensor, params: dict[str, float]):
+    if arm in correction.INTERQ_MODES:
+        return correction.interq_weights(old, rollout, pm, mode=arm, **params)
+    return _ARM_FUNCS[arm](old, rollout, pm, **params)
 
 
 def rollout_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, spec: str
@@ -159,12 +170,8 @@ def rollout_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, spec: 
     check_tensor("log_ratio", log_ratio, shape=("B", "L"), floating=True, dims=dims)
     pm = response_mask.bool()
     zeros = torch.zeros_like(log_ratio)
-    if arm in correction.INTERQ_MODES:
-        w, m = correction.interq_weights(log_ratio, zeros, pm, mode=arm, **params)
-        diag = correction.mismatch_metrics(log_ratio, zeros, pm, **params)
-    else:
-        w, m = _ARM_FUNCS[arm](log_ratio, zeros, pm, **params)
-        diag = correction.mismatch_metrics(log_ratio, zeros, pm)
+    w, m = _arm_call(arm, log_ratio, zeros, pm, params)
+    diag = correction.mismatch_metrics(log_ratio, zeros, pm, **(params if arm in correction.INTERQ_MODES else {}))
     metrics = {f"creditlab/{k}": float(v) for k, v in {**diag, **m}.items()}
     weights = (w.to(log_ratio.dtype) * response_mask.to(log_ratio.dtype)).detach()
     return weights, metrics

@@ -1,0 +1,215 @@
+"""creditlab inside TRL (tested with TRL 1.16.0): InterQ-RL weights, per-turn credit, FORK reward.
+
+* :class:`CreditlabGRPOTrainer`: a ``GRPOTrainer`` that overrides one method,
+  ``_generate_and_score_completions``, and post-processes its output:
+
+  - **rollout correction**: from the rollout engine's log-probs (``sampling_per_token_logps``:
+    vLLM, or a ``rollout_func`` returning ``logprobs``), the learner's ``old_per_token_logps``
+    (computed here when TRL skipped them) and the policy mask ``completion_mask * tool_mask``
+    (tool / environment tokens are 0), it computes InterQ-RL (or a baseline) weights ``W``. When
+    TRL's own vLLM importance sampling is on, ``W`` replaces ``importance_sampling_ratio``;
+    otherwise ``W`` is folded into per-token advantages ``A_t W_t``, which is the same loss:
+    every GRPO loss type of TRL is positively homogeneous in the advantage
+    (``-W min(r A, clip(r) A) = -min(r (W A), clip(r) (W A))`` for ``W > 0``).
+  - **per-turn credit**: a credit geometry of :mod:`creditlab.core.credit` or PRM mixing on the
+    turns (runs of policy tokens), with TRL's outcome advantage as ``A_i`` and per-turn scores
+    from the sample field ``turn_scores`` (one number per turn, e.g. returned by a ``rollout_func``),
+    given to TRL as ``(B, T)`` per-token advantages (which TRL accepts).
+
+  Metrics are logged as ``creditlab/...``.
+* :func:`fork_reward_func`: FORK as an async, batched GRPO reward function (``None`` where the judge
+  failed, which TRL skips); precision and recall are logged as ``reward/fork/precision|recall``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import trl
+from trl import GRPOTrainer
+
+from creditlab.core import correction
+from creditlab.errors import ConfigError, CreditlabError, InputError
+from creditlab.integrations._common import ADVANTAGE_GEOMETRIES, CreditSettings, fork_reward, turn_credit, turn_layout
+
+__all__ = ["CORRECTIONS", "CREDITS", "TESTED_TRL_VERSIONS", "CreditlabGRPOTrainer", "fork_reward_func"]
+
+#: TRL versions this module was tested against.
+TESTED_TRL_VERSIONS = ("1.16.0",)
+#: Values of ``correction`` (``None``: leave TRL's ratio alone).
+CORRECTIONS = correction.ARMS
+#: Values of ``credit`` (``None``: TRL's sequence advantage).
+CREDITS = ADVANTAGE_GEOMETRIES
+_ARM_FUNCS = {"tis": correction.tis_weights, "mis": correction.mis_weights, "seq_is": correction.seq_is_weights,
+              "geo": correction.geo_weights, "none": correction.none_weights}
+
+
+class CreditlabGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` with InterQ-RL rollout correction and per-turn credit (see the module docstring).
+
+    Args (keyword-only, everything else goes to ``GRPOTrainer``):
+        correction: one of :data:`CORRECTIONS` (``interq``, ``prefix``, ``global``, ``tis``, ``mis``,
+            ``seq_is``, ``geo``, ``none``) or None. Needs rollout log-probs (vLLM, or ``rollout_func``).
+        correction_params: keyword parameters of the arm (e.g. ``{"alpha_g": 0.5, "eps_low": 0.025}``).
+        credit: one of :data:`CREDITS` (``uniform``, ``per_turn``, ``concentrated``, ``shuffled``, ``prm``)
+            or None.
+        credit_settings: :class:`~creditlab.integrations._common.CreditSettings` or a dict of its
+            fields (``conserve``, ``prm_lambda``, ``prm_schedule``...; the schedule runs on
+            ``state.global_step``).
+        turn_scores_key: the per-sample field holding one score per turn (list of floats).
+    """
+
+    def __init__(self, *args: Any, correction: str | None = "interq", correction_params: dict | None = None,
+                 credit: str | None = None, credit_settings: CreditSettings | dict | None = None,
+                 turn_scores_key: str = "turn_scores", **kwargs: Any):
+        if trl.__version__ not in TESTED_TRL_VERSIONS:
+            raise CreditlabError(f"CreditlabGRPOTrainer was tested with TRL {', '.join(TESTED_TRL_VERSIONS)}, "
+                                 f"found {trl.__version__}")
+        if correction is not None and correction not in CORRECTIONS:
+            raise ConfigError("correction", f"unknown {correction!r}; valid: {', '.join(CORRECTIONS)} or None")
+        if credit is not None and credit not in CREDITS:
+            raise ConfigError("credit", f"unknown {credit!r}; valid: {', '.join(CREDITS)} or None")
+        self.creditlab_correction = correction
+        self.creditlab_correction_params = dict(correction_params or {})
+        self.creditlab_credit = credit
+        if isinstance(credit_settings, CreditSettings):
+            self.creditlab_credit_settings = credit_settings
+        else:
+            self.creditlab_credit_settings = CreditSettings.from_mapping(credit_settings, "credit_settings")
+        self.creditlab_turn_scores_key = turn_scores_key
+        if correction is not None:  # fail before the (slow) trainer construction on a bad parameter
+            self._weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool))
+        super().__init__(*args, **kwargs)
+        if correction is not None and self.loss_type == "vespo":
+            raise ConfigError("correction", "the 'vespo' loss computes its own importance weights")
+
+    # -- the one overridden method -------------------------------------------------------------
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        out = super()._generate_and_score_completions(inputs)
+        if self.creditlab_correction is None and self.creditlab_credit is None:
+            return out
+        mode = "train" if self.model.training else "eval"
+        completion_mask = out["completion_mask"]
+        pm = completion_mask.bool()
+        if "tool_mask" in out:
+            pm = pm & out["tool_mask"].bool()
+        metrics: dict[str, float] = {}
+        token_adv = None
+        if self.creditlab_credit is not None:
+            token_adv = self._turn_advantages(inputs, out["advantages"], pm)
+        if self.creditlab_correction is not None:
+            rollout = out.get("sampling_per_token_logps")
+            if rollout is None:
+                raise ConfigError("correction", "needs the rollout engine's log-probs: generate with vLLM or with a "
+                                                "rollout_func that returns 'logprobs'")
+            old = out.get("old_per_token_logps")
+            if old is None:
+                old = self._old_logps(out, mode)
+                out["old_per_token_logps"] = old
+            # tokens the engine could not score (NaN) get no correction, as in TRL
+            rollout = torch.where(torch.isnan(rollout), old, rollout)
+            w, m = self._weights(old, rollout, pm)
+            diag = correction.mismatch_metrics(old, rollout, pm, **self._interq_params())
+            metrics.update({f"creditlab/{k}": v for k, v in {**diag, **m}.items()})
+            w = w.to(out["advantages"].dtype)
+            if "importance_sampling_ratio" in out:
+                out["importance_sampling_ratio"] = w
+            else:
+                base = token_adv if token_adv is not None else out["advantages"][:, None].expand_as(w)
+                token_adv = base * w
+        if token_adv is not None:
+            out["advantages"] = token_adv
+        for k, v in metrics.items():
+            if math.isfinite(v):
+                self._metrics[mode][k].append(v)
+        return out
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _interq_params(self) -> dict[str, Any]:
+        if self.creditlab_correction in correction.INTERQ_MODES:
+            return self.creditlab_correction_params
+        return {}
+
+    def _weights(self, old: torch.Tensor, rollout: torch.Tensor, pm: torch.Tensor):
+        arm, params = self.creditlab_correction, self.creditlab_correction_params
+        try:
+            if arm in correction.INTERQ_MODES:
+                return correction.interq_weights(old, rollout, pm, mode=arm, **params)
+            return _ARM_FUNCS[arm](old, rollout, pm, **params)
+        except TypeError as err:
+            raise ConfigError("correction_params", f"{err} (arm {arm!r})") from None
+
+    def _old_logps(self, out: dict[str, Any], mode: str) -> torch.Tensor:
+        """Learner log-probs of the sampling checkpoint (TRL skips them when it can use the detached
+        current ones; InterQ-RL needs them before the update)."""
+        input_ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+        attention_mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+        bs = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        with torch.no_grad():
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, out["completion_ids"].size(1), batch_size=bs)
+        return logps.detach()
+
+    def _turn_advantages(self, inputs: list[dict[str, Any]], advantages: torch.Tensor, pm: torch.Tensor
+                         ) -> torch.Tensor:
+        lay = turn_layout(pm)
+        B, T = lay.step_mask.shape
+        key = self.creditlab_turn_scores_key
+        scores = None
+        if self.creditlab_credit != "uniform":
+            scores = torch.zeros(B, T, dtype=torch.float64)
+            n_turns = lay.seg.n_segments.tolist()
+            for i, example in enumerate(inputs):
+                if key not in example:
+                    raise InputError(f"{key}: sample {i} has no per-turn scores (credit {self.creditlab_credit!r})")
+                vals = [float(v) for v in example[key]]
+                if len(vals) != n_turns[i]:
+                    raise InputError(f"{key}: sample {i} has {len(vals)} scores for {n_turns[i]} turns")
+                scores[i, : len(vals)] = torch.tensor(vals, dtype=torch.float64)
+            scores = scores.to(device=pm.device)
+        start = self.accelerator.process_index * B
+        group_ids = (torch.arange(B, device=pm.device) + start) // self.num_generations
+        a = turn_credit(self.creditlab_credit, lay.step_mask, group_ids, advantages=advantages.to(torch.float64),
+                        step_scores=scores, step=int(self.state.global_step), settings=self.creditlab_credit_settings)
+        return lay.to_tokens(a).to(advantages.dtype)
+
+
+def fork_reward_func(judge: str = "offline", *, name: str = "fork", **options: Any):
+    """An async, batched TRL reward function computing FORK (``name`` is the logged reward name).
+
+    ``options`` are those of :func:`creditlab.integrations._common.fork_reward` (``base_url``,
+    ``model``, ``beta``, ``tau``, ``mode``, ``assume_correct``...). The rubrics come from the dataset
+    column ``rubrics`` (one list of ``{"criterion", "points"}`` records per sample). All completions
+    of a step go to the judge in one batched call; a completion whose judging failed gets ``None``.
+    """
+    reward = fork_reward(judge, **options)
+
+    async def fork(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
+        from creditlab.rewards.items import ForkItem, Rubric, parse_rubrics, render_messages
+
+        rubrics = kwargs.get("rubrics", kwargs.get("Rubrics"))
+        if rubrics is None or len(rubrics) != len(completions):
+            raise InputError("rubrics: pass one rubric list per completion (a dataset column 'rubrics')")
+        items = []
+        for k, (p, c, rs) in enumerate(zip(prompts, completions, rubrics, strict=True)):
+            where = f"sample {k}"
+            parsed = tuple(r if isinstance(r, Rubric) else parse_rubrics([r], where)[0] for r in rs) \
+                if isinstance(rs, list) else parse_rubrics(rs, where)
+            items.append(ForkItem(str(k), render_messages(p, where, "prompt"),
+                                  render_messages(c, where, "completion", last_assistant=True), parsed))
+        results = await reward.score(items)
+        log_metric = kwargs.get("log_metric")
+        if log_metric is not None:
+            for field in ("precision", "recall"):
+                vals = [getattr(r, field) for r in results if r.reward is not None]
+                if vals:
+                    log_metric(f"reward/{name}/{field}", sum(vals) / len(vals))
+            log_metric(f"reward/{name}/failures", sum(r.reward is None for r in results) / max(len(results), 1))
+        return [r.reward for r in results]
+
+    fork.__name__ = fork.__qualname__ = name
+    fork.fork_reward = reward
+    return fork
