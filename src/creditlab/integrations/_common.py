@@ -59,12 +59,15 @@ class TurnLayout(NamedTuple):
         first: ``(B, L)`` bool, the first token of each turn.
         step_mask: ``(B, T)`` bool, True on the turns a row really has (``T`` = most turns of a row,
             at least 1).
+        tail: ``(B, L)`` bool, the last policy token of each row and every position after it (the
+            whole row when it has no policy token): where a trainer puts a trajectory's final score.
     """
 
     seg: Segments
     span: torch.Tensor
     first: torch.Tensor
     step_mask: torch.Tensor
+    tail: torch.Tensor
 
     @property
     def num_turns(self) -> int:
@@ -92,8 +95,8 @@ def turn_layout(policy_mask: torch.Tensor) -> TurnLayout:
     """The :class:`TurnLayout` of a ``(B, L)`` bool policy mask.
 
     >>> lay = turn_layout(torch.tensor([[True, True, False, True, False], [True, False, False, False, False]]))
-    >>> lay.span.tolist(), lay.step_mask.tolist()
-    ([[0, 0, 0, 1, 1], [0, 0, 0, 0, 0]], [[True, True], [True, False]])
+    >>> lay.span.tolist(), lay.step_mask.tolist(), lay.tail.tolist()[0]
+    ([[0, 0, 0, 1, 1], [0, 0, 0, 0, 0]], [[True, True], [True, False]], [False, False, False, True, True])
     """
     check_tensor("policy_mask", policy_mask, ndim=2, boolean=True)
     seg = segments(policy_mask)
@@ -104,7 +107,10 @@ def turn_layout(policy_mask: torch.Tensor) -> TurnLayout:
     span = (torch.cumsum(first, dim=1) - 1).clamp_min(0)
     T = max(int(seg.n_segments.max().item()) if B else 0, 1)
     step_mask = torch.arange(T, device=policy_mask.device)[None, :] < seg.n_segments[:, None]
-    return TurnLayout(seg, span, first, step_mask)
+    # positions from the last policy token on: no policy token strictly after them
+    pm64 = policy_mask.to(torch.int64)
+    tail = (torch.flip(torch.cumsum(torch.flip(pm64, [1]), 1), [1]) - pm64) == 0
+    return TurnLayout(seg, span, first, step_mask, tail)
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,11 +38,12 @@ token before the next turn (so it includes the tool/observation tokens after it)
   of ``token_level_rewards`` over its span (put it on any token of the turn or of the observation
   that follows); the outcome is the row sum (so progress increments summing to the final score
   work as they are).
-* ``prm``: the process score of turn ``t`` sits on the **first token** of the turn; the outcome
-  is everything else (the row sum minus the first-token values), so verl's default scalar score on
-  the last token is the outcome, and all-zero process scores give plain GRPO.
-  :func:`pack_turn_rewards` writes this layout and refuses the one ambiguous case (a one-token
-  final turn with both an outcome and a process score).
+* ``prm``: the **outcome** is the reward on the last policy token of the row and on every position
+  after it (where verl's reward managers put a trajectory's scalar score); the **process score**
+  of turn ``t`` is the sum over its span *before* that final token (:func:`pack_turn_rewards` puts
+  it on the turn's first token). So a plain verl score is the outcome and all-zero process scores
+  give plain GRPO. The one case the layout cannot hold (a process score for a final turn that is
+  one token long) is refused by :func:`pack_turn_rewards`.
 """
 
 from __future__ import annotations
@@ -227,8 +228,8 @@ def pack_turn_rewards(response_mask: torch.Tensor, outcome: torch.Tensor | None 
 
     ``outcome`` ``(bs,)`` goes on the last policy token of each row, ``turn_scores`` ``(bs, T)`` on the
     first token of each turn (junk beyond a row's turns is ignored). A row whose last turn is one
-    token long cannot hold both a non-zero outcome and a non-zero last process score there:
-    :class:`InputError`.
+    token long has no place for that turn's process score (its only token holds the outcome): a
+    non-zero score there raises :class:`InputError`.
 
     >>> rm = torch.tensor([[1, 1, 0, 1, 1, 0]])
     >>> pack_turn_rewards(rm, torch.tensor([1.0]), torch.tensor([[0.2, 0.5]])).tolist()
@@ -248,16 +249,16 @@ def pack_turn_rewards(response_mask: torch.Tensor, outcome: torch.Tensor | None 
         scores = torch.where(lay.step_mask, scores, torch.zeros_like(scores))
         check_tensor("turn_scores", scores, finite=True)
         out = torch.where(lay.first, torch.gather(scores, 1, lay.span), out)
+    has = pm.any(dim=1)
+    last = (L - 1 - torch.argmax(pm.flip(1).to(torch.int8), dim=1)).clamp_min(0)
+    rows = torch.arange(B, device=pm.device)
+    clash = has & lay.first[rows, last] & (out[rows, last] != 0)
+    if bool(clash.any()):
+        i = int(clash.nonzero()[0, 0])
+        raise InputError(f"turn_scores: row {i}: the last turn is one token long, so it has no token for a "
+                         "process score (its only token holds the outcome)")
     if outcome is not None:
         check_tensor("outcome", outcome, shape=(B,), floating=True, finite=True)
-        has = pm.any(dim=1)
-        last = (L - 1 - torch.argmax(pm.flip(1).to(torch.int8), dim=1)).clamp_min(0)
-        rows = torch.arange(B, device=pm.device)
-        clash = has & lay.first[rows, last] & (out[rows, last] != 0) & (outcome != 0)
-        if bool(clash.any()):
-            i = int(clash.nonzero()[0, 0])
-            raise InputError(f"turn_scores: row {i}: the last turn is one token long, so its process score and the "
-                             "outcome would share a token; put the outcome on a later (e.g. observation) token")
         if bool((has == 0).any() & (outcome[~has] != 0).any()):
             raise InputError("outcome: a row without policy tokens cannot carry an outcome")
         out[rows[has], last[has]] += outcome[has].to(out.dtype)
@@ -296,8 +297,9 @@ def _estimator(geometry: str):
                 raise InputError(f"index: {gid.shape[0]} uids for {r.shape[0]} rows")
             total = r.sum(dim=1)
             if geometry == "prm":
-                scores = lay.first_values(r)
-                outcome = total - scores.sum(dim=1)
+                tail = lay.tail.to(r.dtype)
+                scores = lay.span_sums(r * (1 - tail))
+                outcome = (r * tail).sum(dim=1)
             else:
                 scores = lay.span_sums(r)
                 outcome = total
