@@ -1,0 +1,516 @@
+"""``toolshop``: a multi-turn tool-use world with a relational store and a terminal state verifier.
+
+The world is in the style of retail agent benchmarks (users, orders, items, products with
+variants, plus support tickets and cases that point at users). A task asks the agent to exchange an
+item of a user's order for another variant of the same product. The final write's arguments
+(order id, item id, variant id) are *not* in the instruction: they must be read through a chain of
+tool calls, and the chain length ``C`` (2 to 8) is a task knob that decides where the chain starts:
+
+=====  ==========================================  ===============================================
+``C``  the instruction gives                       reads before the write ``exchange O I V``
+=====  ==========================================  ===============================================
+8      a case id, order status, category, colour   get_case, get_ticket, find_user, get_user,
+                                                   get_order, get_item, get_product
+7      a ticket id, status, category, colour       get_ticket, find_user, ... get_product
+6      a user name, status, category, colour       find_user, get_user, get_order, get_item, ...
+5      a user id, status, category, colour         get_user, get_order, get_item, get_product
+4      an order id, category, colour               get_order, get_item, get_product
+3      an order id, an item id, colour             get_item, get_product
+2      order, item and product ids, colour         get_product
+=====  ==========================================  ===============================================
+
+Each read returns ids together with the attribute (status, category, colour) that tells the agent
+which one the instruction means; every store is freshly generated from the task seed with random,
+globally distinct ids, so nothing can be memorised across tasks: the ids must be read and copied.
+
+Tokens. The world speaks a small fixed vocabulary (:data:`VOCAB`). An episode is
+``BOS TASK <instruction> SEP`` followed by turns; a turn is an *action* (the policy's tokens,
+``tool arg ... EOA``) and the environment's *observation* ``OBS value ... EOO``. A malformed or
+failing call gets ``OBS ERR EOO`` (never an exception) and changes nothing. A write that succeeds
+(``OBS OK EOO``) ends the episode; so does the action budget (``max_turns``), in which case the
+episode is *truncated*.
+
+Verifier. :func:`verify` compares the final store with the goal store field by field: the target
+item's variant, the target item's status, and "no other item changed". ``success`` is all three;
+``progress`` is the fraction that hold. Only the write step changes the store, so a state-diff
+verifier sees one of the ``C`` causal steps: the world's write fraction and verifier density are
+both ``1 / C`` (:func:`world_stats`).
+
+Each turn is kept as a :class:`TurnRecord` with ``name``, ``arguments``, ``returned`` and
+``is_write``, so :func:`creditlab.core.diagnostics.chain_length` measures ``C`` by dataflow.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from creditlab.errors import ConfigError, InputError
+
+__all__ = [
+    "ATTRIBUTE_TOKENS",
+    "CATEGORIES",
+    "COLORS",
+    "MAX_CHAIN",
+    "MIN_CHAIN",
+    "N_IDS",
+    "NAMES",
+    "READ_TOOLS",
+    "STATUSES",
+    "TOOLS",
+    "TOK",
+    "VOCAB",
+    "WRITE_TOOLS",
+    "Store",
+    "Task",
+    "ToolshopEnv",
+    "TurnRecord",
+    "decode",
+    "encode",
+    "make_store",
+    "make_task",
+    "ScriptedAgent",
+    "run_scripted",
+    "tool_chain",
+    "verify",
+    "world_stats",
+]
+
+MIN_CHAIN, MAX_CHAIN = 2, 8
+N_IDS = 128
+STATUSES = ("pending", "delivered")
+CATEGORIES = ("shirt", "lamp", "mug", "shoe", "desk", "bag")
+COLORS = ("red", "blue", "green", "black", "white", "gray")
+NAMES = ("ann", "bob", "cyd", "dan", "eve", "fay", "gus", "hal", "ida", "jon", "kim", "lee")
+# Chain order: each read's selected output is the next read's argument.
+TOOLS = ("get_case", "get_ticket", "find_user", "get_user", "get_order", "get_item", "get_product",
+         "exchange")
+READ_TOOLS = TOOLS[:-1]
+WRITE_TOOLS = ("exchange",)
+SPECIALS = ("<pad>", "<bos>", "TASK", "SEP", "EOA", "OBS", "EOO", "ERR", "OK")
+MARKERS = ("case", "ticket", "name", "user", "order", "item", "product")
+ATTRIBUTE_TOKENS = STATUSES + CATEGORIES + COLORS
+VOCAB: tuple[str, ...] = (SPECIALS + TOOLS + MARKERS + ATTRIBUTE_TOKENS + NAMES
+                          + tuple(str(i) for i in range(N_IDS)))
+TOK: dict[str, int] = {t: i for i, t in enumerate(VOCAB)}
+PAD, BOS, EOA, EOO = TOK["<pad>"], TOK["<bos>"], TOK["EOA"], TOK["EOO"]
+_ID0 = TOK["0"]
+# Number of arguments of each tool and the kind of each argument ("id" or "name").
+_ARITY: dict[str, tuple[str, ...]] = {t: ("id",) for t in READ_TOOLS}
+_ARITY["find_user"] = ("name",)
+_ARITY["exchange"] = ("id", "id", "id")
+_ARG_NAMES: dict[str, tuple[str, ...]] = {
+    "get_case": ("case",), "get_ticket": ("ticket",), "find_user": ("name",), "get_user": ("user",),
+    "get_order": ("order",), "get_item": ("item",), "get_product": ("product",),
+    "exchange": ("order", "item", "variant"),
+}
+
+
+def encode(tokens: Sequence[str | int]) -> list[int]:
+    """Token strings (ints are id numbers) to token ids; raises :class:`InputError` on unknowns."""
+    out = []
+    for t in tokens:
+        s = str(t)
+        if s not in TOK:
+            raise InputError(f"tokens: {s!r} is not in the toolshop vocabulary")
+        out.append(TOK[s])
+    return out
+
+
+def decode(ids: Sequence[int]) -> list[str]:
+    """Token ids to token strings (out-of-range ids raise :class:`InputError`)."""
+    out = []
+    for i in ids:
+        i = int(i)
+        if not 0 <= i < len(VOCAB):
+            raise InputError(f"ids: {i} is outside the vocabulary of size {len(VOCAB)}")
+        out.append(VOCAB[i])
+    return out
+
+
+def tool_chain(chain_length: int) -> tuple[str, ...]:
+    """The tools a correct episode calls, in order, for chain length ``C`` (the last is the write)."""
+    if not MIN_CHAIN <= int(chain_length) <= MAX_CHAIN:
+        raise ConfigError("chain_length", f"must be in [{MIN_CHAIN}, {MAX_CHAIN}], got {chain_length}")
+    return TOOLS[len(TOOLS) - int(chain_length):]
+
+
+# ----------------------------------------------------------------------------------------------
+# Store and tasks
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Store:
+    """The relational store. Ids are ints, globally distinct across tables within one store.
+
+    ``cases[k] = ticket``; ``tickets[t] = name``; ``users[u] = {"name", "orders"}``;
+    ``orders[o] = {"user", "status", "items"}``; ``items[i] = {"order", "product", "variant",
+    "status"}``; ``products[p] = {"category", "variants"}``; ``variants[v] = {"product", "color"}``.
+    """
+
+    cases: dict[int, int] = field(default_factory=dict)
+    tickets: dict[int, str] = field(default_factory=dict)
+    users: dict[int, dict] = field(default_factory=dict)
+    orders: dict[int, dict] = field(default_factory=dict)
+    items: dict[int, dict] = field(default_factory=dict)
+    products: dict[int, dict] = field(default_factory=dict)
+    variants: dict[int, dict] = field(default_factory=dict)
+
+    def copy(self) -> Store:
+        return copy.deepcopy(self)
+
+    def user_by_name(self, name: str) -> int | None:
+        for u, rec in self.users.items():
+            if rec["name"] == name:
+                return u
+        return None
+
+
+def make_store(seed: int, *, n_users: int = 3, orders_per_user: int = 2,
+               items_per_order: tuple[int, int] = (2, 3), variants_per_product: tuple[int, int] = (2, 3)
+               ) -> Store:
+    """A fresh store from ``seed``: ``n_users`` users, each with one order per status, each order with
+    items of distinct categories, each item's product with variants of distinct colours."""
+    if not 1 <= n_users <= len(NAMES):
+        raise ConfigError("n_users", f"must be in [1, {len(NAMES)}], got {n_users}")
+    if not 1 <= orders_per_user <= len(STATUSES):
+        raise ConfigError("orders_per_user", f"must be in [1, {len(STATUSES)}], got {orders_per_user}")
+    rng = random.Random(seed)
+    ids = list(range(N_IDS))
+    rng.shuffle(ids)
+    pool = iter(ids)
+
+    def new_id() -> int:
+        try:
+            return next(pool)
+        except StopIteration:
+            raise ConfigError("make_store", f"store needs more than {N_IDS} ids; make it smaller") from None
+
+    st = Store()
+    for name in rng.sample(NAMES, n_users):
+        u = new_id()
+        st.users[u] = {"name": name, "orders": []}
+        t, k = new_id(), new_id()
+        st.tickets[t] = name
+        st.cases[k] = t
+        for status in rng.sample(STATUSES, orders_per_user):
+            o = new_id()
+            st.orders[o] = {"user": u, "status": status, "items": []}
+            st.users[u]["orders"].append(o)
+            for cat in rng.sample(CATEGORIES, rng.randint(*items_per_order)):
+                p = new_id()
+                colors = rng.sample(COLORS, rng.randint(*variants_per_product))
+                st.products[p] = {"category": cat, "variants": []}
+                for col in colors:
+                    v = new_id()
+                    st.variants[v] = {"product": p, "color": col}
+                    st.products[p]["variants"].append(v)
+                i = new_id()
+                st.items[i] = {"order": o, "product": p, "variant": rng.choice(st.products[p]["variants"]),
+                               "status": "ordered"}
+                st.orders[o]["items"].append(i)
+    return st
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task: the store it runs on (initial state), the instruction and the goal write."""
+
+    seed: int
+    chain_length: int
+    store: Store
+    instruction: tuple[str, ...]   # instruction tokens (between TASK and SEP)
+    given: tuple[str, ...]         # the values the instruction contains (for chain_length)
+    order: int
+    item: int
+    variant: int
+    user: int
+    status: str
+    category: str
+    color: str
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """``BOS TASK <instruction> SEP`` as token ids."""
+        return encode(("<bos>", "TASK", *self.instruction, "SEP"))
+
+    def goal_store(self) -> Store:
+        st = self.store.copy()
+        st.items[self.item]["variant"] = self.variant
+        st.items[self.item]["status"] = "exchanged"
+        return st
+
+
+def make_task(seed: int, chain_length: int = 4, **store_kwargs) -> Task:
+    """A deterministic task from ``seed``; ``chain_length`` in [2, 8] is ``C`` (see module doc)."""
+    tool_chain(chain_length)  # validates
+    C = int(chain_length)
+    st = make_store(seed, **store_kwargs)
+    rng = random.Random(f"task-{seed}")
+    u = rng.choice(sorted(st.users))
+    o = rng.choice(st.users[u]["orders"])
+    i = rng.choice(st.orders[o]["items"])
+    p = st.items[i]["product"]
+    others = [v for v in st.products[p]["variants"] if v != st.items[i]["variant"]]
+    v = rng.choice(others)
+    status, cat, color = st.orders[o]["status"], st.products[p]["category"], st.variants[v]["color"]
+    name = st.users[u]["name"]
+    ticket = next(t for t, n in st.tickets.items() if n == name)
+    case = next(k for k, t in st.cases.items() if t == ticket)
+    head: dict[int, tuple[str, ...]] = {
+        8: ("case", str(case), status, cat), 7: ("ticket", str(ticket), status, cat),
+        6: ("name", name, status, cat), 5: ("user", str(u), status, cat), 4: ("order", str(o), cat),
+        3: ("order", str(o), "item", str(i)), 2: ("order", str(o), "item", str(i), "product", str(p)),
+    }
+    instruction = (*head[C], color)
+    given = tuple(t for t in instruction if t not in MARKERS)
+    return Task(seed=seed, chain_length=C, store=st, instruction=instruction, given=given, order=o,
+                item=i, variant=v, user=u, status=status, category=cat, color=color)
+
+
+# ----------------------------------------------------------------------------------------------
+# Verifier
+# ----------------------------------------------------------------------------------------------
+
+
+def verify(store: Store, task: Task) -> tuple[bool, float]:
+    """Terminal state verifier: ``(success, progress)`` of ``store`` against the task's goal.
+
+    Fields: target item's variant == goal variant; target item's status == "exchanged"; every
+    other item unchanged. ``progress`` = fraction of the three that hold; ``success`` = all hold.
+    """
+    goal = task.goal_store()
+    tgt = store.items.get(task.item, {})
+    f_variant = tgt.get("variant") == goal.items[task.item]["variant"]
+    f_status = tgt.get("status") == goal.items[task.item]["status"]
+    f_others = all(store.items.get(i) == rec for i, rec in goal.items.items() if i != task.item) \
+        and set(store.items) == set(goal.items)
+    fields = (f_variant, f_status, f_others)
+    return all(fields), sum(fields) / len(fields)
+
+
+def world_stats(chain_length: int) -> dict[str, float]:
+    """Analytic fingerprints of a correct episode of chain length ``C``: one write among ``C`` calls.
+
+    ``write_fraction = 1/C``; the state-diff verifier can judge only the write step, so
+    ``verifier_density = k / C = 1/C`` (it reaches the write-fraction ceiling).
+    """
+    C = len(tool_chain(chain_length))
+    return {"chain_length": float(C), "write_fraction": 1.0 / C, "verifier_density": 1.0 / C}
+
+
+# ----------------------------------------------------------------------------------------------
+# Environment
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TurnRecord:
+    """One turn: the call as parsed, what it returned, whether it wrote. Fields match what
+    :func:`creditlab.core.diagnostics.chain_length` reads."""
+
+    name: str                      # tool name, or "<malformed>"
+    arguments: dict[str, object]   # argument name -> value (ints for ids, str for names)
+    returned: list[object]         # values returned (empty on error)
+    is_write: bool                 # True only for a write that changed the store
+    ok: bool                       # False on a malformed or failing call
+    error: str = ""                # why it failed
+    action: tuple[int, ...] = ()   # the action's token ids (without EOA)
+    observation: tuple[int, ...] = ()  # the observation's token ids
+
+
+@dataclass
+class StepResult:
+    observation: list[int]
+    done: bool
+    record: TurnRecord
+
+
+class ToolshopEnv:
+    """One episode of a task. ``reset()`` gives the prompt ids; ``step(action_ids)`` runs one call.
+
+    Never raises on a bad action: the error becomes an ``OBS ERR EOO`` observation.
+    """
+
+    def __init__(self, task: Task, max_turns: int | None = None):
+        self.task = task
+        self.max_turns = int(max_turns) if max_turns is not None else task.chain_length + 2
+        if self.max_turns < 1:
+            raise ConfigError("max_turns", f"must be >= 1, got {max_turns}")
+        self.reset()
+
+    def reset(self) -> list[int]:
+        self.store = self.task.store.copy()
+        self.records: list[TurnRecord] = []
+        self.done = False
+        self.wrote = False
+        return self.task.prompt_ids
+
+    @property
+    def truncated(self) -> bool:
+        """True when the action budget ended the episode before a successful write."""
+        return self.done and not self.wrote
+
+    def result(self) -> tuple[bool, float]:
+        return verify(self.store, self.task)
+
+    def step(self, action: Sequence[int]) -> StepResult:
+        if self.done:
+            raise InputError("step: the episode is over; call reset()")
+        action = [int(a) for a in action]
+        if action and action[-1] == EOA:
+            action = action[:-1]
+        rec = self._call(action)
+        obs = ["OBS", *(("ERR",) if not rec.ok else ("OK",) if rec.is_write else rec.returned), "EOO"]
+        rec.observation = tuple(encode(obs))
+        self.records.append(rec)
+        if rec.is_write:
+            self.wrote = True
+            self.done = True
+        elif len(self.records) >= self.max_turns:
+            self.done = True
+        return StepResult(list(rec.observation), self.done, rec)
+
+    def _call(self, action: list[int]) -> TurnRecord:
+        toks = [VOCAB[a] if 0 <= a < len(VOCAB) else "?" for a in action]
+
+        def fail(name: str, msg: str, arguments: dict | None = None) -> TurnRecord:
+            return TurnRecord(name, arguments or {}, [], False, False, msg, tuple(action))
+
+        if not toks or toks[0] not in TOOLS:
+            return fail("<malformed>", "action does not start with a tool name")
+        tool, args = toks[0], toks[1:]
+        kinds = _ARITY[tool]
+        if len(args) != len(kinds):
+            return fail(tool, f"{tool} takes {len(kinds)} argument(s), got {len(args)}")
+        values: list[object] = []
+        for a, kind in zip(args, kinds, strict=True):
+            if kind == "id":
+                if not a.isdigit():
+                    return fail(tool, f"argument {a!r} is not an id")
+                values.append(int(a))
+            else:
+                if a not in NAMES:
+                    return fail(tool, f"argument {a!r} is not a name")
+                values.append(a)
+        arguments = dict(zip(_ARG_NAMES[tool], values, strict=True))
+        st = self.store
+        x = values[0]
+        returned: list[object] | None = None
+        if tool == "get_case" and x in st.cases:
+            returned = [st.cases[x]]
+        elif tool == "get_ticket" and x in st.tickets:
+            returned = [st.tickets[x]]
+        elif tool == "find_user":
+            u = st.user_by_name(str(x))
+            returned = None if u is None else [u]
+        elif tool == "get_user" and x in st.users:
+            returned = [v for o in st.users[x]["orders"] for v in (o, st.orders[o]["status"])]
+        elif tool == "get_order" and x in st.orders:
+            returned = [v for i in st.orders[x]["items"]
+                        for v in (i, st.products[st.items[i]["product"]]["category"])]
+        elif tool == "get_item" and x in st.items:
+            returned = [st.items[x]["product"]]
+        elif tool == "get_product" and x in st.products:
+            returned = [v for w in st.products[x]["variants"] for v in (w, st.variants[w]["color"])]
+        elif tool == "exchange":
+            o, i, v = values
+            if o not in st.orders or i not in st.orders[o]["items"]:
+                return fail(tool, f"item {i} is not in order {o}", arguments)
+            if v not in st.products[st.items[i]["product"]]["variants"]:
+                return fail(tool, f"variant {v} is not a variant of item {i}'s product", arguments)
+            if st.items[i]["status"] != "ordered":
+                return fail(tool, f"item {i} was already exchanged", arguments)
+            st.items[i]["variant"] = v
+            st.items[i]["status"] = "exchanged"
+            return TurnRecord(tool, arguments, [], True, True, "", tuple(action))
+        if returned is None:
+            return fail(tool, f"{_ARG_NAMES[tool][0]} {x} not found", arguments)
+        return TurnRecord(tool, arguments, returned, False, True, "", tuple(action))
+
+
+# ----------------------------------------------------------------------------------------------
+# Scripted (noisy) demonstrator
+# ----------------------------------------------------------------------------------------------
+
+
+def _select(returned: list[object], want: str, rng: random.Random, noise: float) -> object | None:
+    """From ``[id, attr, id, attr, ...]`` pick the id whose attr is ``want`` (a wrong one w.p. noise)."""
+    pairs = [(returned[j], returned[j + 1]) for j in range(0, len(returned) - 1, 2)]
+    if not pairs:
+        return None
+    right = [x for x, a in pairs if a == want]
+    wrong = [x for x, a in pairs if a != want]
+    if wrong and (not right or rng.random() < noise):
+        return rng.choice(wrong)
+    return right[0]
+
+
+class ScriptedAgent:
+    """A scripted agent for one episode; ``act(last_record)`` gives its next action (token strings,
+    ``EOA`` included).
+
+    With ``noise = 0`` it solves every task in exactly ``C`` turns. With ``noise > 0`` each choice
+    among returned alternatives is wrong with probability ``noise``, and each action is replaced by a
+    malformed one with probability ``noise / 4`` (after which it simply retries); it never corrects a
+    wrong choice, so a wrong read propagates to the write, as a careless agent's would.
+    """
+
+    def __init__(self, task: Task, rng: random.Random, noise: float = 0.0):
+        self.task, self.rng, self.noise = task, rng, float(noise)
+        self.chain = tool_chain(task.chain_length)
+        self.stage = 0
+        inst = dict(zip(task.instruction[::2], task.instruction[1::2], strict=False))
+        self.known: dict[str, object] = {}
+        for key in ("case", "ticket", "name", "user", "order", "item", "product"):
+            if key in inst:
+                self.known[key] = inst[key] if key == "name" else int(inst[key])
+
+    def act(self, last: TurnRecord | None = None) -> list[str]:
+        task, rng, noise, known = self.task, self.rng, self.noise, self.known
+        if last is not None and last.ok:
+            self.stage += 1
+            r = last
+            if r.name == "get_case":
+                known["ticket"] = r.returned[0]
+            elif r.name == "get_ticket":
+                known["name"] = r.returned[0]
+            elif r.name == "find_user":
+                known["user"] = r.returned[0]
+            elif r.name == "get_user":
+                known["order"] = _select(r.returned, task.status, rng, noise)
+            elif r.name == "get_order":
+                known["item"] = _select(r.returned, task.category, rng, noise)
+            elif r.name == "get_item":
+                known["product"] = r.returned[0]
+            elif r.name == "get_product":
+                known["variant"] = _select(r.returned, task.color, rng, noise)
+        if rng.random() < noise / 4:
+            junk = rng.choice([["exchange", str(task.order)], [rng.choice(READ_TOOLS)], ["EOO"]])
+            return [*junk, "EOA"]
+        tool = self.chain[min(self.stage, len(self.chain) - 1)]
+        if tool == "exchange":
+            args = [known.get("order"), known.get("item"), known.get("variant")]
+        else:
+            args = [known.get(_ARG_NAMES[tool][0])]
+        return [tool, *(str(a) for a in args if a is not None), "EOA"]
+
+
+def run_scripted(task: Task, seed: int, noise: float = 0.0, max_turns: int | None = None
+                 ) -> tuple[list[int], list[bool], ToolshopEnv]:
+    """Play one episode with :class:`ScriptedAgent`; returns (token ids, policy mask, finished env)."""
+    env = ToolshopEnv(task, max_turns)
+    ids = env.reset()
+    mask = [False] * len(ids)
+    agent = ScriptedAgent(task, random.Random(seed), noise)
+    last = None
+    while not env.done:
+        action = encode(agent.act(last))
+        res = env.step(action)
+        last = res.record
+        ids += action + res.observation
+        mask += [True] * len(action) + [False] * len(res.observation)
+    return ids, mask, env
