@@ -17,6 +17,8 @@ def coverage(
     seeds: int = typer.Option(None, "--seeds", help="Seeds per arm and configuration (default 16; quick 6)."),
     updates: int = typer.Option(None, "--updates", help="Policy updates per run (default 400; quick 150)."),
     workers: int = typer.Option(2, "--workers", help="Worker processes for the sweep cells."),
+    state_dependent: bool = typer.Option(False, "--state-dependent",
+                                         help="Policy also observes the correct-prefix length and a broken bit."),
     experiment: list[str] = typer.Option(None, "--experiment", "-e",
                                          help="Run only these experiments (c_sweep, vd_sweep, shuffle, dose)."),
 ) -> None:
@@ -32,6 +34,8 @@ def coverage(
     cfg = config_with(cfg, seeds=seeds, updates=updates)
     if experiment:
         cfg = replace(cfg, experiments=tuple(experiment))
+    if state_dependent:
+        cfg = replace(cfg, train=replace(cfg.train, state_dependent=True))
     cfg.validate()
     console = Console()
     t0 = time.perf_counter()
