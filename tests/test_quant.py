@@ -4,13 +4,6 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from reference.ref_quant import (
-    fp8_blockwise_ref,
-    fp8_e4m3_values,
-    fp8_per_row_ref,
-    fp8_round_scalar,
-    int8_per_row_ref,
-)
 
 from creditlab.errors import ConfigError
 from creditlab.models.quant import (
@@ -22,6 +15,13 @@ from creditlab.models.quant import (
     quant_int8_per_row,
     quant_kv,
     quant_weight,
+)
+from reference.ref_quant import (
+    fp8_blockwise_ref,
+    fp8_e4m3_values,
+    fp8_per_row_ref,
+    fp8_round_scalar,
+    int8_per_row_ref,
 )
 
 
