@@ -164,7 +164,15 @@ def _evaluate(env: BagOfUnits, policy: FactPolicy, prompts: Prompts, seed: int, 
 def run_fork_cell(arm: str, seed: int, cfg_json: str) -> list[dict]:
     """Train one policy under ``arm`` with ``seed``; one row per evaluation point."""
     cfg = ForkLabConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(cfg_json).items()})
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors; the sweep runs one process per core
+    try:
+        return _train(arm, seed, cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(arm: str, seed: int, cfg: ForkLabConfig) -> list[dict]:
     env = BagOfUnits(cfg.f_min, cfg.f_max, cfg.known_prob, cfg.max_units)
     torch.manual_seed(seed)  # same initial policy for every arm of this seed
     policy = FactPolicy(cfg.hidden)
@@ -200,6 +208,15 @@ def oracle_thresholds(cfg: ForkLabConfig, n_prompts: int = 2048, seed: int = 0) 
     grid, the expected reward of that rule is estimated on ``n_prompts`` prompts; the row of each
     arm is its best theta with the recall, precision and length of that rule.
     """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensors: intra-op threads only add contention
+    try:
+        return _oracle(cfg, n_prompts, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _oracle(cfg: ForkLabConfig, n_prompts: int, seed: int) -> pd.DataFrame:
     L = min(cfg.f_max, cfg.max_units)
     env = BagOfUnits(cfg.f_min, cfg.f_max, cfg.known_prob, L)
     gen = torch.Generator().manual_seed(seed)

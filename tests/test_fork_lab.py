@@ -1,0 +1,95 @@
+"""Bag-of-units world (exact verdicts) and the fork lab (deterministic, resumable, writes its outputs)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from creditlab.envs.bagofunits import BagOfUnits, Prompts
+from creditlab.errors import ConfigError
+from creditlab.lab.fork import ForkLabConfig, oracle_thresholds, run_fork_lab
+
+
+def _prompts():
+    # One prompt, three facts (slot 3 absent): known, known, a 0-confidence guess.
+    return Prompts(fact_mask=torch.tensor([[True, True, True, False]]),
+                   points=torch.tensor([[2.0, 1.0, 1.0, 0.0]]),
+                   confidence=torch.tensor([[1.0, 1.0, 0.0, 0.0]]))
+
+
+def test_world_steps_and_exact_verdicts():
+    env = BagOfUnits(f_min=1, f_max=4, max_units=6)
+    p = _prompts()
+    resp = env.reset(p)
+    gen = torch.Generator().manual_seed(0)
+    # fact 0, fact 0 again (paraphrase), fact 2 (a wrong guess), filler, fact 1, stop.
+    for t, a in enumerate([0, 0, 2, env.FILLER, 1, env.STOP]):
+        env.step(p, resp, t, torch.tensor([a]), gen)
+    assert resp.unit_mask[0].tolist() == [True] * 5 + [False]
+    assert resp.correct[0, :5].tolist() == [True, True, False, True, True]
+    assert bool(resp.done[0]) and resp.counts[0].tolist() == [2.0, 1.0, 1.0, 0.0]
+    match, cov = env.verdicts(p, resp)
+    assert cov[0].tolist() == [True, True, False, False]
+    assert match[0, 0, :5].tolist() == [True, True, False, False, False]
+    parts = env.anatomy(p, resp)
+    assert {k: float(v[0]) for k, v in parts.items()} == {"length": 5.0, "necessary": 2.0, "redundant": 1.0,
+                                                          "wrong": 1.0, "filler": 1.0}
+    # Recall (2 + 1) / 4; with tau 0.75 only the unit on fact 1 is necessary: P = 1/5.
+    s = env.score(p, resp, "fork", tau=0.75)
+    assert s.recall.item() == pytest.approx(0.75) and s.precision.item() == pytest.approx(0.2)
+    assert env.score(p, resp, "recall").reward.item() == pytest.approx(0.75)
+    # Steps after stop change nothing.
+    env.step(p, resp, 5, torch.tensor([0]), gen)
+    assert resp.unit_mask[0].sum() == 5
+
+
+def test_prompts_are_ragged_and_bounded():
+    env = BagOfUnits(f_min=2, f_max=5, known_prob=0.3)
+    p = env.sample_prompts(500, torch.Generator().manual_seed(1))
+    n = p.fact_mask.sum(1)
+    assert int(n.min()) == 2 and int(n.max()) == 5
+    assert bool((p.points[~p.fact_mask] == 0).all()) and bool((p.confidence <= 1).all())
+    assert 0.2 < float((p.confidence[p.fact_mask] == 1).float().mean()) < 0.4
+
+
+def test_oracle_orders_the_rewards():
+    # What each reward asks for, without learning noise: recall states everything, FORK is pickier
+    # than recall-only and less picky than the arithmetic mean.
+    t = oracle_thresholds(ForkLabConfig(arms=("recall", "mean", "fork")), n_prompts=1024).set_index("arm")
+    assert t.loc["recall", "best theta"] == 0.0
+    assert t.loc["recall", "best theta"] < t.loc["fork", "best theta"] < t.loc["mean", "best theta"]
+    assert t.loc["mean", "recall"] < t.loc["fork", "recall"] < t.loc["recall", "recall"]
+    assert t.loc["recall", "precision"] < t.loc["fork", "precision"] < t.loc["mean", "precision"]
+
+
+def test_lab_is_deterministic_resumable_and_writes_outputs(tmp_path):
+    cfg = ForkLabConfig(seeds=2, updates=6, prompts_per_update=4, group_size=4, eval_every=3, eval_prompts=16,
+                        max_units=8)
+    a = run_fork_lab(cfg, tmp_path / "a", workers=1, progress=False)
+    for name in ("fork_curves.parquet", "fork_final.md", "fork_paired.md", "fork_oracle.md", "fork_curves.png",
+                 "fork_anatomy.png", "report.md"):
+        assert (tmp_path / "a" / name).exists(), name
+    curves = a["curves"]
+    assert set(curves["arm"]) == {"recall", "mean", "fork"} and sorted(set(curves["update"])) == [0, 3, 6]
+    # Same seed, same initial policy and evaluation batch in every arm.
+    first = curves[curves["update"] == 0].groupby("seed")["length"].nunique()
+    assert (first == 1).all()
+    b = run_fork_lab(cfg, tmp_path / "b", workers=1, progress=False)
+    pd.testing.assert_frame_equal(a["curves"], b["curves"])
+    # Resume: a cell file removed is recomputed, the others are read back; same numbers.
+    cells = sorted((tmp_path / "a" / "store" / "cells").glob("*.parquet"))
+    mtimes = {c: c.stat().st_mtime_ns for c in cells}
+    cells[0].unlink()
+    c = run_fork_lab(cfg, tmp_path / "a", workers=1, progress=False)
+    pd.testing.assert_frame_equal(a["curves"], c["curves"])
+    assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items() if p != cells[0])
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="arms"):
+        ForkLabConfig(arms=("recall", "precision")).validate()
+    with pytest.raises(ConfigError, match="group_size"):
+        ForkLabConfig(group_size=1).validate()
+    with pytest.raises(ConfigError, match="f_min"):
+        ForkLabConfig(f_min=4, f_max=3).validate()
