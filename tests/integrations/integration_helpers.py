@@ -72,3 +72,52 @@ def tiny_model(seed: int = 0):
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
                       eos_token_id=1, bos_token_id=None)
     return LlamaForCausalLM(cfg)
+
+
+def make_rollout_func(tokenizer, *, precision: str = "fp8", turns: int = 2, tokens_per_turn: int = 3,
+                      tool_logprob: float | None = 0.0, seed: int = 0):
+    """A TRL ``rollout_func``: a multi-turn agent whose rollout engine is the trainer's model with its
+    weights stored in ``precision`` (fake-quantized), so the reported log-probs differ from the
+    learner's. Between turns a tool observation (``<tool> water``) is appended with ``env_mask`` 0 and
+    log-prob ``tool_logprob`` (0.0 like vLLM-based agent loops; junk values must not matter). The
+    per-turn score is 1 when the turn mentions "water" or "rest".
+    """
+    import copy
+
+    from creditlab.models.quant import quant_weight
+
+    vocab = tokenizer.get_vocab()
+    tool = [vocab["<tool>"], vocab["water"]]
+    good = {vocab["water"], vocab["rest"]}
+    eos = tokenizer.eos_token_id
+
+    def rollout_func(prompts, trainer):
+        engine = copy.deepcopy(trainer.model).eval()
+        with torch.no_grad():
+            for p in engine.parameters():
+                p.copy_(quant_weight(p, precision))
+        g = torch.Generator().manual_seed(seed + int(trainer.state.global_step))
+        out = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "turn_scores")}
+        for prompt in prompts:
+            prompt_ids = tokenizer(prompt)["input_ids"]
+            seq, comp, lps, mask, scores = list(prompt_ids), [], [], [], []
+            for t in range(turns):
+                turn = []
+                for k in range(tokens_per_turn):
+                    with torch.no_grad():
+                        logits = engine(torch.tensor([seq])).logits[0, -1].float()
+                    logp = torch.log_softmax(logits, -1)
+                    tok = eos if (t == turns - 1 and k == tokens_per_turn - 1) else \
+                        int(torch.multinomial(logp.exp(), 1, generator=g))
+                    seq.append(tok), comp.append(tok), lps.append(float(logp[tok])), mask.append(1), turn.append(tok)
+                scores.append(1.0 if good & set(turn) else 0.0)
+                if t < turns - 1:
+                    seq += tool
+                    comp += tool
+                    lps += [tool_logprob] * len(tool)
+                    mask += [0] * len(tool)
+            for key, val in zip(out, (prompt_ids, comp, lps, mask, scores), strict=True):
+                out[key].append(val)
+        return out
+
+    return rollout_func
