@@ -139,8 +139,8 @@ def test_fork_through_verls_reward_loop_is_batched(yaml_config, tmp_path):
             batches = [b for b in cv._BATCHERS.values() if b.batches]
             # verl's reward loop calls once per sample; the judge saw them as one batch
             assert [b.batches for b in batches][-1] == [len(SAMPLES)]
-            reward = fork_reward("openai", base_url=srv.url, model=cfg.reward.custom_reward_function.reward_kwargs.model,
-                                 max_retries=0)
+            kw = cfg.reward.custom_reward_function.reward_kwargs
+            reward = fork_reward("openai", base_url=srv.url, model=kw.model, max_retries=0)
             items = [ForkItem(str(i), "user: How do I treat a headache?", tok.decode(tok(t)["input_ids"]),
                               parse_rubrics(RUBRICS, "test")) for t, i in SAMPLES]
             direct = loop.run_until_complete(reward.score(items))
