@@ -282,11 +282,11 @@ instances = st.integers(1, 12).flatmap(
 )
 
 
-@given(instances)
-def test_budget_holds_and_binds(inst):
+@given(instances, st.sampled_from([None, 80]))
+def test_budget_holds_and_binds(inst, iters):
     C_list, rho_list, alpha_g = inst
     C, rho = torch.tensor(C_list, dtype=F64), torch.tensor(rho_list, dtype=F64)
-    alpha = allocate_budget(C, rho, alpha_g)
+    alpha = allocate_budget(C, rho, alpha_g, iters=iters)
     assert bool(((alpha >= 0) & (alpha <= 1)).all())
     budget = alpha_g**2 * float(C.sum())
     spent = float((C * alpha**2).sum())
@@ -314,11 +314,25 @@ def test_higher_rho_never_lower_alpha(inst):
     assert bool((alpha[order].diff() >= -1e-12).all())
 
 
-def test_tiny_supports_do_not_overflow():
-    # 1 / 5e-324 overflows: the bisection runs on log c
+@pytest.mark.parametrize("iters", [None, 80])
+def test_tiny_supports_do_not_overflow(iters):
+    # 1 / 5e-324 and 5e-324^2 overflow / underflow: both solvers work on log c
     C, rho = torch.tensor([1.0, 1.0], dtype=F64), torch.tensor([0.0, 5e-324], dtype=F64)
-    assert allocate_budget(C, rho, 1.0).tolist() == [0.0, 1.0]
-    assert allocate_budget(C[1:], rho[1:], 0.5).tolist() == pytest.approx([0.5])
+    assert allocate_budget(C, rho, 1.0, iters).tolist() == [0.0, 1.0]
+    assert allocate_budget(C[1:], rho[1:], 0.5, iters).tolist() == pytest.approx([0.5])
+    # a tiny support next to a normal one: the budget still binds exactly
+    rho = torch.tensor([1.0, 1e-200], dtype=F64)
+    alpha = allocate_budget(C, rho, 0.9, iters)
+    assert float((C * alpha**2).sum()) == pytest.approx(0.81 * 2)
+    assert alpha.tolist() == pytest.approx([1.0, math.sqrt(0.62)])
+
+
+@given(instances)
+def test_exact_and_bisection_agree(inst):
+    C_list, rho_list, alpha_g = inst
+    C, rho = torch.tensor(C_list, dtype=F64), torch.tensor(rho_list, dtype=F64)
+    torch.testing.assert_close(allocate_budget(C, rho, alpha_g), allocate_budget(C, rho, alpha_g, iters=100),
+                               atol=1e-9, rtol=0)
 
 
 def test_no_support_anywhere_falls_back_to_alpha_g():
@@ -481,6 +495,8 @@ def test_bad_parameters():
         interq_weights(**kw, eps_low=-0.1)
     with pytest.raises(ValueError, match="iters"):
         interq_weights(**kw, iters=0)
+    with pytest.raises(ValueError, match="iters"):
+        allocate_budget(torch.ones(2), torch.ones(2), iters=2.5)
     with pytest.raises(ValueError, match="cap"):
         tis_weights(**kw, cap=0.0)
     with pytest.raises(ValueError, match="hi"):

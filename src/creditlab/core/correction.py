@@ -27,9 +27,11 @@ valid_mask=None, **params) -> (weights, metrics)``: :func:`tis_weights` (truncat
 :func:`mis_weights` (masked token IS), :func:`seq_is_weights` (truncated sequence IS),
 :func:`geo_weights` (geometric mean of the sequence ratio), :func:`none_weights`.
 
-Everything runs on the device of the inputs, with no Python loop over tokens or segments (the
-bisection has a fixed iteration count); prefix sums and segment statistics are computed in
-float64, the returned weights are float32 (float64 for float64 inputs) and detached.
+Everything runs on the device of the inputs, with no Python loop over tokens or segments, using
+only dense passes over ``(B, L)`` (arithmetic with the mask as 0/1 numbers, row-wise cumulative
+sums, a gather) and ``(S,)``-sized work per segment. Prefix sums and segment sums accumulate in
+float64; per-token arithmetic runs in float32 for float32/bfloat16/float16 inputs and in float64
+for float64 inputs; the returned weights are float32 (float64 for float64 inputs) and detached.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import NamedTuple
 import torch
 
 from creditlab.core._checks import check_scalar, check_tensor
-from creditlab.core.masks import Segments, effective_policy_mask, segment_sum, segments
+from creditlab.core.masks import SegmentBounds, Segments, effective_policy_mask, segment_bounds, segments
 from creditlab.errors import ConfigError, InputError
 
 __all__ = [
@@ -66,14 +68,15 @@ _F64 = torch.float64
 
 
 class InterQTerms(NamedTuple):
-    """Intermediate quantities of the InterQ-RL weights (all detached, float64).
+    """Intermediate quantities of the InterQ-RL weights (all detached).
 
     Attributes:
-        weights: ``(B, L)`` final ``W_t`` (1 off policy tokens), float64.
+        weights: ``(B, L)`` final ``W_t`` (1 off policy tokens), in the working dtype (float64 for
+            float64 inputs, else float32).
         displacement: ``(B, L)`` ``d_t = W~_t - 1`` on policy tokens, 0 elsewhere.
         clipped_high / clipped_low: ``(B, L)`` bool, policy tokens whose prefix ``E_t`` left the
             envelope above / below.
-        C, rho, alpha: ``(S,)`` per-segment correction magnitude, support and allocated alpha.
+        C, rho, alpha: ``(S,)`` float64 per-segment correction magnitude, support and alpha.
         segments: the :class:`~creditlab.core.masks.Segments` of the batch.
     """
 
@@ -91,6 +94,16 @@ class InterQTerms(NamedTuple):
 # input handling
 
 
+def _check_finite(name: str, x: torch.Tensor, pm: torch.Tensor) -> None:
+    """NaN/inf at a policy token raises; junk elsewhere is allowed.
+
+    Fast path: the sum of a tensor with no NaN/inf at all is finite (one reduction); only when
+    it is not are the positions inspected against the mask.
+    """
+    if not bool(torch.isfinite(x.sum())):
+        check_tensor(name, x, finite=True, finite_where=pm)
+
+
 def _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask) -> torch.Tensor:
     """Check the four standard inputs; return the effective policy mask ``(B, L)``."""
     dims: dict[str, int] = {}
@@ -103,19 +116,25 @@ def _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask) -> torch.T
     for name, x in (("old_logprobs", old_logprobs), ("rollout_logprobs", rollout_logprobs)):
         if x.device != pm.device:
             raise InputError(f"{name}: is on device {x.device} but policy_mask is on {pm.device}")
-        check_tensor(name, x, finite=True, finite_where=pm)
+        _check_finite(name, x, pm)
     return pm
 
 
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
     return _F64 if x.dtype == _F64 else torch.float32
 
 
-def _delta(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, pm: torch.Tensor) -> torch.Tensor:
-    """``(B, L)`` float64 ``old - rollout`` on policy tokens, exactly 0 elsewhere (junk ignored)."""
-    delta = old_logprobs.to(_F64, copy=True)
-    delta.sub_(rollout_logprobs)
-    return delta.masked_fill_(~pm, 0.0)
+def _prepare(old_logprobs, rollout_logprobs, pm) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(delta, m)``: ``old - rollout`` on policy tokens and exactly 0 elsewhere, and the 0/1 mask.
+
+    Junk (even NaN/inf) at non-policy positions is zeroed by ``nan_to_num`` and the 0/1 mask,
+    without boolean ``where`` passes.
+    """
+    wd = _work_dtype(old_logprobs)
+    m = pm.view(torch.uint8).to(wd)
+    delta = old_logprobs.to(wd) - rollout_logprobs.to(wd)
+    delta = torch.nan_to_num_(delta, nan=0.0, posinf=0.0, neginf=0.0).mul_(m)
+    return delta, m
 
 
 def _safe_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -130,16 +149,24 @@ def _to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(metrics.keys(), values, strict=True))
 
 
-def _finite_or_one(x: torch.Tensor) -> torch.Tensor:
-    """``x`` if finite else 1 (the min/max weight of a batch without policy tokens)."""
-    return torch.where(torch.isfinite(x), x, torch.ones_like(x))
-
-
-def _token_metrics(delta: torch.Tensor, pm: torch.Tensor) -> dict[str, torch.Tensor]:
-    n = pm.sum()
+def _token_metrics(delta: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
+    """K3 and mean |delta| over the ``n`` policy tokens (``delta`` is 0 elsewhere)."""
+    k3 = torch.expm1(delta).sub_(delta).sum(dtype=_F64)
     return {
-        "mismatch/k3": _safe_mean((torch.expm1(delta) - delta).sum(), n),
-        "mismatch/mean_abs_delta": _safe_mean(delta.abs().sum(), n),
+        "mismatch/k3": _safe_mean(k3, n),
+        "mismatch/mean_abs_delta": _safe_mean(torch.linalg.vector_norm(delta, 1, dtype=_F64), n),
+    }
+
+
+def _weight_metrics(w: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean/min/max of ``w`` over policy tokens (``w`` is exactly 1 elsewhere; 1 when none)."""
+    big = (1.0 - m).mul_(1e30)  # masked extremes by arithmetic: no boolean where over (B, L)
+    lo = torch.add(w, big).amin() if w.numel() else w.new_ones(())
+    hi = torch.sub(w, big).amax() if w.numel() else w.new_ones(())
+    return {
+        "correction/weight_mean": 1.0 + _safe_mean(w.sum(dtype=_F64) - w.numel(), n),
+        "correction/weight_min": torch.where(lo < 1e29, lo.to(_F64), 1.0),
+        "correction/weight_max": torch.where(hi > -1e29, hi.to(_F64), 1.0),
     }
 
 
@@ -147,64 +174,105 @@ def _token_metrics(delta: torch.Tensor, pm: torch.Tensor) -> dict[str, torch.Ten
 # budget allocation
 
 
+def _budget_log_scale_exact(C: torch.Tensor, rho: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``log c`` of ``alpha_s = min(c rho_s, 1)`` spending ``target`` exactly (+inf if it cannot).
+
+    Water-filling over the breakpoints: sort by ``rho`` descending; if the ``k`` largest are
+    capped at 1, the rest spend ``c^2 Q_k`` with ``Q_k = sum_{j>=k} C_j rho_j^2``, so
+    ``c_k = sqrt((target - A_k) / Q_k)`` with ``A_k`` the capped mass. The answer is the first
+    ``k`` whose uncapped segments stay below the cap (``c_k rho_k <= 1``): ``O(S log S)``, no
+    iteration. ``Q_k`` is a reversed ``logcumsumexp`` so supports down to denormals work.
+    """
+    rs, order = torch.sort(rho, descending=True, stable=True)
+    Cs = C[order]
+    capped = torch.cumsum(Cs, 0) - Cs  # A_k
+    log_rs = torch.log(rs)
+    log_rest = torch.flip(torch.logcumsumexp(torch.flip(torch.log(Cs) + 2.0 * log_rs, (0,)), 0), (0,))
+    log_c = 0.5 * (torch.log((target - capped).clamp_min(0.0)) - log_rest)
+    ok = torch.isfinite(log_rest) & (log_c + log_rs <= 0.0)
+    k = torch.argmax(ok.to(torch.int8))  # first True (argmax returns the first maximum)
+    return torch.where(ok.any(), log_c[k], torch.full_like(target, math.inf))
+
+
+def _budget_log_scale_bisection(C, rho, target, pos, iters: int) -> torch.Tensor:
+    """The same ``log c`` by ``iters`` steps of bisection on ``log c`` (the method of DESIGN.md).
+
+    Bracket: ``c0 = sqrt(target / sum C rho^2)`` (no segment capped; ``f(c0) <= target``) and
+    ``1 / min rho`` (every positive-support segment capped). Working on ``log c`` keeps the
+    bracket finite for supports down to denormals.
+    """
+    log_rho = torch.log(rho)  # -inf where rho = 0
+    log_hi = -torch.where(pos, log_rho, torch.zeros_like(log_rho)).amin()
+    log_quad = torch.logsumexp(torch.log(C) + 2.0 * log_rho, 0)
+    log_lo = 0.5 * (torch.log(target) - log_quad)
+    log_lo = torch.where(torch.isfinite(log_lo), torch.minimum(log_lo, log_hi), torch.full_like(log_hi, -800.0))
+    for _ in range(iters):
+        mid = 0.5 * (log_lo + log_hi)
+        spent = (C * torch.exp(2.0 * torch.clamp(mid + log_rho, max=0.0))).sum()
+        below = spent < target
+        log_lo = torch.where(below, mid, log_lo)
+        log_hi = torch.where(below, log_hi, mid)
+    return log_hi
+
+
+def _check_iters(iters) -> None:
+    if iters is not None and (isinstance(iters, bool) or int(iters) != iters or iters < 1):
+        raise ConfigError("iters", f"must be None (exact) or a positive integer, got {iters!r}")
+
+
 def allocate_budget(
-    C_s: torch.Tensor, rho_s: torch.Tensor, alpha_g: float = 0.5, iters: int = 80
+    C_s: torch.Tensor, rho_s: torch.Tensor, alpha_g: float = 0.5, iters: int | None = None
 ) -> torch.Tensor:
     """Per-segment shrinkage ``alpha_s`` ``(S,)`` under a fixed correction budget.
 
     Solves ``max sum_s C_s rho_s alpha_s`` s.t. ``sum_s C_s alpha_s^2 <= alpha_g^2 sum_s C_s``,
-    ``0 <= alpha_s <= 1``. By the KKT conditions the solution is ``alpha_s = min(c rho_s, 1)``;
-    ``c`` is found by ``iters`` steps of bisection on ``log c`` between ``c0 = sqrt(budget /
-    sum C rho^2)`` (no segment capped) and ``1/min rho`` (every positive-support segment capped),
-    so the budget binds whenever it can. When it cannot (``sum_{rho>0} C_s < alpha_g^2 sum C_s``) every segment
-    with positive support gets ``alpha_s = 1``. Segments with ``rho_s = 0`` get 0 while another
-    segment has support; if no segment has both ``C_s > 0`` and ``rho_s > 0`` the objective is
-    flat and every segment gets ``alpha_g`` (the ``global`` arm). Equal ``rho`` gives
-    ``alpha_s = alpha_g`` everywhere.
+    ``0 <= alpha_s <= 1``. By the KKT conditions the solution is ``alpha_s = min(c rho_s, 1)``
+    with ``c`` such that the budget binds whenever it can. ``c`` comes from an exact breakpoint
+    search (``iters=None``, default: sort + prefix sums, no iteration) or from ``iters`` steps of
+    bisection on ``log c`` (fixed count); both are vectorised and never synchronise with the host.
+    When the budget cannot bind (``sum_{rho>0} C_s < alpha_g^2 sum C_s``) every segment with
+    positive support gets ``alpha_s = 1``. Segments with ``rho_s = 0`` get 0 while another segment
+    has support; if no segment has both ``C_s > 0`` and ``rho_s > 0`` the objective is flat and
+    every segment gets ``alpha_g`` (the ``global`` arm). Equal ``rho`` gives ``alpha_g`` everywhere.
 
     Args:
         C_s: ``(S,)`` non-negative correction magnitudes.
-        rho_s: ``(S,)`` supports in ``[0, 1]``.
+        rho_s: ``(S,)`` supports in ``[0, 1]`` (clamped).
         alpha_g: global shrinkage in ``[0, 1]`` defining the budget.
-        iters: number of bisection steps (fixed; no host synchronisation).
+        iters: None for the exact search, or a number of bisection steps.
 
     Returns:
         ``(S,)`` float64 ``alpha_s``.
 
     >>> allocate_budget(torch.tensor([1.0, 1.0]), torch.tensor([0.3, 0.3]), alpha_g=0.5)
     tensor([0.5000, 0.5000], dtype=torch.float64)
-    >>> allocate_budget(torch.tensor([1.0, 1.0]), torch.tensor([0.2, 0.4]), alpha_g=0.5).tolist()
-    [0.31622776601683794, 0.6324555320336759]
+    >>> [round(a, 6) for a in allocate_budget(torch.tensor([1.0, 1.0]), torch.tensor([0.2, 0.4])).tolist()]
+    [0.316228, 0.632456]
+
+    (``c^2 (0.2^2 + 0.4^2) = 0.5^2 * 2`` gives ``c = sqrt(2.5)``, ``alpha = (sqrt(0.1), sqrt(0.4))``.)
     """
     dims: dict[str, int] = {}
     check_tensor("C_s", C_s, shape=("S",), floating=True, finite=True, dims=dims)
     check_tensor("rho_s", rho_s, shape=("S",), floating=True, finite=True, dims=dims)
     check_scalar("alpha_g", alpha_g, low=0.0, high=1.0)
-    if int(iters) != iters or iters < 1:
-        raise ConfigError("iters", f"must be a positive integer, got {iters!r}")
+    _check_iters(iters)
     if bool((C_s < 0).any()):
         raise ConfigError("C_s", "must be non-negative")
-    C = C_s.to(_F64)
-    rho = rho_s.to(_F64).clamp(0.0, 1.0)
+    return _allocate(C_s.to(_F64), rho_s.to(_F64).clamp(0.0, 1.0), alpha_g, iters)
+
+
+def _allocate(C: torch.Tensor, rho: torch.Tensor, alpha_g: float, iters: int | None) -> torch.Tensor:
+    if C.numel() == 0:
+        return C.clone()
     target = alpha_g**2 * C.sum()
     pos = (C > 0) & (rho > 0)
-    # bisect on log c: alpha_s = exp(min(log c + log rho_s, 0)); works for rho down to denormals
-    log_rho = torch.log(rho)  # -inf where rho = 0 (alpha = 0)
-    log_hi = -torch.where(pos, log_rho, torch.zeros_like(log_rho)).amin() if C.numel() else C.new_zeros(())
-    log_hi = torch.where(pos.any(), log_hi, torch.zeros_like(log_hi))  # every positive-support seg capped
-    quad = (C * rho * rho).sum()
-    log_lo = 0.5 * (torch.log(target) - torch.log(quad))  # c0: no segment capped; inf/nan if degenerate
-    log_lo = torch.where(torch.isfinite(log_lo), torch.minimum(log_lo, log_hi), torch.full_like(log_hi, -800.0))
-    for _ in range(int(iters)):
-        mid = 0.5 * (log_lo + log_hi)
-        spent = (C * torch.exp(2.0 * torch.clamp(mid + log_rho, max=0.0))).sum()
-        below = spent < target
-        log_lo = torch.where(below, mid, log_lo)
-        log_hi = torch.where(below, log_hi, mid)
-    alpha = torch.exp(torch.clamp(log_hi + log_rho, max=0.0))
-    alpha = torch.where(target > 0, alpha, torch.zeros_like(alpha))
-    flat = ~pos.any()
-    return torch.where(flat, torch.full_like(alpha, alpha_g), alpha)
+    if iters is None:
+        log_c = _budget_log_scale_exact(torch.where(pos, C, 0.0), torch.where(pos, rho, 0.0), target)
+    else:
+        log_c = _budget_log_scale_bisection(C, rho, target, pos, int(iters))
+    alpha = torch.where(rho > 0, torch.exp(torch.clamp(log_c + torch.log(rho), max=0.0)), 0.0)
+    alpha = torch.where(target > 0, alpha, 0.0)
+    return torch.where(pos.any(), alpha, torch.full_like(alpha, alpha_g))
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,55 +284,63 @@ def _check_params(eps_low, eps_high, alpha_g, rho_eps, iters, mode) -> None:
     check_scalar("eps_high", eps_high, low=0.0)
     check_scalar("alpha_g", alpha_g, low=0.0, high=1.0)
     check_scalar("rho_eps", rho_eps, low=0.0)
-    if int(iters) != iters or iters < 1:
-        raise ConfigError("iters", f"must be a positive integer, got {iters!r}")
+    _check_iters(iters)
     if mode not in INTERQ_MODES:
         raise ConfigError("mode", f"unknown mode {mode!r}; valid: {', '.join(INTERQ_MODES)}")
 
 
-def _interq(delta: torch.Tensor, seg: Segments, *, eps_low, eps_high, alpha_g, rho_eps, iters, mode,
-            keep_prefix: bool = False):
-    """Core of InterQ-RL on a float64 ``delta`` that is consumed (overwritten) in place.
+def _segment_sums(x: torch.Tensor, b: SegmentBounds) -> torch.Tensor:
+    """Per-segment sums ``(S,)`` float64 of ``(B, L)`` ``x`` (0 off policy) by row-wise cumsums.
 
-    Returns ``(weights f64, displacement f64, clipped_high, clipped_low, C, rho, alpha, E)``;
-    ``E`` (the unclipped prefix log ratio) is None unless ``keep_prefix``.
+    Segments never cross rows, so a segment's sum is the row's running sum at its last token
+    minus the running sum just before its first (zero at the row start). Accumulated in float64;
+    the absolute rounding error is ~1e-16 times the row's running total.
     """
-    pm = seg.policy
-    E = delta.cumsum_(dim=1)  # (B, L) prefix log ratio over policy tokens
-    bound = torch.cumsum(pm, dim=1, dtype=_F64).sqrt_()  # (B, L) sqrt(n_t)
-    hi = bound * eps_high
-    clipped_high = (E > hi) & pm
-    logw = torch.minimum(E, hi, out=hi)
-    lo = bound.mul_(-eps_low)
-    clipped_low = (E < lo) & pm
-    logw = torch.maximum(logw, lo, out=logw)
-    del lo, bound
-    prefix = E.clone() if keep_prefix else None
-    del E, delta
-    d = logw.expm1_().masked_fill_(~pm, 0.0)  # (B, L) displacement W~ - 1
+    B, L = x.shape
+    run = torch.cumsum(x, 1, dtype=_F64).view(-1)
+    before = torch.where(b.start % L == 0, 0.0, run[(b.start - 1).clamp_min(0)])
+    return run[b.end] - before
 
-    S = seg.num_segments
-    n_s = seg.lengths.to(_F64)
-    sum_abs = segment_sum(d.abs(), seg.seg_id, S)
-    sum_sq = segment_sum(d.square(), seg.seg_id, S)
-    C = sum_sq / n_s.clamp_min(1)
-    ess = torch.where(sum_sq > 0, sum_abs.square() / sum_sq.clamp_min(1e-300), torch.ones_like(sum_sq))
-    spread = torch.where(n_s > 1, (ess - 1) / (n_s - 1).clamp_min(1), torch.zeros_like(ess))
-    rho = (spread * (C / (C + rho_eps)) if rho_eps > 0 else spread).clamp_(0.0, 1.0)
-    rho = torch.where(C > 0, rho, torch.zeros_like(rho))
+
+def _interq(delta, m, b: SegmentBounds, *, eps_low, eps_high, alpha_g, rho_eps, iters, mode):
+    """Core of InterQ-RL on ``delta`` / ``m`` from :func:`_prepare` (``delta`` is consumed).
+
+    Returns ``(weights, d, clip, C, rho, alpha)``: ``clip`` is ``(B, L)`` +1/-1 where the prefix
+    was clipped high/low and 0 elsewhere.
+    """
+    wd = delta.dtype
+    B, L = delta.shape
+    E = torch.cumsum(delta, 1, dtype=_F64)  # (B, L) prefix log ratio, carried over tool tokens
+    del delta
+    if wd != _F64:
+        E = E.to(wd)
+    bound = torch.cumsum(m, 1).sqrt_()  # (B, L) sqrt(n_t)
+    hi = bound * eps_high
+    lo = bound.mul_(-eps_low)
+    logw = torch.clamp(E, min=lo, max=hi)
+    del hi, lo
+    clip = E.sub_(logw).sign_().mul_(m)
+    d = logw.expm1_().mul_(m)  # (B, L) displacement W~ - 1, exactly 0 off policy
+
+    n_s = (b.end - b.start + 1).to(_F64)
+    sum_abs = _segment_sums(d.abs(), b)
+    sum_sq = _segment_sums(d.square(), b)
+    C = sum_sq / n_s
+    ess = torch.where(sum_sq > 0, sum_abs.square() / sum_sq.clamp_min(1e-300), 1.0)
+    spread = torch.where(n_s > 1, (ess - 1.0) / (n_s - 1.0).clamp_min(1.0), 0.0)
+    rho = spread * (C / (C + rho_eps)) if rho_eps > 0 else spread
+    rho = torch.where(C > 0, rho.clamp(0.0, 1.0), 0.0)
 
     if mode == "interq":
-        alpha = allocate_budget(C, rho, alpha_g, iters) if S else C.new_zeros(0)
-    elif mode == "prefix":
-        alpha = torch.ones_like(C)
+        alpha = _allocate(C, rho, alpha_g, iters)
+        run = torch.cumsum(b.starts.view(torch.uint8).reshape(-1), 0)  # (B*L,) segments started so far
+        alpha_pad = torch.cat([alpha.new_zeros(1), alpha]).to(wd)
+        weights = alpha_pad.index_select(0, run).view(B, L).mul_(d).add_(1.0)
     else:
-        alpha = torch.full_like(C, alpha_g)
-
-    # gather alpha per token through a spare slot S (value 0) for non-policy tokens
-    alpha_pad = torch.cat([alpha, alpha.new_zeros(1)])
-    idx = torch.where(seg.seg_id < 0, torch.full_like(seg.seg_id, S), seg.seg_id)
-    weights = alpha_pad[idx].mul_(d).add_(1.0)
-    return weights, d, clipped_high, clipped_low, C, rho, alpha, prefix
+        a = 1.0 if mode == "prefix" else alpha_g
+        alpha = torch.full_like(C, a)
+        weights = torch.add(d, 1.0) if a == 1.0 else torch.mul(d, a).add_(1.0)
+    return weights, d, clip, C, rho, alpha
 
 
 def interq_terms(
@@ -277,20 +353,20 @@ def interq_terms(
     eps_high: float = 0.05,
     alpha_g: float = 0.5,
     rho_eps: float = 1e-8,
-    iters: int = 80,
+    iters: int | None = None,
     mode: str = "interq",
 ) -> InterQTerms:
     """All intermediate quantities of :func:`interq_weights` (for diagnostics, labs and tests)."""
     _check_params(eps_low, eps_high, alpha_g, rho_eps, iters, mode)
     pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
     with torch.no_grad():
-        seg = segments(pm)
-        delta = _delta(old_logprobs, rollout_logprobs, pm)
-        w, d, ch, cl, C, rho, alpha, _ = _interq(
-            delta, seg, eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps,
+        b = segment_bounds(pm)
+        delta, m = _prepare(old_logprobs, rollout_logprobs, pm)
+        w, d, clip, C, rho, alpha = _interq(
+            delta, m, b, eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps,
             iters=iters, mode=mode,
         )
-    return InterQTerms(w, d, ch, cl, C, rho, alpha, seg)
+    return InterQTerms(w, d, clip > 0, clip < 0, C, rho, alpha, segments(pm))
 
 
 def interq_weights(
@@ -303,7 +379,7 @@ def interq_weights(
     eps_high: float = 0.05,
     alpha_g: float = 0.5,
     rho_eps: float = 1e-8,
-    iters: int = 80,
+    iters: int | None = None,
     mode: str = "interq",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """InterQ-RL execution-prefix weights ``W`` ``(B, L)`` (detached) and metrics.
@@ -312,19 +388,22 @@ def interq_weights(
         old_logprobs: ``(B, L)`` float, learner log-probs of the sampling checkpoint (q_old).
         rollout_logprobs: ``(B, L)`` float, log-probs the rollout engine reported (r_exec).
         policy_mask: ``(B, L)`` bool, True on tokens the policy generated (verl's
-            ``response_mask`` with tool tokens at 0).
+            ``response_mask`` with tool tokens at 0, as bool).
         valid_mask: ``(B, L)`` bool or None, True on non-padding.
         eps_low, eps_high: envelope of the prefix log ratio, ``[-eps_low, eps_high] * sqrt(n_t)``.
         alpha_g: global shrinkage that sets the batch correction budget.
         rho_eps: ``eps`` of the support's magnitude gate ``C/(C+eps)``.
-        iters: bisection steps of :func:`allocate_budget`.
+        iters: None (exact budget allocation) or a number of bisection steps, see
+            :func:`allocate_budget`.
         mode: ``interq`` (support allocation), ``prefix`` (alpha = 1: the clipped prefix weight
             itself) or ``global`` (alpha = alpha_g for every segment).
 
     Returns:
         ``weights`` ``(B, L)`` float32 (float64 for float64 inputs), 1 off policy tokens, exactly
-        1 everywhere when ``old_logprobs == rollout_logprobs``; and a metrics dict
-        (``correction/…``, ``mismatch/k3``, ``mismatch/mean_abs_delta``).
+        1 everywhere when ``old_logprobs == rollout_logprobs``; and metrics ``correction/…``
+        (``clip_rate``, ``rho_mean``, ``alpha_mean``, ``weight_mean/min/max`` over policy tokens,
+        ``segments``),
+        ``mismatch/k3`` and ``mismatch/mean_abs_delta``.
 
     >>> old = torch.tensor([[-1.0, -1.0, 0.0, -1.0]]); pm = torch.tensor([[True, True, False, True]])
     >>> w, m = interq_weights(old, old - 0.01, pm, mode="prefix")
@@ -334,54 +413,54 @@ def interq_weights(
     _check_params(eps_low, eps_high, alpha_g, rho_eps, iters, mode)
     pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
     with torch.no_grad():
-        seg = segments(pm)
-        delta = _delta(old_logprobs, rollout_logprobs, pm)
-        metrics = _token_metrics(delta, pm)
-        w, d, ch, cl, C, rho, alpha, _ = _interq(
-            delta, seg, eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps,
+        b = segment_bounds(pm)
+        delta, m = _prepare(old_logprobs, rollout_logprobs, pm)
+        n = m.sum(dtype=_F64)
+        metrics = _token_metrics(delta, n)
+        w, d, clip, C, rho, alpha = _interq(
+            delta, m, b, eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps,
             iters=iters, mode=mode,
         )
-        n_tok = pm.sum()
-        S = torch.tensor(float(seg.num_segments), dtype=_F64, device=pm.device)
-        metrics.update({
-            "correction/clip_rate": _safe_mean((ch | cl).sum(), n_tok),
-            "correction/rho_mean": _safe_mean(rho.sum(), S),
-            "correction/alpha_mean": _safe_mean(alpha.sum(), S),
-            "correction/weight_mean": _safe_mean(torch.where(pm, w, 0.0).sum(), n_tok),
-            "correction/weight_min": _finite_or_one(torch.where(pm, w, math.inf).amin()),
-            "correction/weight_max": _finite_or_one(torch.where(pm, w, -math.inf).amax()),
-            "correction/segments": S,
-        })
-        out = w.to(_out_dtype(old_logprobs))
-    return out, _to_floats(metrics)
+        S = torch.tensor(float(b.num_segments), dtype=_F64, device=pm.device)
+        metrics["correction/clip_rate"] = _safe_mean(clip.abs().sum(dtype=_F64), n)
+        metrics["correction/rho_mean"] = _safe_mean(rho.sum(), S)
+        metrics["correction/alpha_mean"] = _safe_mean(alpha.sum(), S)
+        metrics.update(_weight_metrics(w, m, n))
+        metrics["correction/segments"] = S
+    return w, _to_floats(metrics)
 
 
 # --------------------------------------------------------------------------------------------
 # baselines
 
 
-def _baseline_metrics(w: torch.Tensor, delta: torch.Tensor, pm: torch.Tensor, clipped: torch.Tensor):
-    n = pm.sum()
-    metrics = _token_metrics(delta, pm)
-    metrics["correction/clip_rate"] = _safe_mean((clipped & pm).sum(), n)
-    metrics["correction/weight_mean"] = _safe_mean(torch.where(pm, w, 0.0).sum(), n)
-    return metrics
+def _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh):
+    """Shared body of the baselines: ``weigh(delta, m) -> (w, clipped 0/1)``; metrics included."""
+    pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
+    with torch.no_grad():
+        delta, m = _prepare(old_logprobs, rollout_logprobs, pm)
+        n = m.sum(dtype=_F64)
+        w, clipped = weigh(delta, m)
+        metrics = _token_metrics(delta, n)
+        metrics["correction/clip_rate"] = _safe_mean((clipped * m).sum(dtype=_F64), n)
+        metrics.update(_weight_metrics(w, m, n))
+    return w, _to_floats(metrics)
 
 
 def tis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, cap: float = 2.0):
     """Truncated token IS: ``min(exp(delta_t), cap)`` on policy tokens, 1 elsewhere.
 
     Token-level truncated importance sampling (Ionides 2008; used against rollout/learner
-    mismatch by Yao et al., 2025, and as verl's token ``rollout_is``). ``(B, L)`` in and out.
+    mismatch by Yao et al., 2025, and as verl's token ``rollout_is``). ``(B, L)`` in and out;
+    ``clip_rate`` is the share of policy tokens truncated.
     """
     check_scalar("cap", cap, low=0.0, low_open=True)
-    pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
-    with torch.no_grad():
-        delta = _delta(old_logprobs, rollout_logprobs, pm)
-        log_cap = math.log(cap)
-        w = torch.exp(delta.clamp(max=log_cap))
-        metrics = _baseline_metrics(w, delta, pm, delta > log_cap)
-    return w.to(_out_dtype(old_logprobs)), _to_floats(metrics)
+    log_cap = math.log(cap)
+
+    def weigh(delta, m):
+        return torch.exp(delta.clamp(max=log_cap)), (delta > log_cap).to(delta.dtype)
+
+    return _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh)
 
 
 def mis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, lo: float = 0.5,
@@ -389,39 +468,34 @@ def mis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *,
     """Masked token IS: ``r_t = exp(delta_t)`` if ``lo <= r_t <= hi`` else 0 (1 off policy tokens).
 
     Tokens whose ratio leaves ``[lo, hi]`` drop out of the loss instead of being truncated
-    (IcePop-style masking). ``(B, L)`` in and out.
+    (IcePop-style masking). ``(B, L)`` in and out; ``clip_rate`` is the share masked.
     """
     check_scalar("lo", lo, low=0.0, low_open=True)
     check_scalar("hi", hi, low=lo)
-    pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
-    with torch.no_grad():
-        delta = _delta(old_logprobs, rollout_logprobs, pm)
+
+    def weigh(delta, m):
         r = torch.exp(delta)
-        outside = (r < lo) | (r > hi)
-        w = torch.where(outside & pm, torch.zeros_like(r), r)
-        metrics = _baseline_metrics(w, delta, pm, outside)
-    return w.to(_out_dtype(old_logprobs)), _to_floats(metrics)
+        outside = ((r < lo) | (r > hi)).to(delta.dtype).mul_(m)
+        return r * (1.0 - outside) + (1.0 - m) * outside, outside  # off policy r = 1 exactly
 
-
-def _row_delta_sum(delta: torch.Tensor) -> torch.Tensor:
-    return delta.sum(dim=1, keepdim=True)  # (B, 1)
+    return _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh)
 
 
 def seq_is_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, cap: float = 2.0):
     """Truncated sequence IS: ``min(exp(sum_t delta_t), cap)`` broadcast over the row's policy tokens.
 
-    Computed in log space (no overflow for long sequences). ``clip_rate`` counts tokens of rows
-    whose ratio was truncated. ``(B, L)`` in and out.
+    Computed in log space (no overflow for long sequences); the sum accumulates in float64.
+    ``clip_rate`` counts tokens of rows whose ratio was truncated. ``(B, L)`` in and out.
     """
     check_scalar("cap", cap, low=0.0, low_open=True)
-    pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
-    with torch.no_grad():
-        delta = _delta(old_logprobs, rollout_logprobs, pm)
-        log_cap = math.log(cap)
-        total = _row_delta_sum(delta)
-        w = torch.where(pm, torch.exp(total.clamp(max=log_cap)), 1.0)
-        metrics = _baseline_metrics(w, delta, pm, (total > log_cap).expand_as(pm))
-    return w.to(_out_dtype(old_logprobs)), _to_floats(metrics)
+    log_cap = math.log(cap)
+
+    def weigh(delta, m):
+        total = delta.sum(dim=1, keepdim=True, dtype=_F64)  # (B, 1)
+        w_row = torch.exp(total.clamp(max=log_cap)).to(delta.dtype)
+        return 1.0 + m * (w_row - 1.0), (total > log_cap).to(delta.dtype).expand_as(m)
+
+    return _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh)
 
 
 def geo_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None):
@@ -429,23 +503,18 @@ def geo_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None):
 
     The length-normalised sequence ratio (as in GSPO's sequence ratio). ``(B, L)`` in and out.
     """
-    pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
-    with torch.no_grad():
-        delta = _delta(old_logprobs, rollout_logprobs, pm)
-        mean = _row_delta_sum(delta) / pm.sum(dim=1, keepdim=True).clamp_min(1)
-        w = torch.where(pm, torch.exp(mean), 1.0)
-        metrics = _baseline_metrics(w, delta, pm, torch.zeros_like(pm))
-    return w.to(_out_dtype(old_logprobs)), _to_floats(metrics)
+
+    def weigh(delta, m):
+        mean = delta.sum(dim=1, keepdim=True, dtype=_F64) / m.sum(dim=1, keepdim=True, dtype=_F64).clamp_min(1)
+        return 1.0 + m * (torch.exp(mean).to(delta.dtype) - 1.0), torch.zeros_like(m)
+
+    return _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh)
 
 
 def none_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None):
     """No correction: all-ones ``(B, L)`` (metrics still report the mismatch)."""
-    pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
-    with torch.no_grad():
-        delta = _delta(old_logprobs, rollout_logprobs, pm)
-        w = torch.ones(pm.shape, dtype=_out_dtype(old_logprobs), device=pm.device)
-        metrics = _baseline_metrics(w, delta, pm, torch.zeros_like(pm))
-    return w, _to_floats(metrics)
+    return _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask,
+                     lambda delta, m: (torch.ones_like(delta), torch.zeros_like(m)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -462,7 +531,7 @@ def mismatch_metrics(
     eps_high: float = 0.05,
     alpha_g: float = 0.5,
     rho_eps: float = 1e-8,
-    iters: int = 80,
+    iters: int | None = None,
     max_turns: int = 8,
     quantiles: tuple[float, ...] = (0.1, 0.5, 0.9),
 ) -> dict[str, float]:
@@ -475,76 +544,80 @@ def mismatch_metrics(
       policy tokens; ``mismatch/seq_k1 … seq_chi2`` the same on the sequence log ratio
       ``sum_t delta_t`` (mean over rows with a policy token; the exponent is capped at 80).
     - ``mismatch/turn{k}/current``: mean ``delta_t`` over tokens of the ``k``-th action of a
-      trajectory, and ``mismatch/turn{k}/prefix``: mean prefix log ratio ``E_t`` over the same
-      tokens, for ``k < max_turns`` (turns that no row reaches are absent). A flat ``current``
-      with a growing ``prefix`` is the fingerprint of compounding mismatch.
+      trajectory, ``mismatch/turn{k}/prefix``: mean prefix log ratio ``E_t`` over the same tokens,
+      and ``mismatch/turn{k}/tokens``, for ``k < max_turns`` (turns no row reaches are absent). A
+      flat ``current`` with a growing ``prefix`` is the fingerprint of compounding mismatch.
     - ``correction/clip_rate`` (``_high`` / ``_low``): share of policy tokens whose prefix left the
       InterQ envelope; ``correction/rho_q{q}``, ``correction/alpha_q{q}`` quantiles over segments
-      (q in percent), ``correction/C_mean``.
+      (q in percent), ``correction/C_mean``, ``correction/segments``.
     """
     _check_params(eps_low, eps_high, alpha_g, rho_eps, iters, "interq")
-    if int(max_turns) != max_turns or max_turns < 0:
+    if isinstance(max_turns, bool) or int(max_turns) != max_turns or max_turns < 0:
         raise ConfigError("max_turns", f"must be a non-negative integer, got {max_turns!r}")
     for q in quantiles:
         check_scalar("quantiles", q, low=0.0, high=1.0)
     pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
     with torch.no_grad():
-        seg = segments(pm)
-        delta = _delta(old_logprobs, rollout_logprobs, pm)
-        n = pm.sum()
-        r1 = torch.expm1(delta)
-        m: dict[str, torch.Tensor] = {
-            "mismatch/k1": _safe_mean(-delta.sum(), n),
-            "mismatch/k2": _safe_mean((delta.square() / 2).sum(), n),
-            "mismatch/k3": _safe_mean((r1 - delta).sum(), n),
+        b = segment_bounds(pm)
+        delta, m = _prepare(old_logprobs, rollout_logprobs, pm)
+        delta64 = delta.to(_F64)
+        n = m.sum(dtype=_F64)
+        r1 = torch.expm1(delta64)
+        out: dict[str, torch.Tensor] = {
+            "mismatch/k1": _safe_mean(-delta64.sum(), n),
+            "mismatch/k2": _safe_mean((delta64.square() / 2).sum(), n),
+            "mismatch/k3": _safe_mean((r1 - delta64).sum(), n),
             "mismatch/chi2": _safe_mean(r1.square().sum(), n),
-            "mismatch/mean_abs_delta": _safe_mean(delta.abs().sum(), n),
+            "mismatch/mean_abs_delta": _safe_mean(delta64.abs().sum(), n),
         }
         del r1
-        rows = pm.any(dim=1)
+        rows = (m.sum(dim=1) > 0).to(_F64)
         n_rows = rows.sum()
-        total = delta.sum(dim=1)
-        r1s = torch.expm1(total.clamp(max=80.0))
-        m.update({
-            "mismatch/seq_k1": _safe_mean(torch.where(rows, -total, 0.0).sum(), n_rows),
-            "mismatch/seq_k2": _safe_mean(torch.where(rows, total.square() / 2, 0.0).sum(), n_rows),
-            "mismatch/seq_k3": _safe_mean(torch.where(rows, r1s - total.clamp(max=80.0), 0.0).sum(), n_rows),
-            "mismatch/seq_chi2": _safe_mean(torch.where(rows, r1s.square(), 0.0).sum(), n_rows),
+        total = delta64.sum(dim=1)
+        capped = total.clamp(max=80.0)
+        r1s = torch.expm1(capped)
+        out.update({
+            "mismatch/seq_k1": _safe_mean((rows * -total).sum(), n_rows),
+            "mismatch/seq_k2": _safe_mean((rows * total.square() / 2).sum(), n_rows),
+            "mismatch/seq_k3": _safe_mean((rows * (r1s - capped)).sum(), n_rows),
+            "mismatch/seq_chi2": _safe_mean((rows * r1s.square()).sum(), n_rows),
         })
-        # per turn: current (delta) and prefix (E) log ratio, bucketed by turn index
+        # by turn: per-segment sums of delta and of the prefix E, then summed over segments by turn
         T = int(max_turns)
-        if T > 0:
-            tix = seg.turn_index.reshape(-1)
-            tix = torch.where((tix < 0) | (tix >= T), torch.full_like(tix, T), tix)
-            count = torch.zeros(T + 1, dtype=_F64, device=pm.device).index_add_(
-                0, tix, pm.reshape(-1).to(_F64))
-            cur = torch.zeros_like(count).index_add_(0, tix, delta.reshape(-1))
-            prefix_all = delta.cumsum(dim=1)
-            prefix_all.masked_fill_(~pm, 0.0)
-            pre = torch.zeros_like(count).index_add_(0, tix, prefix_all.reshape(-1))
-            del prefix_all
+        if T > 0 and b.num_segments:
+            E = torch.cumsum(delta64, 1)
+            seg_delta = _segment_sums(delta64, b)
+            seg_prefix = _segment_sums(E.mul_(m.to(_F64)), b)
+            del E
+            seg_len = (b.end - b.start + 1).to(_F64)
+            bucket = b.turn.clamp(max=T)  # turns >= T go to a dropped bucket
+            count = torch.zeros(T + 1, dtype=_F64, device=pm.device).index_add_(0, bucket, seg_len)
+            cur = torch.zeros_like(count).index_add_(0, bucket, seg_delta)
+            pre = torch.zeros_like(count).index_add_(0, bucket, seg_prefix)
             present = (count[:T] > 0).tolist()
             for k in range(T):
                 if present[k]:
-                    m[f"mismatch/turn{k}/current"] = cur[k] / count[k]
-                    m[f"mismatch/turn{k}/prefix"] = pre[k] / count[k]
-                    m[f"mismatch/turn{k}/tokens"] = count[k]
-        _, d, ch, cl, C, rho, alpha, _ = _interq(
-            delta, seg, eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps,
+                    out[f"mismatch/turn{k}/current"] = cur[k] / count[k]
+                    out[f"mismatch/turn{k}/prefix"] = pre[k] / count[k]
+                    out[f"mismatch/turn{k}/tokens"] = count[k]
+        _, _, clip, C, rho, alpha = _interq(
+            delta, m, b, eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps,
             iters=iters, mode="interq",
         )
-        m.update({
-            "correction/clip_rate": _safe_mean((ch | cl).sum(), n),
-            "correction/clip_rate_high": _safe_mean(ch.sum(), n),
-            "correction/clip_rate_low": _safe_mean(cl.sum(), n),
-            "correction/segments": torch.tensor(float(seg.num_segments), dtype=_F64, device=pm.device),
+        high = clip.clamp(min=0.0).sum(dtype=_F64)
+        low = (-clip).clamp(min=0.0).sum(dtype=_F64)
+        out.update({
+            "correction/clip_rate": _safe_mean(high + low, n),
+            "correction/clip_rate_high": _safe_mean(high, n),
+            "correction/clip_rate_low": _safe_mean(low, n),
+            "correction/segments": torch.tensor(float(b.num_segments), dtype=_F64, device=pm.device),
         })
-        if seg.num_segments:
-            qs = torch.tensor(list(quantiles), dtype=_F64, device=pm.device)
-            rq = torch.quantile(rho, qs) if len(quantiles) else rho.new_zeros(0)
-            aq = torch.quantile(alpha, qs) if len(quantiles) else alpha.new_zeros(0)
-            m["correction/C_mean"] = C.mean()
-            for i, q in enumerate(quantiles):
-                m[f"correction/rho_q{round(100 * q)}"] = rq[i]
-                m[f"correction/alpha_q{round(100 * q)}"] = aq[i]
-    return _to_floats(m)
+        if b.num_segments:
+            out["correction/C_mean"] = C.mean()
+            if quantiles:
+                qs = torch.tensor(list(quantiles), dtype=_F64, device=pm.device)
+                rq, aq = torch.quantile(rho, qs), torch.quantile(alpha, qs)
+                for i, q in enumerate(quantiles):
+                    out[f"correction/rho_q{round(100 * q)}"] = rq[i]
+                    out[f"correction/alpha_q{round(100 * q)}"] = aq[i]
+    return _to_floats(out)

@@ -17,7 +17,31 @@ import torch
 from creditlab.core._checks import check_tensor
 from creditlab.errors import InputError
 
-__all__ = ["Segments", "effective_policy_mask", "segments", "segment_sum"]
+__all__ = ["SegmentBounds", "Segments", "effective_policy_mask", "segment_bounds", "segment_sum", "segments"]
+
+
+class SegmentBounds(NamedTuple):
+    """Where the segments of a batch start and end (cheap: no ``(B, L)`` id maps).
+
+    Attributes:
+        policy: ``(B, L)`` bool, ``policy_mask & valid_mask``.
+        starts: ``(B, L)`` bool, True on the first token of each segment.
+        start: ``(S,)`` int64 flat index (``b * L + t``) of each segment's first token.
+        end: ``(S,)`` int64 flat index of each segment's last token (inclusive).
+        row: ``(S,)`` int64 row of each segment.
+        turn: ``(S,)`` int64 turn index of each segment within its row.
+        n_segments: ``(B,)`` int64 number of segments per row.
+        num_segments: ``S`` as a Python int.
+    """
+
+    policy: torch.Tensor
+    starts: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    row: torch.Tensor
+    turn: torch.Tensor
+    n_segments: torch.Tensor
+    num_segments: int
 
 
 class Segments(NamedTuple):
@@ -61,12 +85,40 @@ def _raise_device(name: str, x: torch.Tensor, ref: torch.Tensor) -> None:
     raise InputError(f"{name}: is on device {x.device} but the other inputs are on {ref.device}")
 
 
+def segment_bounds(policy_mask: torch.Tensor, valid_mask: torch.Tensor | None = None) -> SegmentBounds:
+    """First and last flat token index of every segment, its row and turn; ``(S,)`` each.
+
+    A segment starts at a policy token whose left neighbour in the same row is not a policy
+    token and ends at one whose right neighbour is not. Only boolean ``&``/``~`` passes and two
+    ``nonzero`` calls over ``(B, L)`` (one host synchronisation reads ``S``).
+
+    >>> b = segment_bounds(torch.tensor([[True, True, False, True], [False, False, True, True]]))
+    >>> b.start.tolist(), b.end.tolist(), b.row.tolist(), b.turn.tolist(), b.n_segments.tolist()
+    ([0, 3, 6], [1, 3, 7], [0, 0, 1], [0, 1, 0], [2, 1])
+    """
+    pm = effective_policy_mask(policy_mask, valid_mask)
+    B, L = pm.shape
+    starts = pm.clone()
+    ends = pm.clone()
+    if L > 1:
+        starts[:, 1:] &= ~pm[:, :-1]
+        ends[:, :-1] &= ~pm[:, 1:]
+    start = starts.reshape(-1).nonzero().squeeze(1)
+    end = ends.reshape(-1).nonzero().squeeze(1)
+    S = start.numel()
+    row = torch.div(start, max(L, 1), rounding_mode="floor")
+    n_segments = starts.sum(dim=1)
+    offsets = torch.cumsum(n_segments, 0) - n_segments  # (B,) flat id of each row's first segment
+    turn = torch.arange(S, device=pm.device) - offsets[row]
+    return SegmentBounds(pm, starts, start, end, row, turn, n_segments, S)
+
+
 def segments(policy_mask: torch.Tensor, valid_mask: torch.Tensor | None = None) -> Segments:
     """Segment ids, lengths, turn indices and per-row counts of a ``(B, L)`` policy mask.
 
-    A segment starts at a policy token whose left neighbour (in the same row) is not a policy
-    token; the turn index of a token is the running count of starts in its row minus one, and the
-    flat id adds the number of segments of all earlier rows. One host synchronisation reads ``S``.
+    The flat id of a policy token is the running count of segment starts over the flattened
+    batch minus one; its turn index is the running count within its row minus one (computed with
+    integer arithmetic, no ``where`` over ``(B, L)``).
 
     >>> pm = torch.tensor([[True, True, False, True], [False, False, False, False],
     ...                    [True, False, True, True]])
@@ -78,23 +130,14 @@ def segments(policy_mask: torch.Tensor, valid_mask: torch.Tensor | None = None) 
     >>> seg.lengths.tolist(), seg.row.tolist(), seg.turn.tolist(), seg.n_segments.tolist()
     ([2, 1, 1, 2], [0, 0, 2, 2], [0, 1, 0, 1], [2, 0, 2])
     """
-    pm = effective_policy_mask(policy_mask, valid_mask)
-    B, L = pm.shape
-    device = pm.device
-    starts = pm.clone()
-    if L > 1:
-        starts[:, 1:] &= ~pm[:, :-1]
-    running = torch.cumsum(starts, dim=1)  # (B, L) int64: segments started so far in the row
-    n_segments = running[:, -1].clone() if L > 0 else torch.zeros(B, dtype=torch.int64, device=device)
-    offsets = torch.cumsum(n_segments, 0) - n_segments  # (B,) flat id of each row's first segment
-    turn_index = torch.where(pm, running - 1, torch.full_like(running, -1))
-    del running, starts
-    seg_id = torch.where(pm, turn_index + offsets[:, None], torch.full_like(turn_index, -1))
-    S = int(n_segments.sum().item())
-    row = torch.repeat_interleave(torch.arange(B, device=device), n_segments, output_size=S)
-    turn = torch.arange(S, device=device) - offsets[row]
-    lengths = segment_sum(torch.ones((), dtype=torch.int64, device=device).expand(B, L), seg_id, S)
-    return Segments(pm, seg_id, turn_index, lengths, row, turn, n_segments, S)
+    b = segment_bounds(policy_mask, valid_mask)
+    B, L = b.policy.shape
+    on = b.policy.view(torch.uint8).to(torch.int64)  # (B, L) 1 on policy tokens
+    st = b.starts.view(torch.uint8)
+    seg_id = torch.cumsum(st.reshape(-1), 0).view(B, L).mul_(on).sub_(1)
+    turn_index = torch.cumsum(st, dim=1).mul_(on).sub_(1)
+    lengths = b.end - b.start + 1
+    return Segments(b.policy, seg_id, turn_index, lengths, b.row, b.turn, b.n_segments, b.num_segments)
 
 
 def segment_sum(values: torch.Tensor, seg_id: torch.Tensor, num_segments: int) -> torch.Tensor:
