@@ -28,8 +28,20 @@ def srv(server):
     return server
 
 
+TRANSPORT = ["httpx"]
+
+
+@pytest.fixture(params=["httpx", "asyncio"], autouse=True)
+def transport(request):
+    """Every test runs once per HTTP transport of the client."""
+    TRANSPORT[0] = request.param
+    yield request.param
+    TRANSPORT[0] = "httpx"
+
+
 def judge(url, **kw):
-    opts = dict(timeout=0.3, max_retries=3, max_reasks=2, backoff_base=0.005, backoff_max=0.02, seed=0)
+    opts = dict(timeout=0.3, max_retries=3, max_reasks=2, backoff_base=0.005, backoff_max=0.02, seed=0,
+                transport=TRANSPORT[0])
     opts.update(kw)
     return OpenAIJudge(url, "judge-model", **opts)
 
@@ -150,7 +162,7 @@ def test_cache_serves_validated_replies_without_requests(srv, tmp_path):
     assert srv.stats["requests"] == 0 and r2.requests == 0 and r2.cache_hits == 5
     assert r2.reward == r1.reward and r2.units == r1.units
     # Another model name is another key.
-    run(OpenAIJudge(srv.url, "other-model", cache=cache).unitize(ITEM.prompt, ITEM.response))
+    run(OpenAIJudge(srv.url, "other-model", cache=cache, transport=TRANSPORT[0]).unitize(ITEM.prompt, ITEM.response))
     assert srv.stats["requests"] == 1
 
 

@@ -61,6 +61,8 @@ def score(
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds per judge request."),
     max_retries: int = typer.Option(4, "--max-retries", help="Retries of 429/5xx/timeouts per request."),
     cache: Path = typer.Option(None, "--cache", help="sqlite cache of validated judge replies."),
+    transport: str = typer.Option("httpx", "--transport",
+                                  help="HTTP client: httpx, or asyncio (minimal, cheaper at high request rates)."),
     assume_correct: bool = typer.Option(False, "--assume-correct",
                                         help="Treat every unit as correct (required by the offline judge)."),
 ) -> None:
@@ -81,7 +83,7 @@ def score(
     jcache = JudgeCache(cache) if cache is not None else None
     if judge == "openai":
         j = OpenAIJudge(base_url, model, api_key_env=api_key_env, concurrency=concurrency, timeout=timeout,
-                        max_retries=max_retries, cache=jcache)
+                        max_retries=max_retries, cache=jcache, transport=transport)
     elif judge == "offline":
         j = EmbeddingJudge()
     else:

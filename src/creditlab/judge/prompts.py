@@ -10,6 +10,7 @@ cache key).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -169,9 +170,14 @@ def _strict(schema: Any) -> Any:
     return schema
 
 
+@functools.cache
+def _schema_json(stage: str) -> str:
+    return json.dumps(_strict(_MODELS[stage].model_json_schema()))
+
+
 def reply_schema(stage: str) -> dict[str, Any]:
     """JSON schema of a stage's reply for structured output (``response_format: json_schema``)."""
-    return _strict(_MODELS[stage].model_json_schema())
+    return json.loads(_schema_json(stage))
 
 
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)

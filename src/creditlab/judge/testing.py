@@ -69,8 +69,8 @@ def answer_stage(payload: dict[str, Any]) -> dict[str, Any]:
         return {"rubrics": [{"id": r["id"], "met": _content(r["criterion"]) <= words} for r in payload["rubrics"]]}
     if task == "match":
         units = [(u["id"], _content(u["text"])) for u in payload["units"]]
-        return {"rubrics": [{"id": r["id"], "units": [uid for uid, w in units if _content(r["criterion"]) <= w]}
-                            for r in payload["rubrics"]]}
+        rubrics = [(r["id"], _content(r["criterion"])) for r in payload["rubrics"]]
+        return {"rubrics": [{"id": rid, "units": [uid for uid, w in units if need <= w]} for rid, need in rubrics]}
     if task == "correctness":
         return {"units": [{"id": u["id"], "correct": "wrong" not in _WORD.findall(u["text"].lower())}
                           for u in payload["units"]]}
