@@ -151,10 +151,10 @@ def _to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
 
 def _token_metrics(delta: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
     """K3 and mean |delta| over the ``n`` policy tokens (``delta`` is 0 elsewhere)."""
-    k3 = torch.expm1(delta).sub_(delta).sum(dtype=_F64)
+    k3 = torch.expm1(delta).sub_(delta).sum()  # plain sums: sum(dtype=float64) would copy (B, L)
     return {
         "mismatch/k3": _safe_mean(k3, n),
-        "mismatch/mean_abs_delta": _safe_mean(torch.linalg.vector_norm(delta, 1, dtype=_F64), n),
+        "mismatch/mean_abs_delta": _safe_mean(delta.abs().sum(), n),
     }
 
 
@@ -164,7 +164,7 @@ def _weight_metrics(w: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> dict[s
     lo = torch.add(w, big).amin() if w.numel() else w.new_ones(())
     hi = torch.sub(w, big).amax() if w.numel() else w.new_ones(())
     return {
-        "correction/weight_mean": 1.0 + _safe_mean(w.sum(dtype=_F64) - w.numel(), n),
+        "correction/weight_mean": 1.0 + _safe_mean(torch.sub(w, 1.0).sum(), n),
         "correction/weight_min": torch.where(lo < 1e29, lo.to(_F64), 1.0),
         "correction/weight_max": torch.where(hi > -1e29, hi.to(_F64), 1.0),
     }
@@ -190,7 +190,7 @@ def _budget_log_scale_exact(C: torch.Tensor, rho: torch.Tensor, target: torch.Te
     log_rest = torch.flip(torch.logcumsumexp(torch.flip(torch.log(Cs) + 2.0 * log_rs, (0,)), 0), (0,))
     log_c = 0.5 * (torch.log((target - capped).clamp_min(0.0)) - log_rest)
     ok = torch.isfinite(log_rest) & (log_c + log_rs <= 0.0)
-    k = torch.argmax(ok.to(torch.int8))  # first True (argmax returns the first maximum)
+    k = torch.argmax(ok.to(torch.int32))  # first True (argmax returns the first maximum)
     return torch.where(ok.any(), log_c[k], torch.full_like(target, math.inf))
 
 
@@ -415,14 +415,14 @@ def interq_weights(
     with torch.no_grad():
         b = segment_bounds(pm)
         delta, m = _prepare(old_logprobs, rollout_logprobs, pm)
-        n = m.sum(dtype=_F64)
+        n = pm.sum()
         metrics = _token_metrics(delta, n)
         w, d, clip, C, rho, alpha = _interq(
             delta, m, b, eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps,
             iters=iters, mode=mode,
         )
         S = torch.tensor(float(b.num_segments), dtype=_F64, device=pm.device)
-        metrics["correction/clip_rate"] = _safe_mean(clip.abs().sum(dtype=_F64), n)
+        metrics["correction/clip_rate"] = _safe_mean(clip.abs().sum(), n)
         metrics["correction/rho_mean"] = _safe_mean(rho.sum(), S)
         metrics["correction/alpha_mean"] = _safe_mean(alpha.sum(), S)
         metrics.update(_weight_metrics(w, m, n))
@@ -439,10 +439,10 @@ def _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh):
     pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
     with torch.no_grad():
         delta, m = _prepare(old_logprobs, rollout_logprobs, pm)
-        n = m.sum(dtype=_F64)
+        n = pm.sum()
         w, clipped = weigh(delta, m)
         metrics = _token_metrics(delta, n)
-        metrics["correction/clip_rate"] = _safe_mean((clipped * m).sum(dtype=_F64), n)
+        metrics["correction/clip_rate"] = _safe_mean((clipped * m).sum(), n)
         metrics.update(_weight_metrics(w, m, n))
     return w, _to_floats(metrics)
 
