@@ -69,8 +69,9 @@ def tiny_model(seed: int = 0):
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
-                      eos_token_id=1, bos_token_id=None)
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                      initializer_range=0.2,  # peaky enough outputs that an fp8 engine visibly differs
+                      pad_token_id=0, eos_token_id=1, bos_token_id=None)
     return LlamaForCausalLM(cfg)
 
 
@@ -95,29 +96,37 @@ def make_rollout_func(tokenizer, *, precision: str = "fp8", turns: int = 2, toke
         engine = copy.deepcopy(trainer.model).eval()
         with torch.no_grad():
             for p in engine.parameters():
-                p.copy_(quant_weight(p, precision))
+                if p.dim() == 2:  # matrices (linear layers, embeddings); norms stay in full precision
+                    p.copy_(quant_weight(p, precision))
         g = torch.Generator().manual_seed(seed + int(trainer.state.global_step))
-        out = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "turn_scores")}
-        for prompt in prompts:
-            prompt_ids = tokenizer(prompt)["input_ids"]
-            seq, comp, lps, mask, scores = list(prompt_ids), [], [], [], []
-            for t in range(turns):
-                turn = []
-                for k in range(tokens_per_turn):
-                    with torch.no_grad():
-                        logits = engine(torch.tensor([seq])).logits[0, -1].float()
-                    logp = torch.log_softmax(logits, -1)
-                    tok = eos if (t == turns - 1 and k == tokens_per_turn - 1) else \
-                        int(torch.multinomial(logp.exp(), 1, generator=g))
-                    seq.append(tok), comp.append(tok), lps.append(float(logp[tok])), mask.append(1), turn.append(tok)
-                scores.append(1.0 if good & set(turn) else 0.0)
-                if t < turns - 1:
-                    seq += tool
-                    comp += tool
-                    lps += [tool_logprob] * len(tool)
-                    mask += [0] * len(tool)
-            for key, val in zip(out, (prompt_ids, comp, lps, mask, scores), strict=True):
-                out[key].append(val)
-        return out
+        prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+        assert len({len(p) for p in prompt_ids}) == 1, "this test agent batches prompts of one length"
+        seq = torch.tensor(prompt_ids)  # (B, P): all rollouts advance together
+        B = seq.shape[0]
+        comp, lps, mask, scores = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)], \
+            [[] for _ in range(B)]
+        for t in range(turns):
+            turn = torch.empty(B, 0, dtype=torch.long)
+            for k in range(tokens_per_turn):
+                with torch.no_grad():
+                    logp = torch.log_softmax(engine(seq).logits[:, -1].float(), -1)  # (B, V)
+                if t == turns - 1 and k == tokens_per_turn - 1:
+                    tok = torch.full((B,), eos)
+                else:
+                    tok = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
+                seq = torch.cat([seq, tok[:, None]], 1)
+                turn = torch.cat([turn, tok[:, None]], 1)
+                for i in range(B):
+                    comp[i].append(int(tok[i])), lps[i].append(float(logp[i, tok[i]])), mask[i].append(1)
+            for i in range(B):
+                scores[i].append(1.0 if good & set(turn[i].tolist()) else 0.0)
+            if t < turns - 1:
+                seq = torch.cat([seq, torch.tensor(tool).expand(B, -1)], 1)
+                for i in range(B):
+                    comp[i] += tool
+                    lps[i] += [tool_logprob] * len(tool)
+                    mask[i] += [0] * len(tool)
+        return {"prompt_ids": prompt_ids, "completion_ids": comp, "logprobs": lps, "env_mask": mask,
+                "turn_scores": scores}
 
     return rollout_func
