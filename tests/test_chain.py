@@ -57,7 +57,7 @@ def test_exact_score_matches_monte_carlo():
 # Adam divides by sqrt(v) + eps: with the default eps=1e-8 a gradient that is 0 in one implementation
 # and 4e-9 (float rounding) in the other moves a weight by a quarter of the learning rate, so the two
 # implementations are compared with a larger eps (the computation is otherwise the same).
-CFG = ChainTrainConfig(T=5, K=3, hidden=8, group=4, updates=12, lr=0.05, eval_points=3, adam_eps=1e-4)
+CFG = ChainTrainConfig(T=5, K=3, hidden=8, group=4, updates=8, lr=0.05, eval_points=2, adam_eps=1e-4)
 
 
 @pytest.mark.parametrize("state_dependent", [False, True])
