@@ -418,6 +418,16 @@ def test_low_precision_inputs_give_finite_float32(dtype, arm):
     assert all(math.isfinite(v) for v in m.values())
 
 
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
+def test_empty_batches(shape):
+    zeros, pm = torch.zeros(shape), torch.zeros(shape, dtype=torch.bool)
+    for fn in (interq_weights, tis_weights, mis_weights, seq_is_weights, geo_weights, none_weights):
+        w, m = fn(zeros, zeros, pm)
+        assert w.shape == shape and m["correction/weight_mean"] == 1.0
+    m = mismatch_metrics(zeros, zeros, pm)
+    assert m["mismatch/k3"] == 0.0 and m["correction/segments"] == 0.0
+
+
 def test_weights_are_detached():
     old, ro, pm, vm = _batch(1)
     old.requires_grad_(True)

@@ -17,10 +17,16 @@ Per batch (``B`` trajectories x ``L`` tokens, ``S`` segments):
    ``ESS_s = (sum |d_t|)^2 / sum d_t^2`` (Kish's effective sample size of the absolute
    displacements, 1 when ``C_s = 0``), support
    ``rho_s = (ESS_s - 1)/(n_s - 1) * C_s/(C_s + rho_eps)`` (0 for one-token segments).
-5. ``alpha_s = min(c*rho_s, 1)`` with ``c`` set by bisection so that the batch budget
-   ``sum_s C_s alpha_s^2 = alpha_g^2 sum_s C_s`` binds (see :func:`allocate_budget`).
+5. ``alpha_s = min(c*rho_s, 1)`` with ``c`` set so that the batch budget
+   ``sum_s C_s alpha_s^2 = alpha_g^2 sum_s C_s`` binds (exact breakpoint search, or a fixed
+   number of bisection steps; see :func:`allocate_budget`).
 6. ``W_t = 1 + alpha_seg(t) * (W~_t - 1)`` on policy tokens, 1 elsewhere; used detached as a
    per-token coefficient of the PPO/GRPO token loss.
+
+The idea of bounding a cumulative importance ratio by an envelope that grows like a random walk
+and shrinking it per action follows the truncated/per-decision importance sampling literature
+(Precup et al., 2000; Ionides, 2008); the application to quantized multi-turn rollouts is the
+InterQ-RL design of this library (DESIGN.md section 3).
 
 Baselines under the same signature ``fn(old_logprobs, rollout_logprobs, policy_mask,
 valid_mask=None, **params) -> (weights, metrics)``: :func:`tis_weights` (truncated token IS),
@@ -564,7 +570,7 @@ def mismatch_metrics(
         n = m.sum(dtype=_F64)
         r1 = torch.expm1(delta64)
         out: dict[str, torch.Tensor] = {
-            "mismatch/k1": _safe_mean(-delta64.sum(), n),
+            "mismatch/k1": _safe_mean(0.0 - delta64.sum(), n),
             "mismatch/k2": _safe_mean((delta64.square() / 2).sum(), n),
             "mismatch/k3": _safe_mean((r1 - delta64).sum(), n),
             "mismatch/chi2": _safe_mean(r1.square().sum(), n),
