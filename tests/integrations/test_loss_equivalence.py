@@ -51,6 +51,25 @@ def test_policy_loss_equals_verl_vanilla(verl_mode, weighted):
     assert mo["loss/approx_kl"] == pytest.approx(mv["actor/ppo_kl"], rel=1e-5)
 
 
+@pytest.mark.parametrize("verl_mode", list(VERL_MODES))
+@pytest.mark.parametrize("global_info", [{}, {"dp_size": 2, "batch_num_tokens": 150, "global_batch_size": 13,
+                                              "loss_scale_factor": 32}])
+def test_registered_creditlab_ppo_equals_vanilla_with_verls_normalisation(verl_mode, global_info):
+    logp, old, rollout, adv, rm = _tensors(2)
+    pm = rm.bool()
+    w = interq_weights(old, rollout, pm)[0]
+    cfg = _verl_cfg()
+    cfg.global_batch_info = global_info
+    args = dict(old_log_prob=old, log_prob=logp, advantages=adv, response_mask=pm, loss_agg_mode=verl_mode,
+                config=cfg, rollout_is_weights=w)
+    lv, mv = get_policy_loss_fn("vanilla")(**args)
+    lo, mo = get_policy_loss_fn("creditlab_ppo")(**args)
+    torch.testing.assert_close(lo, lv, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.autograd.grad(lo, logp)[0], torch.autograd.grad(lv, logp)[0], rtol=1e-6,
+                               atol=1e-8)
+    assert mo["actor/pg_clipfrac"] == pytest.approx(mv["actor/pg_clipfrac"], abs=1e-7)
+
+
 def test_dual_clip_is_the_only_difference_with_large_ratios():
     logp, old, rollout, adv, rm = _tensors(1, spread=2.0)  # ratios far above clip_ratio_c = 3
     pm = rm.bool()

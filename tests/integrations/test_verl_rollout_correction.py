@@ -39,6 +39,7 @@ def test_import_installs_once_and_is_idempotent():
     assert dict(core_algos.ADV_ESTIMATOR_REGISTRY) == est
     for name in cv.ESTIMATORS:
         assert core_algos.get_adv_estimator_fn(name) is est[name]
+    assert core_algos.get_policy_loss_fn("creditlab_ppo") is cv.compute_policy_loss_creditlab
 
 
 @pytest.mark.parametrize("mode", ["token", "sequence"])

@@ -24,6 +24,10 @@ changes nothing):
   ``creditlab_discretized``, ``creditlab_reward_to_go`` and ``creditlab_prm`` (PRM mixing with a
   schedule of verl's global step). Their knobs live in ``algorithm.creditlab``
   (:class:`~creditlab.integrations._common.CreditSettings`).
+* **Policy loss** ``creditlab_ppo`` in verl's loss registry (``actor_rollout_ref.actor.policy_loss.loss_mode``):
+  :func:`creditlab.core.losses.policy_loss` (clipped PPO/GRPO surrogate times ``rollout_is_weights``)
+  with verl's four aggregation modes and its data-parallel normalisation; unlike verl's ``vanilla``
+  it has no dual clip.
 * **FORK reward function** :func:`fork_compute_score` (async, micro-batched).
 
 Convention for per-turn scores in ``token_level_rewards``
@@ -73,9 +77,11 @@ from creditlab.integrations._common import (
 )
 
 __all__ = [
+    "AGG_MODES",
     "ESTIMATORS",
     "ROLLOUT_ARMS",
     "TESTED_VERL_VERSIONS",
+    "compute_policy_loss_creditlab",
     "fork_compute_score",
     "install",
     "install_rollout_correction",
@@ -330,6 +336,76 @@ def install_estimators() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# policy loss
+
+#: verl ``loss_agg_mode`` -> :func:`creditlab.core.losses.aggregate` mode.
+AGG_MODES = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_mean",
+             "seq-mean-token-sum": "seq_mean_token_sum", "seq-mean-token-sum-norm": "seq_mean_token_sum_norm"}
+
+
+def compute_policy_loss_creditlab(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                                  response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
+                                  rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """verl policy loss ``creditlab_ppo``: :func:`creditlab.core.losses.policy_loss` on a micro-batch.
+
+    Clip range from ``config.clip_ratio_low`` / ``clip_ratio_high`` (``clip_ratio`` when unset);
+    ``rollout_is_weights`` (e.g. creditlab's InterQ-RL weights) multiply the token losses. The
+    micro-batch value is rescaled to verl's global normalisation (``config.global_batch_info``:
+    ``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``) exactly as verl's
+    ``agg_loss`` does, so gradients add up across micro-batches and data-parallel ranks.
+    """
+    from creditlab.core.losses import policy_loss
+
+    if config is None:
+        raise ConfigError("actor_rollout_ref.actor", "the creditlab_ppo loss needs the actor config")
+    if loss_agg_mode not in AGG_MODES:
+        raise ConfigError("actor_rollout_ref.actor.loss_agg_mode",
+                          f"{loss_agg_mode!r} is not supported by creditlab_ppo; valid: {', '.join(AGG_MODES)}")
+    clip = config.get("clip_ratio", 0.2)
+    clip_low = config.get("clip_ratio_low", None)
+    clip_high = config.get("clip_ratio_high", None)
+    clip_low = clip if clip_low is None else clip_low
+    clip_high = clip if clip_high is None else clip_high
+    info = dict(config.get("global_batch_info", None) or {})
+    dp = info.get("dp_size") or 1
+    pm = response_mask.bool()
+    L = pm.shape[1]
+    n_tok = pm.sum()
+    n_seq = pm.any(dim=1).sum()
+    mode = AGG_MODES[loss_agg_mode]
+    norm = None
+    scale = torch.ones((), dtype=torch.float64)
+    if mode == "token_mean":
+        total = info.get("batch_num_tokens")
+        if total is not None:
+            scale = n_tok.clamp_min(1).double() / float(total) * dp
+    else:
+        total = info.get("global_batch_size")
+        if mode == "seq_mean_token_sum_norm":
+            factor = info.get("loss_scale_factor") or L
+            norm = float(n_seq.clamp_min(1)) * factor  # verl: mean over rows of token sums, / factor
+        if total is not None:
+            scale = n_seq.clamp_min(1).double() / float(total) * dp
+    if dp > 1 and total is None:
+        raise ConfigError("global_batch_info", f"dp_size={dp} needs the global token / sequence count")
+    loss, metrics = policy_loss(log_prob, old_log_prob, advantages, pm, clip_low=clip_low, clip_high=clip_high,
+                                weights=rollout_is_weights, agg=mode, norm=norm)
+    loss = loss * scale.to(loss.dtype)
+    return loss, {"actor/pg_clipfrac": metrics["loss/clip_frac"], "actor/ppo_kl": metrics["loss/approx_kl"],
+                  "actor/creditlab_weight_mean": metrics["loss/weight_mean"]}
+
+
+def install_policy_loss() -> None:
+    """Register ``creditlab_ppo`` in verl's ``POLICY_LOSS_REGISTRY`` (once)."""
+    registered = core_algos.POLICY_LOSS_REGISTRY.get("creditlab_ppo")
+    if registered is compute_policy_loss_creditlab:
+        return
+    if registered is not None and not getattr(registered, "__module__", "").startswith("creditlab."):
+        raise CreditlabError(f"verl policy loss 'creditlab_ppo' is already registered by {registered.__module__}")
+    core_algos.POLICY_LOSS_REGISTRY["creditlab_ppo"] = compute_policy_loss_creditlab
+
+
+# --------------------------------------------------------------------------------------------
 # FORK reward function
 
 
@@ -384,9 +460,10 @@ async def fork_compute_score(data_source: Any = None, solution_str: str = "", gr
 
 
 def install() -> None:
-    """Register creditlab's estimators and rollout correction with verl (idempotent)."""
+    """Register creditlab's estimators, policy loss and rollout correction with verl (idempotent)."""
     install_rollout_correction()
     install_estimators()
+    install_policy_loss()
 
 
 install()
