@@ -185,6 +185,9 @@ def test_golden_hand_computed():
     torch.testing.assert_close(w, torch.tensor(expected, dtype=F64), atol=1e-6, rtol=0)
     assert m["correction/clip_rate"] == pytest.approx(0.25)
     assert m["correction/segments"] == 2
+    assert m["correction/weight_min"] == pytest.approx(0.9751965, abs=1e-6)
+    assert m["correction/weight_max"] == pytest.approx(1.0260752, abs=1e-6)
+    assert m["correction/weight_mean"] == pytest.approx((1.0040816 + 1.0082043 + 1.0260752 + 0.9751965) / 4)
 
     wp, _ = interq_weights(old, ro, pm, mode="prefix")
     expected_p = [[1.0100502, 1.0202013, 1.0, 1.0512711, 0.9512294], [1.0] * 5]
@@ -416,6 +419,17 @@ def test_low_precision_inputs_give_finite_float32(dtype, arm):
     assert w.dtype == torch.float32
     assert bool(torch.isfinite(w).all())
     assert all(math.isfinite(v) for v in m.values())
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_weight_extremes_are_over_policy_tokens(sign):
+    """All policy weights on one side of 1: the 1s of tool tokens must not leak into min/max."""
+    old = torch.tensor([[-1.0, -1.0, 0.0, -1.0]], dtype=F64)
+    pm = torch.tensor([[True, True, False, True]])
+    w, m = interq_weights(old, old - sign * 0.01, pm, mode="prefix")
+    assert m["correction/weight_min"] == pytest.approx(float(w[pm].min()))
+    assert m["correction/weight_max"] == pytest.approx(float(w[pm].max()))
+    assert m["correction/weight_mean"] == pytest.approx(float(w[pm].mean()))
 
 
 @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])

@@ -165,14 +165,24 @@ def _token_metrics(delta: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tens
 
 
 def _weight_metrics(w: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Mean/min/max of ``w`` over policy tokens (``w`` is exactly 1 elsewhere; 1 when none)."""
-    big = (1.0 - m).mul_(1e30)  # masked extremes by arithmetic: no boolean where over (B, L)
-    lo = torch.add(w, big).amin() if w.numel() else w.new_ones(())
-    hi = torch.sub(w, big).amax() if w.numel() else w.new_ones(())
+    """Mean/min/max of ``w`` over policy tokens (``w`` is exactly 1 elsewhere; 1 when none).
+
+    ``w - 1`` is 0 off policy, so its extremes over the batch are the policy extremes whenever
+    they straddle 0 (the usual case); only otherwise is a masked pass needed.
+    """
+    if w.numel() == 0:
+        one = w.new_ones((), dtype=_F64)
+        return {"correction/weight_mean": one, "correction/weight_min": one, "correction/weight_max": one}
+    dev = torch.sub(w, 1.0)
+    lo, hi = torch.aminmax(dev)
+    if bool(lo >= 0) or bool(hi <= 0):  # masked extremes by arithmetic, no boolean where over (B, L)
+        big = (1.0 - m).mul_(1e30)
+        lo = torch.where(lo < 0, lo, torch.add(dev, big).amin())
+        hi = torch.where(hi > 0, hi, torch.sub(dev, big).amax())
     return {
-        "correction/weight_mean": 1.0 + _safe_mean(torch.sub(w, 1.0).sum(), n),
-        "correction/weight_min": torch.where(lo < 1e29, lo.to(_F64), 1.0),
-        "correction/weight_max": torch.where(hi > -1e29, hi.to(_F64), 1.0),
+        "correction/weight_mean": 1.0 + _safe_mean(dev.sum(), n),
+        "correction/weight_min": 1.0 + torch.where(lo < 1e29, lo.to(_F64), 0.0),
+        "correction/weight_max": 1.0 + torch.where(hi > -1e29, hi.to(_F64), 0.0),
     }
 
 

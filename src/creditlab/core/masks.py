@@ -89,8 +89,8 @@ def segment_bounds(policy_mask: torch.Tensor, valid_mask: torch.Tensor | None = 
     """First and last flat token index of every segment, its row and turn; ``(S,)`` each.
 
     A segment starts at a policy token whose left neighbour in the same row is not a policy
-    token and ends at one whose right neighbour is not. Only boolean ``&``/``~`` passes and two
-    ``nonzero`` calls over ``(B, L)`` (one host synchronisation reads ``S``).
+    token and ends at one whose right neighbour is not. Only boolean ``&``/``~`` passes and one
+    ``nonzero`` over ``(B, L)`` (one host synchronisation reads ``S``).
 
     >>> b = segment_bounds(torch.tensor([[True, True, False, True], [False, False, True, True]]))
     >>> b.start.tolist(), b.end.tolist(), b.row.tolist(), b.turn.tolist(), b.n_segments.tolist()
@@ -103,8 +103,12 @@ def segment_bounds(policy_mask: torch.Tensor, valid_mask: torch.Tensor | None = 
     if L > 1:
         starts[:, 1:] &= ~pm[:, :-1]
         ends[:, :-1] &= ~pm[:, 1:]
-    start = starts.reshape(-1).nonzero().squeeze(1)
-    end = ends.reshape(-1).nonzero().squeeze(1)
+    # one nonzero over a 2-bit code (1: first token, 2: last token, 3: one-token segment)
+    code = (starts.view(torch.uint8) + ends.view(torch.uint8) * 2).reshape(-1)
+    pos = code.nonzero().squeeze(1)
+    kind = code[pos]
+    start = pos[(kind & 1) > 0]
+    end = pos[kind >= 2]
     S = start.numel()
     row = torch.div(start, max(L, 1), rounding_mode="floor")
     n_segments = starts.sum(dim=1)
