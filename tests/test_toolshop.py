@@ -42,7 +42,8 @@ def test_store_and_task_generation_is_deterministic():
 def test_ids_are_globally_distinct_and_instruction_hides_the_write_arguments():
     for seed in range(20):
         st_ = make_store(seed)
-        all_ids = [*st_.cases, *st_.tickets, *st_.users, *st_.orders, *st_.items, *st_.products, *st_.variants]
+        all_ids = [*st_.cases, *st_.tickets, *st_.users, *st_.orders, *st_.items, *st_.products,
+                   *st_.variants]
         assert len(all_ids) == len(set(all_ids))
         for C in range(2, 9):
             t = make_task(seed, C)

@@ -21,7 +21,8 @@ def toolshop(
     learner_precision: str = typer.Option("fp32", "--learner-precision",
                                           help="Learner: fp32, or the engine's precision for a QAT learner."),
     correction: str = typer.Option("none", "--correction",
-                                   help="Per-token weights: none, tis, mis, seq_is, geo, prefix, global, interq."),
+                                   help="Per-token weights: none, tis, mis, seq_is, geo, prefix, global,"
+                                        " interq."),
     workers: int = typer.Option(1, "--workers", help="Worker processes (one cell per seed)."),
 ) -> None:
     """Multi-turn outcome GRPO on toolshop: success and K3(engine||learner) over updates, plus the

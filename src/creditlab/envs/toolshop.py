@@ -42,7 +42,6 @@ Each turn is kept as a :class:`TurnRecord` with ``name``, ``arguments``, ``retur
 
 from __future__ import annotations
 
-import copy
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -160,7 +159,12 @@ class Store:
     variants: dict[int, dict] = field(default_factory=dict)
 
     def copy(self) -> Store:
-        return copy.deepcopy(self)
+        """A deep copy (records are flat dicts whose list values are copied too)."""
+        def rows(table: dict[int, dict]) -> dict[int, dict]:
+            return {k: {f: (list(v) if isinstance(v, list) else v) for f, v in rec.items()}
+                    for k, rec in table.items()}
+        return Store(dict(self.cases), dict(self.tickets), rows(self.users), rows(self.orders),
+                     rows(self.items), rows(self.products), rows(self.variants))
 
     def user_by_name(self, name: str) -> int | None:
         for u, rec in self.users.items():
@@ -282,12 +286,12 @@ def verify(store: Store, task: Task) -> tuple[bool, float]:
     Fields: target item's variant == goal variant; target item's status == "exchanged"; every
     other item unchanged. ``progress`` = fraction of the three that hold; ``success`` = all hold.
     """
-    goal = task.goal_store()
+    start = task.store.items  # the goal store equals the start store except on the target item
     tgt = store.items.get(task.item, {})
-    f_variant = tgt.get("variant") == goal.items[task.item]["variant"]
-    f_status = tgt.get("status") == goal.items[task.item]["status"]
-    f_others = all(store.items.get(i) == rec for i, rec in goal.items.items() if i != task.item) \
-        and set(store.items) == set(goal.items)
+    f_variant = tgt.get("variant") == task.variant
+    f_status = tgt.get("status") == "exchanged"
+    f_others = all(store.items.get(i) == rec for i, rec in start.items() if i != task.item) \
+        and set(store.items) == set(start)
     fields = (f_variant, f_status, f_others)
     return all(fields), sum(fields) / len(fields)
 
@@ -340,10 +344,12 @@ class ToolshopEnv:
         self.max_turns = int(max_turns) if max_turns is not None else task.chain_length + 2
         if self.max_turns < 1:
             raise ConfigError("max_turns", f"must be >= 1, got {max_turns}")
+        self.store: Store | None = None
         self.reset()
 
     def reset(self) -> list[int]:
-        self.store = self.task.store.copy()
+        if self.store is None or self.records:
+            self.store = self.task.store.copy()
         self.records: list[TurnRecord] = []
         self.done = False
         self.wrote = False

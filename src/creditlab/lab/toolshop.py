@@ -185,7 +185,8 @@ def run_toolshop(cfg: ToolshopLabConfig, out: str | Path, *, workers: int = 1,
     (out / "report.md").write_text(
         "# toolshop lab\n\n"
         f"Outcome GRPO (rollout {g.rollout_precision}, learner {g.learner_precision}, "
-        f"{g.tasks_per_update} tasks x {g.group_size} rollouts, {g.updates} updates, seeds {list(cfg.seeds)}).\n\n"
+        f"{g.tasks_per_update} tasks x {g.group_size} rollouts, {g.updates} updates, "
+        f"seeds {list(cfg.seeds)}).\n\n"
         "## Summary\n\n" + to_markdown(summary) + "\n\n## Execution mismatch of the base policy\n\n"
         + to_markdown(mism) + "\n\n" + "".join(f"![{p.stem}]({p.name})\n" for p in plots))
     return {"updates": df, "summary": summary, "mismatch": mism}

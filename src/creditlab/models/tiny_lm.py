@@ -136,7 +136,8 @@ class TinyLM(nn.Module):
                  for n in _LINEARS} for blk in self.blocks]
 
     @staticmethod
-    def _linear(x: torch.Tensor, lin: nn.Linear, w: torch.Tensor, precision: str, engine: bool) -> torch.Tensor:
+    def _linear(x: torch.Tensor, lin: nn.Linear, w: torch.Tensor, precision: str,
+                engine: bool) -> torch.Tensor:
         y = F.linear(quant_act(x, precision), w, lin.bias)
         # bf16 runs everything in bf16; the 8-bit engines' GEMMs also write bf16 outputs, a detail of
         # the engine that a QAT learner (fake-quantizing weights, activations and KV) does not copy.

@@ -1,0 +1,181 @@
+"""Agent engine: batched multi-turn rollout, cached base policy, multi-turn GRPO trainer."""
+
+import pytest
+import torch
+
+from creditlab.core.diagnostics import chain_length
+from creditlab.envs.toolshop import VOCAB, ToolshopEnv
+from creditlab.errors import ConfigError
+from creditlab.lab.agent import (
+    BaseConfig,
+    GRPOConfig,
+    base_policy,
+    make_advantage,
+    make_tasks,
+    make_weights,
+    rollout,
+    sequence_logprobs,
+    train_grpo,
+    turns_to_tokens,
+)
+from creditlab.models.tiny_lm import TinyLM, TinyLMConfig
+
+TINY_BASE = BaseConfig(n_demos=64, steps=30, batch_size=16, d_model=32, n_layer=1, max_len=96)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = TinyLM(TinyLMConfig(vocab_size=len(VOCAB), d_model=32, n_layer=2, max_len=96))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return m.eval()
+
+
+def _rollout(model, n=12, precision="fp32", seed=0, **kw):
+    tasks = make_tasks(range(n), (2, 4))
+    gen = torch.Generator().manual_seed(seed)
+    return rollout(model, tasks, precision=precision, max_len=96, generator=gen, **kw)
+
+
+def test_rollout_is_deterministic_and_consistent_with_the_env(model):
+    a, b = _rollout(model), _rollout(model)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+    B, L = a.tokens.shape
+    assert a.policy_mask.shape == a.valid_mask.shape == a.turn_ids.shape == (B, L)
+    assert not bool((a.policy_mask & ~a.valid_mask).any())
+    assert bool((a.rollout_logprobs[~a.policy_mask] == 0).all())
+    assert bool((a.rollout_logprobs[a.policy_mask] <= 0).all())
+    for r in range(B):
+        # replay the sampled actions through a fresh env: same records, same observations, same tokens
+        env = ToolshopEnv(a.tasks[r])
+        toks = a.tokens[r][a.valid_mask[r]].tolist()
+        pm = a.policy_mask[r][a.valid_mask[r]].tolist()
+        prompt = env.reset()
+        assert toks[:len(prompt)] == prompt and not any(pm[:len(prompt)])
+        i, rebuilt = len(prompt), list(prompt)
+        while i < len(toks):
+            act = []
+            while i < len(toks) and pm[i]:
+                act.append(toks[i])
+                i += 1
+            if not act:
+                break
+            res = env.step(act)
+            rebuilt += act + res.observation
+            i += len(res.observation)
+        assert rebuilt[:len(toks)] == toks
+        assert [x.name for x in env.records] == [x.name for x in a.records[r]]
+        assert int(a.n_calls[r]) == len(a.records[r])
+        assert float(a.success[r]) == float(env.result()[0]) or len(rebuilt) > len(toks)
+        # the turn id of a policy token is the index of its record
+        tid = a.turn_ids[r][a.policy_mask[r]]
+        assert bool((tid >= 0).all()) and int(tid.max()) == len(a.records[r]) - 1
+
+
+def test_fp32_rollout_logprobs_equal_the_learner(model):
+    batch = _rollout(model)
+    lp = sequence_logprobs(model, batch.tokens)
+    pm = batch.policy_mask
+    assert torch.allclose(lp[pm], batch.rollout_logprobs[pm], atol=1e-4)
+    q = _rollout(model, precision="fp8")
+    lq_fp32 = sequence_logprobs(model, q.tokens)
+    lq_qat = sequence_logprobs(model, q.tokens, "fp8")
+    gap_naive = (lq_fp32 - q.rollout_logprobs)[q.policy_mask].abs().mean()
+    gap_qat = (lq_qat - q.rollout_logprobs)[q.policy_mask].abs().mean()
+    assert gap_qat < gap_naive and gap_naive > 1e-4
+
+
+def test_records_carry_dataflow_fields(model):
+    batch = _rollout(model, n=6)
+    for task, recs in zip(batch.tasks, batch.records, strict=True):
+        for rec in recs:
+            assert isinstance(rec.arguments, dict) and isinstance(rec.returned, list)
+        chain_length(recs, task.given)  # never raises on sampled trajectories
+
+
+def test_base_policy_is_cached_and_deterministic(tmp_path, monkeypatch):
+    monkeypatch.setenv("CREDITLAB_CACHE", str(tmp_path))
+    m1 = base_policy(TINY_BASE)
+    files = list(tmp_path.glob("toolshop-base-*.safetensors"))
+    assert len(files) == 1
+    calls = []
+    m2 = base_policy(TINY_BASE, progress=lambda k, loss: calls.append(k))  # loaded, not retrained
+    assert calls == []
+    for (n, p), (_, q) in zip(m1.state_dict().items(), m2.state_dict().items(), strict=True):
+        assert torch.equal(p, q), n
+    m3 = base_policy(TINY_BASE, cache=tmp_path / "other")  # retrained from the seed: same weights
+    assert all(torch.equal(p, q) for p, q in zip(m1.state_dict().values(), m3.state_dict().values(),
+                                                  strict=True))
+
+
+def test_turns_to_tokens_and_builtin_advantages(model):
+    batch = _rollout(model, n=8, group_ids=[0, 0, 0, 0, 1, 1, 1, 1])
+    T = batch.n_turns_max
+    vals = torch.arange(8 * T, dtype=torch.float32).view(8, T)
+    tok = turns_to_tokens(vals, batch)
+    pm = batch.policy_mask
+    for b in range(8):
+        for t in range(batch.tokens.size(1)):
+            want = float(vals[b, batch.turn_ids[b, t]]) if pm[b, t] else 0.0
+            assert float(tok[b, t]) == want
+    rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 1])
+    g = make_advantage("grpo")(batch, rewards, 0)
+    assert g.shape == (8,)
+    u = make_advantage("uniform")(batch, rewards, 0)
+    # equal total credit: sum over turns of |credit| = |A_i|
+    per_turn_sum = torch.zeros(8)
+    for b in range(8):
+        for t in range(int(batch.n_calls[b])):
+            sel = pm[b] & (batch.turn_ids[b] == t)
+            if sel.any():
+                per_turn_sum[b] += u[b][sel][0].abs()
+    has_all_turns = torch.tensor([len({int(x) for x in batch.turn_ids[b][pm[b]]}) == int(batch.n_calls[b])
+                                  for b in range(8)])
+    assert torch.allclose(per_turn_sum[has_all_turns], g.abs()[has_all_turns], atol=1e-5)
+    with pytest.raises(ConfigError, match="advantage"):
+        make_advantage("nope")
+
+
+def test_correction_arms_resolve_and_unknown_arm_raises():
+    old = torch.tensor([[-1.0, -2.0, 0.0]])
+    pm = torch.tensor([[True, True, False]])
+    for arm in ("none", "tis", "mis", "seq_is", "geo", "prefix", "global", "interq"):
+        w, m = make_weights(arm)(old, old, pm, None)
+        assert torch.allclose(w, torch.ones_like(w)), arm  # no mismatch -> weights 1
+    with pytest.raises(ConfigError, match="correction"):
+        make_weights("magic")
+    with pytest.raises(ConfigError, match="precision"):
+        GRPOConfig(rollout_precision="fp4")
+    with pytest.raises(ConfigError, match="group_size"):
+        GRPOConfig(group_size=1)
+
+
+def test_grpo_trainer_runs_logs_and_uses_pluggable_weights(model):
+    m = TinyLM(model.cfg)
+    m.load_state_dict(model.state_dict())
+    seen = []
+
+    def weights(old, rollout_lp, pm, vm):
+        seen.append(pm.shape)
+        return make_weights("interq")(old, rollout_lp, pm, vm)
+
+    cfg = GRPOConfig(updates=2, tasks_per_update=3, group_size=2, chain_lengths=(2,), max_len=64,
+                     rollout_precision="fp8", learner_precision="fp8", eval_every=2, eval_tasks=4)
+    before = [p.clone() for p in m.parameters()]
+    adv_calls = []
+
+    def advantage(batch, rewards, update):  # random advantages: the update must move the weights
+        adv_calls.append(update)
+        return torch.randn(len(batch), generator=torch.Generator().manual_seed(update))
+
+    rows = train_grpo(m, cfg, weights=weights, advantage=advantage)
+    assert adv_calls == [0, 1]
+    assert len(rows) == 2 and len(seen) == 2
+    for key in ("reward/success", "mismatch/k3", "loss/policy", "episode/truncation_rate",
+                "episode/tool_calls", "grad_norm", "time/update_s", "correction/clip_rate"):
+        assert key in rows[0], key
+    assert "eval/success" in rows[0] and "eval/success" not in rows[1]
+    assert any(not torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+    assert rows[0]["mismatch/k3"] >= 0
