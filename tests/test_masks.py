@@ -7,12 +7,19 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from creditlab.core.masks import segment_sum, segments
+from creditlab.core.masks import segment_bounds, segment_sum, segments
 from creditlab.errors import InputError
-from reference.ref_correction import ref_seg_ids
+from reference.ref_correction import ref_seg_ids, ref_segments
 
 
 def _compare(pm: torch.Tensor) -> None:
+    b = segment_bounds(pm)
+    L = pm.shape[1]
+    flat = [(row * L + s, row * L + e - 1, turn) for row, segs in enumerate(ref_segments(pm.tolist()))
+            for s, e, turn in segs]
+    assert b.start.tolist() == [f[0] for f in flat]
+    assert b.end.tolist() == [f[1] for f in flat]
+    assert b.turn.tolist() == [f[2] for f in flat]
     seg = segments(pm)
     seg_id, turn_index, lengths, rows, turns, n_segments = ref_seg_ids(pm.tolist())
     assert seg.seg_id.tolist() == seg_id
