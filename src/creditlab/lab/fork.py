@@ -48,7 +48,7 @@ METRICS = ("length", "recall", "precision", "f1", "necessary", "redundant", "wro
 class ForkLabConfig:
     """Configuration of the fork lab."""
 
-    arms: tuple[str, ...] = ("recall", "mean", "fork")
+    arms: tuple[str, ...] = ("recall", "mean", "fork", "f2")
     """Reward arms (from ``recall``, ``mean``, ``fork``, ``f2``)."""
     seeds: int = 8
     """Seeds per arm (paired across arms)."""
@@ -82,7 +82,8 @@ class ForkLabConfig:
     @classmethod
     def quick(cls) -> ForkLabConfig:
         """Under a minute on 2 cores."""
-        return cls(seeds=3, updates=100, prompts_per_update=16, eval_every=20, eval_prompts=128)
+        return cls(arms=("recall", "mean", "fork"), seeds=3, updates=100, prompts_per_update=16, eval_every=20,
+                   eval_prompts=128)
 
     def with_overrides(self, **kw: object) -> ForkLabConfig:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
