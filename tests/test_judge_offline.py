@@ -55,3 +55,19 @@ def test_fork_with_offline_judge_requires_and_records_assume_correct(judge):
 def test_config_errors():
     with pytest.raises(ConfigError, match="match_threshold"):
         EmbeddingJudge(match_threshold=1.5)
+
+
+def test_cli_offline_scoring_records_assume_correct(judge, tmp_path):
+    import json
+
+    from creditlab.cli.main import main
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": "o1", "prompt": "Aspirin?", "response": RESPONSE,
+                               "rubrics": [{"criterion": r, "points": 1} for r in RUBRICS]}) + "\n")
+    with pytest.raises(SystemExit) as ex:
+        main(["fork", "score", "--in", str(inp), "--out", str(out), "--judge", "offline", "--assume-correct"])
+    assert ex.value.code == 0
+    row = json.loads(out.read_text())
+    assert row["assume_correct"] is True and row["judge"].startswith("offline:")
+    assert row["recall"] == pytest.approx(2 / 3) and row["precision"] == pytest.approx(0.25)

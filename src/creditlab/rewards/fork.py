@@ -106,6 +106,8 @@ class FORKReward:
         self.tau = tau
         self.mode = mode
         self.assume_correct = assume_correct
+        #: the :class:`ForkResult` list of the last ``__call__`` (errors, units... for logging)
+        self.last_results: list[ForkResult] = []
 
     # -- async API -------------------------------------------------------------------------------------
     async def score(self, items: Sequence[ForkItem]) -> list[ForkResult]:
@@ -164,19 +166,22 @@ class FORKReward:
         umask = torch.ones(1, n, dtype=torch.bool)
         weights = torch.tensor([[r.points for r in item.rubrics]], dtype=torch.float32).reshape(1, J)
         credits = unit_credit(m, rmask & (weights > 0), umask)[0].tolist()
-        if self.tau == "judge":
-            tau = await j.threshold(item.prompt, units, credits) if n else 1.0
-            if not isinstance(tau, int | float) or not tau > 0:
+        tau: float | None
+        if self.tau != "judge":
+            tau = float(self.tau)
+        elif n and max(credits) > 0:
+            tau = await j.threshold(item.prompt, units, credits)
+            if isinstance(tau, bool) or not isinstance(tau, int | float) or not tau > 0:
                 raise JudgeError("threshold", "invalid_reply", f"tau must be > 0, got {tau!r}")
         else:
-            tau = self.tau
+            tau = None  # no unit has credit: no threshold makes one necessary, so none is asked for
         out = fork_scores(m, torch.tensor([coverage], dtype=torch.bool).reshape(1, J), weights,
                           torch.tensor([correct], dtype=torch.bool).reshape(1, n), rmask, umask,
-                          tau=float(tau), beta=self.beta, mode=self.mode)
+                          tau=float(tau) if tau is not None else 1.0, beta=self.beta, mode=self.mode)
         return ForkResult(
             reward=float(out.reward[0]), precision=float(out.precision[0]), recall=float(out.recall[0]),
             units=list(units), credits=[round(c, 6) for c in credits], N=out.necessary[0].tolist(),
-            C=list(correct), coverage=list(coverage), n_units=n, tau=float(tau), **base)
+            C=list(correct), coverage=list(coverage), n_units=n, tau=None if tau is None else float(tau), **base)
 
     # -- TRL-style reward function -----------------------------------------------------------------
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
