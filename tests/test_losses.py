@@ -109,6 +109,30 @@ def test_policy_loss_matches_reference(shape, mode, token_adv, weighted):
                                                 abs=1e-12)
 
 
+@given(shapes, st.sampled_from([None, 3.0, 1.5]))
+def test_dual_clip_matches_reference(shape, c):
+    B, L, p, seed = shape
+    lp, old, adv, mask = _tokens(seed, B, L, p)
+    lp = lp + torch.randn(B, L, generator=torch.Generator().manual_seed(seed), dtype=F64)  # ratios up to ~e^3
+    loss, _ = policy_loss(lp, old, adv, mask, clip_ratio_c=c)
+    tok, _ = ref_policy_token_losses(lp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), clip_ratio_c=c)
+    assert float(loss) == pytest.approx(ref_aggregate(tok, mask.tolist(), "token_mean"), rel=1e-10, abs=1e-12)
+
+
+def test_dual_clip_golden():
+    """A = -1, ratio e^2 = 7.39: PPO loss 7.39, dual clip caps it at 3 (and its gradient at 0)."""
+    lp = torch.tensor([[2.0]], requires_grad=True)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    loss, _ = policy_loss(lp, torch.zeros(1, 1), torch.tensor([-1.0]), mask)
+    assert float(loss.detach()) == pytest.approx(math.exp(2.0))
+    loss_c, _ = policy_loss(lp, torch.zeros(1, 1), torch.tensor([-1.0]), mask, clip_ratio_c=3.0)
+    assert float(loss_c.detach()) == pytest.approx(3.0)
+    loss_c.backward()
+    assert float(lp.grad) == 0.0
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        policy_loss(lp, torch.zeros(1, 1), torch.tensor([-1.0]), mask, clip_ratio_c=0.5)
+
+
 def test_policy_loss_golden():
     """Two tokens, A = 1: ratio e^0.5 = 1.6487 is clipped at 1.2 (loss -1.2); ratio 1 gives -1."""
     lp = torch.tensor([[0.5, 0.0]], requires_grad=True)

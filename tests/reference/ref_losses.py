@@ -29,7 +29,8 @@ def ref_aggregate(loss, mask, mode, norm=None):
     raise ValueError(mode)
 
 
-def ref_policy_token_losses(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.2, weights=None):
+def ref_policy_token_losses(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.2, weights=None,
+                            clip_ratio_c=None):
     """Per-token clipped surrogate (0 on masked tokens) and per-token 'clipped branch active' flags."""
     out, clipped = [], []
     for b in range(len(mask)):
@@ -44,7 +45,10 @@ def ref_policy_token_losses(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.
             u = -a * r
             c = -a * min(max(r, 1 - clip_low), 1 + clip_high)
             w = 1.0 if weights is None else weights[b][t]
-            row.append(max(u, c) * w)
+            loss = max(u, c)
+            if clip_ratio_c is not None and a < 0:
+                loss = min(loss, -a * clip_ratio_c)
+            row.append(loss * w)
             crow.append(c > u)
         out.append(row)
         clipped.append(crow)

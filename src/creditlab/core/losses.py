@@ -115,6 +115,7 @@ def policy_loss(
     weights: torch.Tensor | None = None,
     agg: str = "token_mean",
     norm: float | None = None,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO/GRPO clipped surrogate, optionally reweighted per token.
 
@@ -131,6 +132,8 @@ def policy_loss(
         weights: ``(B, L)`` detached per-token coefficients (e.g. :func:`interq_weights` or verl's
             ``rollout_is_weights``), or None.
         agg: one of :data:`AGG_MODES`; ``norm`` is the constant of ``seq_mean_token_sum_norm``.
+        clip_ratio_c: dual clip (Ye et al., 2020; verl's ``clip_ratio_c``, usually 3): for negative
+            advantages the token loss is capped at ``-A_t * clip_ratio_c``. None (default): off.
 
     Returns:
         scalar loss (float32, float64 for float64 ``logprobs``) and metrics ``loss/policy``,
@@ -156,6 +159,8 @@ def policy_loss(
                      dims=dims)
     check_scalar("clip_low", clip_low, low=0.0, high=1.0)
     check_scalar("clip_high", clip_high, low=0.0)
+    if clip_ratio_c is not None:
+        check_scalar("clip_ratio_c", clip_ratio_c, low=1.0, low_open=True)
     _check_agg(agg)
     if norm is not None:
         check_scalar("norm", norm, low=0.0, low_open=True)
@@ -169,6 +174,8 @@ def policy_loss(
     pg_unclipped = -a * ratio
     pg_clipped = -a * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     tok = torch.maximum(pg_unclipped, pg_clipped)
+    if clip_ratio_c is not None:
+        tok = torch.where(a < 0, torch.minimum(tok, -a * clip_ratio_c), tok)
     if weights is not None:
         w = _masked(weights.detach(), mask, dt)
         tok = tok * w
