@@ -219,3 +219,23 @@ def test_wire_format_is_chat_completions(srv):
     body = srv.requests[-1]["body"]
     assert [m["role"] for m in body["messages"]] == ["system", "user"]
     assert json.loads(body["messages"][1]["content"])["task"] == "unitize"
+
+
+def test_random_faults_every_item_ends_scored_or_with_an_explicit_error(tmp_path):
+    items = [ForkItem(f"i{k}", "q", f"Take aspirin with water number{k}. Rest now{k}.",
+                      (Rubric("aspirin water", 1.0), Rubric(f"rest now{k}", 1.0))) for k in range(12)]
+    cache = JudgeCache(tmp_path / "c.sqlite")  # a rerun only redoes the stages that failed
+    with ChatServer(fault_rate=0.4, seed=3, hang=0.3) as srv:
+        reward = FORKReward(judge(srv.url, timeout=0.1, max_retries=1, max_reasks=0, cache=cache))
+        first = run(reward.score(items))
+        assert all((r.error is None) == (r.reward is not None) for r in first)
+        assert any(r.error for r in first) and any(r.reward is not None for r in first)
+        assert sum(srv.stats[f"fault_{f}"] for f in ("500", "429", "timeout", "malformed", "truncated",
+                                                      "wrong_ids")) > 0
+        todo = [it for it, r in zip(items, first, strict=True) if r.error]
+        for _ in range(6):  # reruns of the failed items complete them
+            res = run(FORKReward(judge(srv.url, timeout=0.1, max_retries=1, max_reasks=0, cache=cache)).score(todo))
+            todo = [it for it, r in zip(todo, res, strict=True) if r.error]
+            if not todo:
+                break
+        assert not todo
