@@ -291,7 +291,7 @@ def _plot(df: pd.DataFrame, cfg: ForkLabConfig, out: Path) -> list[Path]:
         ax.set_xlabel("GRPO update")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(title="reward")
-    fig.suptitle(f"fork lab: GRPO under recall-only, mean and FORK rewards ({cfg.seeds} seeds, mean ± 95% CI)")
+    fig.suptitle(f"fork lab: GRPO under rewards {', '.join(cfg.arms)} ({cfg.seeds} seeds, mean ± 95% CI)")
     curves = out / "fork_curves.png"
     fig.savefig(curves, dpi=110)
     plt.close(fig)
