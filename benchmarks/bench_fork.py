@@ -53,9 +53,13 @@ def make_items(n: int, rubrics: int, units: int, seed: int = 0) -> list[ForkItem
     return items
 
 
-def server_requests(url: str) -> int:
+def server_stats(url: str) -> dict:
     with urllib.request.urlopen(url.rsplit("/v1", 1)[0] + "/stats") as r:
-        return int(json.loads(r.read()).get("requests", 0))
+        return json.loads(r.read())
+
+
+def server_requests(url: str) -> int:
+    return int(server_stats(url).get("requests", 0))
 
 
 async def score_all(reward: FORKReward, items: list[ForkItem]):
@@ -83,6 +87,7 @@ def main() -> None:
         for transport in args.transports:
             cache = JudgeCache(tmp / f"cache-{transport}.sqlite")
             before = server_requests(url)
+            server_cpu = server_stats(url)["cpu_seconds"]
             judge = OpenAIJudge(url, "bench", concurrency=args.concurrency, timeout=10, cache=cache,
                                 transport=transport)
             reward = FORKReward(judge)
@@ -90,6 +95,7 @@ def main() -> None:
             results = asyncio.run(score_all(reward, items))
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             n_req = server_requests(url) - before
+            server_cpu = server_stats(url)["cpu_seconds"] - server_cpu
             errors = sum(r.error is not None for r in results)
             ideal = n_req * args.latency / args.concurrency
             mean_units = sum(r.n_units for r in results) / len(results)
@@ -98,7 +104,7 @@ def main() -> None:
                   f"{max(r.requests for r in results)}), units/response {mean_units:.1f}, errors {errors}")
             print(f"{tag}wall {wall:.2f} s, ideal {ideal:.2f} s -> throughput fraction of ideal {ideal / wall:.2f} "
                   f"({n_req / wall:.0f} req/s vs ideal {args.concurrency / args.latency:.0f}); client CPU "
-                  f"{cpu / n_req * 1000:.2f} ms/request")
+                  f"{cpu / n_req * 1000:.2f} ms/request, server CPU {server_cpu / n_req * 1000:.2f} ms/request")
             t0 = time.perf_counter()
             before = server_requests(url)
             again = asyncio.run(score_all(FORKReward(OpenAIJudge(url, "bench", concurrency=args.concurrency,

@@ -191,6 +191,17 @@ def test_concurrency_limit_per_endpoint():
         assert srv.stats["requests"] == 12 and srv.stats["max_inflight"] == 3
 
 
+def test_judges_of_one_endpoint_share_its_concurrency_limit():
+    with ChatServer(latency=0.05) as srv:
+        a, b = judge(srv.url, concurrency=2, timeout=2.0), judge(srv.url, concurrency=2, timeout=2.0)
+
+        async def many():
+            return await asyncio.gather(*(j.unitize("q", f"Answer {k}.") for k in range(4) for j in (a, b)))
+
+        run(many())
+        assert srv.stats["requests"] == 8 and srv.stats["max_inflight"] == 2
+
+
 def test_large_rubric_sets_are_chunked(srv):
     j = judge(srv.url, max_rubrics_per_request=2)
     rubrics = ["aspirin water", "rest", "aspirin", "water", "sleep"]

@@ -14,8 +14,8 @@ Reliability, per request:
 * then a typed :class:`~creditlab.judge.base.JudgeError`. Other HTTP errors (401, 404...) fail at
   once.
 
-Throughput: one ``asyncio`` concurrency limit per judge (= per endpoint), held only while a
-request is on the wire (not while backing off); identical requests in flight share one call;
+Throughput: one ``asyncio`` concurrency limit per endpoint (judges of the same URL share it), held
+only while a request is on the wire (not while backing off); identical requests in flight share one call;
 an optional :class:`~creditlab.judge.cache.JudgeCache` serves validated replies without a request.
 Stage requests with more than ``max_rubrics_per_request`` rubrics are split into chunks.
 """
@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +50,8 @@ __all__ = ["OpenAIJudge"]
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 _SHARD = 8  # connections per httpx client (see OpenAIJudge._bind)
+_ENDPOINT_LIMITS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Semaphore]] = \
+    weakref.WeakKeyDictionary()
 
 
 class _Transient(Exception):
@@ -148,7 +151,10 @@ class OpenAIJudge:
                              for _ in range(n)]
             self._busy = [0] * n
             self._lean = None
-        self._sem = asyncio.Semaphore(self.concurrency)
+        # One limit per endpoint: judges of the same URL in the same event loop share it (the first
+        # judge's ``concurrency`` sets it).
+        limits = _ENDPOINT_LIMITS.setdefault(loop, {})
+        self._sem = limits.setdefault(self.url, asyncio.Semaphore(self.concurrency))
         self._inflight = {}
         self._loop = loop
 

@@ -232,7 +232,7 @@ class ChatServer:
     async def _route(self, method: str, path: str, headers: dict[str, str],
                      body: bytes) -> tuple[int, bytes, dict[str, str]]:
         if method == "GET" and path.startswith("/stats"):
-            return 200, json.dumps(dict(self.stats)).encode(), {}
+            return 200, json.dumps({**self.stats, "cpu_seconds": time.process_time()}).encode(), {}
         if method != "POST" or path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
             return 404, b'{"error": {"message": "not found"}}', {}
         self.stats["requests"] += 1
