@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from creditlab.core.precision import (
     combine_rewards,
     credit_split,
+    deletion_curve,
     f_beta,
     fork_scores,
     necessity,
@@ -212,3 +213,35 @@ def test_bad_input_names_the_argument():
         unit_precision(torch.ones(1, 3, dtype=torch.bool), torch.ones(1, 3), um)
     with pytest.raises(InputError, match="beta"):
         f_beta(torch.ones(1), torch.ones(1), beta=0.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_deletion_curve_matches_loop_reference(seed):
+    import random
+
+    from reference.ref_precision import ref_deletion_curve
+
+    rng = random.Random(100 + seed)
+    batch = _random_batch(rng, B=rng.randint(1, 6), Jmax=5, Umax=8)
+    match, _, weights, _, rmask, umask = _pad(batch, junk_seed=seed + 1)
+    U = umask.shape[1]
+    scores = torch.randn(match.shape[0], U)
+    scores[:, ::3] = 0.25  # ties
+    curve, metrics = deletion_curve(match, weights, rmask, umask, scores)
+    fracs = []
+    for b, (m, _s, w, c) in enumerate(batch):
+        ref, frac = ref_deletion_curve(m, w, scores[b, : len(c)].tolist(), U)
+        assert curve[b].tolist() == pytest.approx(ref, abs=1e-6)
+        if frac is not None:
+            fracs.append(frac)
+    assert metrics["reward/fork/deletion_free_frac"] == pytest.approx(sum(fracs) / len(fracs) if fracs else 0.0)
+
+
+def test_deletion_curve_golden_credit_order():
+    # Filler (credit 0) and a paraphrase go first: two units deleted before recall drops.
+    m = torch.tensor([[[True, True, False, False], [False, False, True, False]]])
+    credits = unit_credit(m, torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 4, dtype=torch.bool))
+    curve, metrics = deletion_curve(m, torch.tensor([[2.0, 1.0]]), torch.ones(1, 2, dtype=torch.bool),
+                                    torch.ones(1, 4, dtype=torch.bool), credits)
+    assert curve[0].tolist() == pytest.approx([1.0, 1.0, 1.0, 1 / 3, 0.0])
+    assert metrics["reward/fork/deletion_free_frac"] == 0.5

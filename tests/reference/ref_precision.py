@@ -35,3 +35,25 @@ def ref_fork_one(match, coverage, weights, correct, tau, beta=1.0, mode="fork"):
         den = b * b * p + rec
         r = (1 + b * b) * p * rec / den if den > 0 else 0.0
     return r, p, rec, credits, necessary
+
+
+def ref_deletion_curve(match, weights, scores, U):
+    """Recall after deleting k = 0..U units, least necessary first (ties by index), one response."""
+    n = len(scores)
+    order = sorted(range(n), key=lambda i: (scores[i], i))
+    curve = []
+    for k in range(U + 1):
+        gone = set(order[: min(k, n)])
+        cov = [any(row[i] for i in range(n) if i not in gone) for row in match]
+        pos = sum(w for w in weights if w > 0)
+        if pos > 0:
+            rec = min(1.0, max(0.0, sum(w for w, s in zip(weights, cov, strict=True) if s) / pos))
+        else:
+            rec = 0.0 if any(s and w < 0 for w, s in zip(weights, cov, strict=True)) else 1.0
+        curve.append(rec)
+    free = n
+    for k in range(1, n + 1):
+        if curve[k] < curve[0] - 1e-6:
+            free = k - 1
+            break
+    return curve, (free / n if n else None)

@@ -41,6 +41,7 @@ __all__ = [
     "ForkScores",
     "combine_rewards",
     "credit_split",
+    "deletion_curve",
     "f_beta",
     "fork_scores",
     "necessity",
@@ -246,6 +247,64 @@ def fork_scores(
         "reward/fork/absence_satisfaction": 1.0 - met_pit / n_pit if n_pit else 1.0,
     }
     return ForkScores(reward, p, rec, credits, nec, n, metrics)
+
+
+def deletion_curve(match: torch.Tensor, weights: torch.Tensor, rubric_mask: torch.Tensor, unit_mask: torch.Tensor,
+                   scores: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """Necessity deletion curve: recall after deleting the ``k`` least necessary units, ``k = 0..U``.
+
+    Units are deleted in ascending order of ``scores`` (a predicted necessity, e.g. the unit
+    credits; ties in index order); a rubric stays met while at least one unit matching it remains
+    (coverage is taken from ``match``, for pitfall rubrics too: deleting the unit that commits a
+    pitfall removes the violation). A good necessity predictor deletes many units before recall
+    drops.
+
+    Args:
+        match: ``(B, J, U)`` bool; weights: ``(B, J)`` float; rubric_mask ``(B, J)``, unit_mask ``(B, U)``.
+        scores: ``(B, U)`` float, higher = more necessary.
+
+    Returns:
+        ``curve (B, U + 1)``: recall after ``k`` deletions (constant once every real unit is gone),
+        and metrics: ``reward/fork/deletion_free_frac``, the mean share of a response's units that
+        can be deleted before recall falls below its starting value.
+
+    >>> m = torch.tensor([[[True, False, False], [False, True, False]]])
+    >>> curve, _ = deletion_curve(m, torch.tensor([[1.0, 1.0]]), torch.tensor([[True, True]]),
+    ...                           torch.tensor([[True, True, True]]), torch.tensor([[1.0, 0.5, 0.0]]))
+    >>> curve
+    tensor([[1.0000, 1.0000, 0.5000, 0.0000]])
+    """
+    dims: dict[str, int] = {}
+    _check_match(match, rubric_mask, unit_mask, dims)
+    check_tensor("weights", weights, shape=("B", "J"), floating=True, finite=True, finite_where=rubric_mask,
+                 dims=dims)
+    check_tensor("scores", scores, shape=("B", "U"), floating=True, finite=True, finite_where=unit_mask, dims=dims)
+    B, J, U = match.shape
+    # Deletion order: real units by ascending score (stable), padding last.
+    key = torch.where(unit_mask, scores.double(), torch.full_like(scores, float("inf"), dtype=torch.float64))
+    order = torch.sort(key, dim=1, stable=True).indices  # (B, U)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(U).expand(B, U).contiguous())  # (B, U)
+    m = match & rubric_mask[:, :, None] & unit_mask[:, None, :]
+    # A rubric is met after k deletions iff its last-deleted matching unit has rank >= k.
+    last = torch.where(m, rank[:, None, :], torch.full_like(rank[:, None, :], -1)).amax(dim=2)  # (B, J)
+    k = torch.arange(U + 1)
+    n = unit_mask.sum(dim=1)  # (B,)
+    k_eff = torch.minimum(k[None, :], n[:, None])  # (B, U+1): no deletions past the real units
+    met = k_eff[:, None, :] <= last[:, :, None]  # (B, J, U+1)
+    w = torch.where(rubric_mask, weights, torch.zeros_like(weights)).float()
+    pos_total = w.clamp_min(0).sum(dim=1, keepdim=True)  # (B, 1)
+    earned = (w[:, :, None] * met.float()).sum(dim=1)  # (B, U+1)
+    rec = (earned / pos_total.clamp_min(1e-12)).clamp(0.0, 1.0)
+    pitfall_met = ((w[:, :, None] < 0) & met).any(dim=1)
+    vacuous = torch.where(pitfall_met, torch.zeros_like(rec), torch.ones_like(rec))
+    curve = torch.where(pos_total > 0, rec, vacuous)
+    # Units deletable before recall first drops below its start.
+    drop = curve < curve[:, :1] - 1e-6  # (B, U+1)
+    first_drop = torch.where(drop.any(dim=1), drop.float().argmax(dim=1), n + 1)
+    free = (first_drop - 1).clamp(min=0).minimum(n).float() / n.clamp_min(1).float()
+    has_units = n > 0
+    metrics = {"reward/fork/deletion_free_frac": float(free[has_units].mean()) if bool(has_units.any()) else 0.0}
+    return curve, metrics
 
 
 def _as_batch(name: str, value: torch.Tensor | float, b: int, dims: dict[str, int]) -> torch.Tensor:
