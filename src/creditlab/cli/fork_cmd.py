@@ -95,7 +95,7 @@ def score(
     for _, it in iter_jsonl_items(inp):
         if isinstance(it, Exception):
             bad += 1
-            console.print(f"[red]skipped[/] {it}", highlight=False, markup=False)
+            console.print(f"skipped {it}", highlight=False, markup=False)
             continue
         if it.id in seen:
             bad += 1
@@ -142,8 +142,12 @@ def score(
         table.add_row(name, value)
     Console().print(table)
     if failed or bad:
-        console.print(f"{failed} item(s) failed, {bad} bad line(s); rerun the same command to retry "
-                      "the failed items", highlight=False)
+        hints = []
+        if failed:
+            hints.append(f"{failed} item(s) failed: rerun the same command to retry them")
+        if bad:
+            hints.append(f"{bad} bad line(s) skipped (see the messages above)")
+        console.print("; ".join(hints), highlight=False, markup=False)
         raise typer.Exit(1)
 
 

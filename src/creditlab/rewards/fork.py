@@ -179,7 +179,8 @@ class FORKReward:
                           torch.tensor([correct], dtype=torch.bool).reshape(1, n), rmask, umask,
                           tau=float(tau) if tau is not None else 1.0, beta=self.beta, mode=self.mode)
         return ForkResult(
-            reward=float(out.reward[0]), precision=float(out.precision[0]), recall=float(out.recall[0]),
+            reward=round(float(out.reward[0]), 6), precision=round(float(out.precision[0]), 6),
+            recall=round(float(out.recall[0]), 6),
             units=list(units), credits=[round(c, 6) for c in credits], N=out.necessary[0].tolist(),
             C=list(correct), coverage=list(coverage), n_units=n, tau=None if tau is None else float(tau), **base)
 
