@@ -173,21 +173,18 @@ class OpenAIJudge:
         return await self._ask("unitize", payload_for("unitize", prompt=prompt, response=response))
 
     async def coverage(self, prompt: str, response: str, rubrics: Sequence[str]) -> list[bool]:
-        out: list[bool] = []
-        for chunk in self._chunks(rubrics):
-            if chunk:
-                out += await self._ask("coverage", payload_for("coverage", prompt=prompt, response=response,
-                                                               rubrics=chunk))
-        return out
+        parts = await asyncio.gather(*(
+            self._ask("coverage", payload_for("coverage", prompt=prompt, response=response, rubrics=chunk))
+            for chunk in self._chunks(rubrics)))
+        return [flag for part in parts for flag in part]
 
     async def match(self, prompt: str, rubrics: Sequence[str], units: Sequence[str]) -> list[list[bool]]:
         if not units:
             return [[] for _ in rubrics]
-        out: list[list[bool]] = []
-        for chunk in self._chunks(rubrics):
-            if chunk:
-                out += await self._ask("match", payload_for("match", prompt=prompt, rubrics=chunk, units=units))
-        return out
+        parts = await asyncio.gather(*(
+            self._ask("match", payload_for("match", prompt=prompt, rubrics=chunk, units=units))
+            for chunk in self._chunks(rubrics)))
+        return [row for part in parts for row in part]
 
     async def correctness(self, prompt: str, units: Sequence[str]) -> list[bool]:
         if not units:
@@ -199,6 +196,7 @@ class OpenAIJudge:
                                                         credits=credits))
 
     def _chunks(self, rubrics: Sequence[str]) -> list[Sequence[str]]:
+        """Rubric chunks of at most ``max_rubrics_per_request`` (sent concurrently); none if no rubric."""
         k = self.max_rubrics_per_request
         return [rubrics[i:i + k] for i in range(0, len(rubrics), k)]
 
