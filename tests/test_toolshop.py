@@ -65,7 +65,8 @@ def test_verifier_on_hand_built_episodes():
     # the correct episode, typed by hand
     env = ToolshopEnv(t)
     r = act(env, "get_order", t.order)
-    assert decode(r.observation)[0] == "OBS" and str(t.item) in decode(r.observation)
+    obs = decode(r.observation)
+    assert obs[0] == "OBS" and obs[obs.index(str(t.item)) - 1] == t.category  # "category item" pairs
     act(env, "get_item", t.item)
     r = act(env, "get_product", prod)
     assert str(t.variant) in decode(r.observation)
@@ -88,6 +89,19 @@ def test_verifier_on_hand_built_episodes():
     act(env, "get_order", t.order)
     r = act(env, "get_order", t.order)
     assert r.done and env.truncated and env.result() == (False, pytest.approx(1 / 3))
+
+    # guards: the attribute the agent expects must match, else an error and nothing changes
+    env = ToolshopEnv(t)
+    r = act(env, "get_item", t.category, t.item)
+    assert r.record.ok and r.record.arguments == {"item": t.item, "category": t.category}
+    other_cat = next(c for c in ("shirt", "lamp", "mug", "shoe", "desk", "bag") if c != t.category)
+    assert not act(env, "get_item", other_cat, t.item).record.ok
+    other_color = next(c for c in ("red", "blue", "green", "black", "white", "gray") if c != t.color)
+    r = act(env, "exchange", t.order, t.item, other_color, t.variant)
+    assert not r.record.ok and not r.done
+    r = act(env, "exchange", t.order, t.item, t.color, t.variant)
+    assert r.record.ok and r.done and env.result() == (True, 1.0)
+    assert r.record.arguments == {"order": t.order, "item": t.item, "variant": t.variant, "color": t.color}
 
     # a variant of another product is refused (error, no state change, episode goes on)
     env = ToolshopEnv(t)

@@ -19,8 +19,12 @@ tool calls, and the chain length ``C`` (2 to 8) is a task knob that decides wher
 2      order, item and product ids, colour         get_product
 =====  ==========================================  ===============================================
 
-Each read returns ids together with the attribute (status, category, colour) that tells the agent
-which one the instruction means; every store is freshly generated from the task seed with random,
+Each read that returns alternatives lists ``attribute id`` pairs (``get_user`` -> ``status order``,
+``get_order`` -> ``category item``, ``get_product`` -> ``colour variant``); the instruction's
+attribute tells the agent which id it means. Three calls take an optional *guard*, the attribute the
+agent expects (``get_order [status] O``, ``get_item [category] I``, ``exchange O I [colour] V``): a
+mismatch is an error, so an agent that names what it selected gets its slips caught. Every store
+is freshly generated from the task seed with random,
 globally distinct ids, so nothing can be memorised across tasks: the ids must be read and copied.
 
 Tokens. The world speaks a small fixed vocabulary (:data:`VOCAB`). An episode is
@@ -100,6 +104,9 @@ _ID0 = TOK["0"]
 _ARITY: dict[str, tuple[str, ...]] = {t: ("id",) for t in READ_TOOLS}
 _ARITY["find_user"] = ("name",)
 _ARITY["exchange"] = ("id", "id", "id")
+# Tools that take an optional guard (the attribute the agent expects; a mismatch is an error):
+# ``get_order [status] O``, ``get_item [category] I``, ``exchange O I [colour] V``.
+_GUARDS = {"get_order": "status", "get_item": "category", "exchange": "color"}
 _ARG_NAMES: dict[str, tuple[str, ...]] = {
     "get_case": ("case",), "get_ticket": ("ticket",), "find_user": ("name",), "get_user": ("user",),
     "get_order": ("order",), "get_item": ("item",), "get_product": ("product",),
@@ -389,6 +396,13 @@ class ToolshopEnv:
         if not toks or toks[0] not in TOOLS:
             return fail("<malformed>", "action does not start with a tool name")
         tool, args = toks[0], toks[1:]
+        # an optional guard: the attribute the agent expects the entity to have
+        guard, guard_kind = None, _GUARDS.get(tool)
+        if guard_kind is not None:
+            gpos = 2 if tool == "exchange" else 0
+            if len(args) == len(_ARITY[tool]) + 1 and args[gpos] in ATTRIBUTE_TOKENS:
+                guard = args[gpos]
+                args = args[:gpos] + args[gpos + 1:]
         kinds = _ARITY[tool]
         if len(args) != len(kinds):
             return fail(tool, f"{tool} takes {len(kinds)} argument(s), got {len(args)}")
@@ -402,7 +416,9 @@ class ToolshopEnv:
                 if a not in NAMES:
                     return fail(tool, f"argument {a!r} is not a name")
                 values.append(a)
-        arguments = dict(zip(_ARG_NAMES[tool], values, strict=True))
+        arguments: dict[str, object] = dict(zip(_ARG_NAMES[tool], values, strict=True))
+        if guard is not None:
+            arguments[guard_kind] = guard
         st = self.store
         x = values[0]
         returned: list[object] | None = None
@@ -414,16 +430,22 @@ class ToolshopEnv:
             u = st.user_by_name(str(x))
             returned = None if u is None else [u]
         elif tool == "get_user" and x in st.users:
-            returned = [v for o in st.users[x]["orders"] for v in (o, st.orders[o]["status"])]
+            returned = [v for o in st.users[x]["orders"] for v in (st.orders[o]["status"], o)]
         elif tool == "get_order" and x in st.orders:
+            if guard is not None and st.orders[x]["status"] != guard:
+                return fail(tool, f"order {x} is not {guard}", arguments)
             returned = [v for i in st.orders[x]["items"]
-                        for v in (i, st.products[st.items[i]["product"]]["category"])]
+                        for v in (st.products[st.items[i]["product"]]["category"], i)]
         elif tool == "get_item" and x in st.items:
+            if guard is not None and st.products[st.items[x]["product"]]["category"] != guard:
+                return fail(tool, f"item {x} is not a {guard}", arguments)
             returned = [st.items[x]["product"]]
         elif tool == "get_product" and x in st.products:
-            returned = [v for w in st.products[x]["variants"] for v in (w, st.variants[w]["color"])]
+            returned = [v for w in st.products[x]["variants"] for v in (st.variants[w]["color"], w)]
         elif tool == "exchange":
             o, i, v = values
+            if guard is not None and v in st.variants and st.variants[v]["color"] != guard:
+                return fail(tool, f"variant {v} is not {guard}", arguments)
             if o not in st.orders or i not in st.orders[o]["items"]:
                 return fail(tool, f"item {i} is not in order {o}", arguments)
             if v not in st.products[st.items[i]["product"]]["variants"]:
@@ -443,13 +465,11 @@ class ToolshopEnv:
 # ----------------------------------------------------------------------------------------------
 
 
-def _select(returned: list[object], want: str, rng: random.Random, noise: float) -> object | None:
-    """From ``[id, attr, id, attr, ...]`` pick the id whose attr is ``want`` (a wrong one w.p. noise)."""
-    pairs = [(returned[j], returned[j + 1]) for j in range(0, len(returned) - 1, 2)]
-    if not pairs:
-        return None
-    right = [x for x, a in pairs if a == want]
-    wrong = [x for x, a in pairs if a != want]
+def _select(returned: list[object], want: str, rng: random.Random, noise: float) -> tuple[object, object]:
+    """From ``[attr, id, attr, id, ...]`` pick ``(id, attr)`` with attr ``want`` (a wrong pair w.p. noise)."""
+    pairs = [(returned[j + 1], returned[j]) for j in range(0, len(returned) - 1, 2)]
+    right = [p for p in pairs if p[1] == want]
+    wrong = [p for p in pairs if p[1] != want]
     if wrong and (not right or rng.random() < noise):
         return rng.choice(wrong)
     return right[0]
@@ -487,19 +507,24 @@ class ScriptedAgent:
             elif r.name == "find_user":
                 known["user"] = r.returned[0]
             elif r.name == "get_user":
-                known["order"] = _select(r.returned, task.status, rng, noise)
+                known["order"], known["status"] = _select(r.returned, task.status, rng, noise)
             elif r.name == "get_order":
-                known["item"] = _select(r.returned, task.category, rng, noise)
+                known["item"], known["category"] = _select(r.returned, task.category, rng, noise)
             elif r.name == "get_item":
                 known["product"] = r.returned[0]
             elif r.name == "get_product":
-                known["variant"] = _select(r.returned, task.color, rng, noise)
+                known["variant"], known["color"] = _select(r.returned, task.color, rng, noise)
         if rng.random() < noise / 4:
             junk = rng.choice([["exchange", str(task.order)], [rng.choice(READ_TOOLS)], ["EOO"]])
             return [*junk, "EOA"]
         tool = self.chain[min(self.stage, len(self.chain) - 1)]
+        # guards: the attribute the id was selected by (only when it was selected from a list)
         if tool == "exchange":
-            args = [known.get("order"), known.get("item"), known.get("variant")]
+            args = [known.get("order"), known.get("item"), known.get("color"), known.get("variant")]
+        elif tool == "get_order":
+            args = [known.get("status"), known.get("order")]
+        elif tool == "get_item":
+            args = [known.get("category"), known.get("item")]
         else:
             args = [known.get(_ARG_NAMES[tool][0])]
         return [tool, *(str(a) for a in args if a is not None), "EOA"]

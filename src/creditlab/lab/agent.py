@@ -113,7 +113,7 @@ def make_tasks(seeds: Sequence[int], chain_lengths: Sequence[int]) -> list[Task]
 
 @torch.no_grad()
 def rollout(model: TinyLM, tasks: Sequence[Task], *, precision: str = "fp32", max_len: int = 160,
-            max_turns: int | None = None, max_action_len: int = 6, temperature: float = 1.0,
+            max_turns: int | None = None, max_action_len: int = 8, temperature: float = 1.0,
             generator: torch.Generator | None = None, group_ids: Sequence[int] | None = None
             ) -> RolloutBatch:
     """Sample one trajectory per task with the engine of ``precision`` (see module doc)."""
@@ -246,8 +246,11 @@ def cache_dir() -> Path:
         return Path.home() / ".cache" / "creditlab"
 
 
-def train_base(cfg: BaseConfig, progress: Callable[[int, float], None] | None = None) -> TinyLM:
-    """Train the base policy from scratch (no cache). Cross-entropy on the demonstrator's tokens."""
+def train_base(cfg: BaseConfig, progress: Callable[[int, float], None] | None = None, *,
+               checkpoint: Callable[[int, TinyLM], None] | None = None, checkpoint_every: int = 0) -> TinyLM:
+    """Train the base policy from scratch (no cache). Cross-entropy on the demonstrator's tokens.
+
+    ``checkpoint(k, model)`` is called every ``checkpoint_every`` steps (e.g. to evaluate)."""
     torch.manual_seed(cfg.seed)
     model = TinyLM(cfg.model_config())
     seqs, masks = [], []
@@ -285,6 +288,10 @@ def train_base(cfg: BaseConfig, progress: Callable[[int, float], None] | None = 
         sched.step()
         if progress is not None:
             progress(k, float(loss.detach()))
+        if checkpoint is not None and checkpoint_every and (k + 1) % checkpoint_every == 0:
+            model.eval()
+            checkpoint(k + 1, model)
+            model.train()
     model.eval()
     return model
 
@@ -295,20 +302,19 @@ def base_policy(cfg: BaseConfig = BaseConfig(), *, cache: str | os.PathLike[str]
 
     Loaded with safetensors (no pickle); the file name carries a hash of the config.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_model, save_model
 
     root = Path(cache) if cache is not None else cache_dir()
     path = root / f"toolshop-base-{cfg.key()}.safetensors"
     model = TinyLM(cfg.model_config())
     if path.exists() and not refresh:
-        model.load_state_dict(load_file(str(path)))
+        load_model(model, str(path))  # safetensors: no pickle; handles the tied head
         model.eval()
         return model
     model = train_base(cfg, progress)
     root.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp),
-              metadata={"config": json.dumps(asdict(cfg))})
+    save_model(model, str(tmp), metadata={"config": json.dumps(asdict(cfg))})
     os.replace(tmp, path)
     return model
 
@@ -452,7 +458,7 @@ class GRPOConfig:
     """Token budget of a trajectory."""
     max_turns: int | None = None
     """Action budget (default C + 2)."""
-    max_action_len: int = 6
+    max_action_len: int = 8
     """Tokens per action before it is cut and sent as is."""
     temperature: float = 1.0
     """Sampling temperature of the engine (and of the learner's log-probs)."""

@@ -1,7 +1,7 @@
 """A tiny nanoGPT-style causal transformer with fake-quantized execution paths and a KV cache.
 
 One module, after nanoGPT (Karpathy): learned token and position embeddings, ``n_layer`` pre-norm
-blocks (causal self-attention + GELU MLP), a final LayerNorm and an untied LM head.
+blocks (causal self-attention + GELU MLP), a final LayerNorm and an LM head tied to the token embedding.
 
 Execution precisions (:data:`creditlab.models.quant.PRECISIONS`):
 
@@ -54,6 +54,8 @@ class TinyLMConfig:
     """MLP hidden width / ``d_model``."""
     fp8_block: int = 32
     """Tile size of the block-wise FP8 weight scales."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the LM head (nanoGPT's weight tying)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "max_len", "mlp_ratio", "fp8_block"):
@@ -114,6 +116,8 @@ class TinyLM(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
+        if cfg.tie_embeddings:  # as nanoGPT; also what makes copying ids from the context easy to learn
+            self.head.weight = self.tok.weight
         for blk in self.blocks:  # GPT-2 scaled init of residual projections
             for lin in (blk.proj, blk.out):
                 nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
