@@ -126,7 +126,7 @@ def _trl_inputs(trainer, seed):
 
 # TRL loss type -> (our aggregation, our norm given (rows, max_completion_length))
 TRL_MODES = {"bnpo": ("token_mean", None), "dapo": ("token_mean", None), "grpo": ("seq_mean_token_mean", None),
-             "dr_grpo": ("seq_mean_token_sum_norm", lambda B, C: B * C)}
+             "luspo": ("seq_mean_token_sum", None), "dr_grpo": ("seq_mean_token_sum_norm", lambda B, C: B * C)}
 
 
 @pytest.mark.parametrize("loss_type", list(TRL_MODES))
