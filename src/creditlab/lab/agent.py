@@ -204,9 +204,9 @@ class BaseConfig:
     """Demonstrator noise: probability of a wrong choice at each selection (see ScriptedAgent)."""
     n_demos: int = 4000
     """Demonstration episodes (tasks seeded from ``seed``, disjoint from RL task seeds)."""
-    steps: int = 600
+    steps: int = 1500
     """Optimizer steps."""
-    batch_size: int = 64
+    batch_size: int = 128
     """Demonstrations per step."""
     lr: float = 3e-3
     """AdamW peak learning rate (linear warm-up over 5% of steps, cosine decay)."""
@@ -226,7 +226,8 @@ class BaseConfig:
                             d_model=self.d_model, max_len=self.max_len)
 
     def key(self) -> str:
-        blob = json.dumps({**asdict(self), "vocab": len(VOCAB), "v": 1}, sort_keys=True)
+        # the model's full config and a format version: a changed architecture never loads old weights
+        blob = json.dumps({**asdict(self), "model": asdict(self.model_config()), "v": 2}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -1,6 +1,7 @@
 """A tiny nanoGPT-style causal transformer with fake-quantized execution paths and a KV cache.
 
-One module, after nanoGPT (Karpathy): learned token and position embeddings, ``n_layer`` pre-norm
+One module, after nanoGPT (Karpathy): learned token and position embeddings (plus, by default, an
+embedding of the previous token, the "smeared key" of Olsson et al. 2022), ``n_layer`` pre-norm
 blocks (causal self-attention + GELU MLP), a final LayerNorm and an LM head tied to the token embedding.
 
 Execution precisions (:data:`creditlab.models.quant.PRECISIONS`):
@@ -56,6 +57,9 @@ class TinyLMConfig:
     """Tile size of the block-wise FP8 weight scales."""
     tie_embeddings: bool = True
     """Share the token embedding with the LM head (nanoGPT's weight tying)."""
+    token_shift: bool = True
+    """Add an embedding of the previous token to each position's input ("smeared keys", Olsson et
+    al. 2022): copying the id that follows a matching attribute then needs one attention layer."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "max_len", "mlp_ratio", "fp8_block"):
@@ -83,6 +87,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.pos = 0
+        self.last = torch.zeros(batch, dtype=torch.long, device=p.device)  # token before the next one
         # Quantize the weights once per rollout, as an engine loads quantized checkpoints.
         with torch.no_grad():
             self.weights = model.engine_weights(precision)
@@ -112,6 +117,7 @@ class TinyLM(nn.Module):
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.max_len, cfg.d_model)
+        self.shift = nn.Embedding(cfg.vocab_size, cfg.d_model) if cfg.token_shift else None
         self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -193,6 +199,8 @@ class TinyLM(nn.Module):
         if L > self.cfg.max_len:
             raise InputError(f"idx: length {L} exceeds max_len {self.cfg.max_len}")
         x = self.tok(idx) + self.pos(torch.arange(L, device=idx.device))
+        if self.shift is not None:  # previous token (id 0 before the first position)
+            x = x + self.shift(torch.cat([torch.zeros_like(idx[:, :1]), idx[:, :-1]], dim=1))
         weights = self.engine_weights(precision)
         for i, blk in enumerate(self.blocks):
             x = self._block(blk, weights[i], x, precision, None, i)
@@ -210,6 +218,9 @@ class TinyLM(nn.Module):
         if cache.pos + n > cache.max_len:
             raise InputError(f"tokens: cache is full ({cache.max_len} positions)")
         x = self.tok(tokens) + self.pos(torch.arange(cache.pos, cache.pos + n, device=tokens.device))
+        if self.shift is not None:
+            x = x + self.shift(torch.cat([cache.last[:, None], tokens[:, :-1]], dim=1))
+        cache.last = tokens[:, -1].clone()
         for i, blk in enumerate(self.blocks):
             x = self._block(blk, cache.weights[i], x, cache.precision, cache, i)
         cache.pos += n

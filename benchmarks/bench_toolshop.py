@@ -1,0 +1,67 @@
+"""Speed of the toolshop agent engine: rollout tokens/s and seconds per GRPO update.
+
+Target (issue): 256 rollouts of up to 160 tokens per update, 100 updates in under 10 minutes on
+2 CPU cores, i.e. under 6 s per update. Run:
+
+    python benchmarks/bench_toolshop.py [--updates 3] [--threads 2] [--random-init]
+
+It measures, side by side in one run, the fp32 engine + fp32 learner and the FP8 (W8A8-KV8) engine
++ QAT learner, from the cached base policy (trained on first use) or a random init.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from creditlab.envs.toolshop import VOCAB
+from creditlab.lab.agent import BaseConfig, GRPOConfig, base_policy, make_tasks, rollout, train_grpo
+from creditlab.models.tiny_lm import TinyLM
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--updates", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--random-init", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    bcfg = BaseConfig()
+    if args.random_init:
+        torch.manual_seed(0)
+        model = TinyLM(bcfg.model_config())
+    else:
+        t0 = time.perf_counter()
+        model = base_policy(bcfg)
+        print(f"base policy ready in {time.perf_counter() - t0:.1f} s (cached after the first run)")
+    print(f"threads={args.threads}, vocab={len(VOCAB)}, params={sum(p.numel() for p in model.parameters())}")
+    tasks = [t for t in make_tasks(range(32), bcfg.chain_lengths) for _ in range(8)]
+    for prec in ("fp32", "bf16", "fp8", "int8"):
+        rollout(model, tasks[:16], precision=prec, max_len=160)  # warm-up
+        t0 = time.perf_counter()
+        b = rollout(model, tasks, precision=prec, max_len=160, generator=torch.Generator().manual_seed(0))
+        dt = time.perf_counter() - t0
+        n = int(b.valid_mask.sum())
+        print(f"rollout {prec:5s}: 256 rollouts, {n} tokens (longest {b.tokens.size(1)}), {dt:.2f} s, "
+              f"{n / dt:,.0f} tokens/s, success {float(b.success.mean()):.2f}")
+    res = {}
+    arms = (("fp32 engine / fp32 learner", "fp32", "fp32"), ("fp8 engine / QAT learner", "fp8", "fp8"))
+    for name, rp, lp in arms:
+        m = TinyLM(model.cfg)
+        m.load_state_dict(model.state_dict())
+        cfg = GRPOConfig(updates=args.updates, tasks_per_update=32, group_size=8, max_len=160,
+                         rollout_precision=rp, learner_precision=lp)
+        rows = train_grpo(m, cfg)
+        per = sum(r["time/update_s"] for r in rows) / len(rows)
+        roll = sum(r["time/rollout_s"] for r in rows) / len(rows)
+        res[name] = per
+        print(f"update {name}: {per:.2f} s/update (rollout {roll:.2f} s), "
+              f"100 updates ~ {100 * per / 60:.1f} min")
+    a, b = res.values()
+    print(f"ratio fp8+QAT / fp32 seconds per update: {b / a:.2f}")
+
+
+if __name__ == "__main__":
+    main()
