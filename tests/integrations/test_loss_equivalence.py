@@ -9,6 +9,7 @@ from integration_helpers import agent_batch, tiny_model, tiny_tokenizer
 from omegaconf import OmegaConf
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
+import creditlab.integrations.verl  # noqa: F401  (registers creditlab_ppo)
 from creditlab.core.correction import interq_weights
 from creditlab.core.losses import policy_loss
 
@@ -70,14 +71,18 @@ def test_registered_creditlab_ppo_equals_vanilla_with_verls_normalisation(verl_m
     assert mo["actor/pg_clipfrac"] == pytest.approx(mv["actor/pg_clipfrac"], abs=1e-7)
 
 
-def test_dual_clip_is_the_only_difference_with_large_ratios():
+def test_dual_clip_with_large_ratios():
     logp, old, rollout, adv, rm = _tensors(1, spread=2.0)  # ratios far above clip_ratio_c = 3
     pm = rm.bool()
-    ours, _ = policy_loss(logp, old, adv, pm, clip_low=0.2, clip_high=0.28)
     dual, _ = get_policy_loss_fn("vanilla")(old, logp, adv, pm, "token-mean", _verl_cfg(3.0), None)
     no_dual, _ = get_policy_loss_fn("vanilla")(old, logp, adv, pm, "token-mean", _verl_cfg(1e9), None)
+    ours_dual, _ = policy_loss(logp, old, adv, pm, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0)
+    ours, _ = policy_loss(logp, old, adv, pm, clip_low=0.2, clip_high=0.28)
+    registered, _ = get_policy_loss_fn("creditlab_ppo")(old, logp, adv, pm, "token-mean", _verl_cfg(3.0), None)
+    torch.testing.assert_close(ours_dual, dual, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(registered, dual, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(ours, no_dual, rtol=1e-6, atol=1e-7)
-    assert abs(float(ours) - float(dual)) > 1e-3  # verl's dual clip (Ye et al., 2020) caps -A r at -3 A
+    assert abs(float(dual) - float(no_dual)) > 1e-3  # the dual clip (Ye et al., 2020) binds here
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ changes nothing):
   (:class:`~creditlab.integrations._common.CreditSettings`).
 * **Policy loss** ``creditlab_ppo`` in verl's loss registry (``actor_rollout_ref.actor.policy_loss.loss_mode``):
   :func:`creditlab.core.losses.policy_loss` (clipped PPO/GRPO surrogate times ``rollout_is_weights``)
-  with verl's four aggregation modes and its data-parallel normalisation; unlike verl's ``vanilla``
-  it has no dual clip.
+  with verl's four aggregation modes, its dual clip (``clip_ratio_c``) and its data-parallel
+  normalisation: the same loss as verl's ``vanilla`` (tested), from creditlab's implementation.
 * **FORK reward function** :func:`fork_compute_score` (async, micro-batched).
 
 Convention for per-turn scores in ``token_level_rewards``
@@ -348,7 +348,8 @@ def compute_policy_loss_creditlab(old_log_prob: torch.Tensor, log_prob: torch.Te
                                   rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """verl policy loss ``creditlab_ppo``: :func:`creditlab.core.losses.policy_loss` on a micro-batch.
 
-    Clip range from ``config.clip_ratio_low`` / ``clip_ratio_high`` (``clip_ratio`` when unset);
+    Clip range from ``config.clip_ratio_low`` / ``clip_ratio_high`` (``clip_ratio`` when unset), dual
+    clip from ``config.clip_ratio_c`` (3.0 when unset, as verl; null turns it off);
     ``rollout_is_weights`` (e.g. creditlab's InterQ-RL weights) multiply the token losses. The
     micro-batch value is rescaled to verl's global normalisation (``config.global_batch_info``:
     ``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``) exactly as verl's
@@ -389,7 +390,8 @@ def compute_policy_loss_creditlab(old_log_prob: torch.Tensor, log_prob: torch.Te
     if dp > 1 and total is None:
         raise ConfigError("global_batch_info", f"dp_size={dp} needs the global token / sequence count")
     loss, metrics = policy_loss(log_prob, old_log_prob, advantages, pm, clip_low=clip_low, clip_high=clip_high,
-                                weights=rollout_is_weights, agg=mode, norm=norm)
+                                clip_ratio_c=config.get("clip_ratio_c", 3.0), weights=rollout_is_weights, agg=mode,
+                                norm=norm)
     loss = loss * scale.to(loss.dtype)
     return loss, {"actor/pg_clipfrac": metrics["loss/clip_frac"], "actor/ppo_kl": metrics["loss/approx_kl"],
                   "actor/creditlab_weight_mean": metrics["loss/weight_mean"]}
