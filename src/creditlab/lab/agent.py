@@ -204,7 +204,7 @@ class BaseConfig:
     """Demonstrator noise: probability of a wrong choice at each selection (see ScriptedAgent)."""
     n_demos: int = 4000
     """Demonstration episodes (tasks seeded from ``seed``, disjoint from RL task seeds)."""
-    steps: int = 1500
+    steps: int = 1000
     """Optimizer steps."""
     batch_size: int = 128
     """Demonstrations per step."""
