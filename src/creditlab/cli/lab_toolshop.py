@@ -46,6 +46,6 @@ def toolshop(
     console = Console()
     t0 = time.perf_counter()
     res = run_toolshop(cfg, out, workers=workers)
-    console.print(to_markdown(res["summary"]), markup=False, highlight=False)
-    console.print(to_markdown(res["mismatch"]), markup=False, highlight=False)
+    console.print(to_markdown(res["summary"], ".3g"), markup=False, highlight=False)
+    console.print(to_markdown(res["mismatch"], ".3g"), markup=False, highlight=False)
     console.print(f"wrote {out}/report.md, tables and plots in {time.perf_counter() - t0:.1f} s")

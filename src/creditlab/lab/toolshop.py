@@ -32,7 +32,7 @@ from creditlab.lab.agent import (
     sequence_logprobs,
     train_grpo,
 )
-from creditlab.lab.report import mean_ci, write_table
+from creditlab.lab.report import mean_ci, to_markdown, write_table
 from creditlab.lab.runner import Cell, run_cells
 from creditlab.lab.store import ResultStore
 
@@ -103,7 +103,7 @@ def run_seed(base: dict, grpo: dict, seed: int) -> list[dict]:
     return [{"seed": seed, **{k: v for k, v in r.items() if not k.startswith("mismatch/turn")}} for r in rows]
 
 
-def _plot(df: pd.DataFrame, out: Path, base_success: float) -> list[Path]:
+def _plot(df: pd.DataFrame, out: Path, base_success: float, engines: str) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,7 +129,7 @@ def _plot(df: pd.DataFrame, out: Path, base_success: float) -> list[Path]:
     ax.set_yscale("log")
     ax.set_xlabel("update")
     ax.set_ylabel("K3(rollout engine || learner) per policy token")
-    ax.set_title("execution mismatch over training")
+    ax.set_title(f"execution mismatch over training ({engines})")
     fig.tight_layout()
     p = out / "toolshop_success_k3.png"
     fig.savefig(p, dpi=110)
@@ -154,6 +154,7 @@ def run_toolshop(cfg: ToolshopLabConfig, out: str | Path, *, workers: int = 1,
     # 2. execution mismatch of the base policy
     mism = measure_mismatch(model, cfg.mismatch_tasks, g.chain_lengths)
     write_table(mism, out, "mismatch")
+    (out / "mismatch.md").write_text(to_markdown(mism, ".3g"))  # K3 spans orders of magnitude
     # 3. GRPO, one resumable cell per seed
     store = ResultStore(out / "store")
     cells = [Cell(key=f"seed={s}|{json.dumps(asdict(g), sort_keys=True)}|{cfg.base.key()}", fn=run_seed,
@@ -179,14 +180,15 @@ def run_toolshop(cfg: ToolshopLabConfig, out: str | Path, *, workers: int = 1,
         rows.append({"what": name, "mean": m, "lo": lo, "hi": hi, "n": len(v)})
     summary = pd.DataFrame(rows)
     write_table(summary, out, "summary")
-    plots = _plot(df, out, base_eval["success"])
-    from creditlab.lab.report import to_markdown
-
+    (out / "summary.md").write_text(to_markdown(summary, ".3g"))
+    engines = f"{g.rollout_precision} engine, {g.learner_precision} learner"
+    plots = _plot(df, out, base_eval["success"], engines)
     (out / "report.md").write_text(
         "# toolshop lab\n\n"
         f"Outcome GRPO (rollout {g.rollout_precision}, learner {g.learner_precision}, "
         f"{g.tasks_per_update} tasks x {g.group_size} rollouts, {g.updates} updates, "
         f"seeds {list(cfg.seeds)}).\n\n"
-        "## Summary\n\n" + to_markdown(summary) + "\n\n## Execution mismatch of the base policy\n\n"
-        + to_markdown(mism) + "\n\n" + "".join(f"![{p.stem}]({p.name})\n" for p in plots))
+        "## Summary\n\n" + to_markdown(summary, ".3g")
+        + "\n\n## Execution mismatch of the base policy\n\n" + to_markdown(mism, ".3g") + "\n\n"
+        + "".join(f"![{p.stem}]({p.name})\n" for p in plots))
     return {"updates": df, "summary": summary, "mismatch": mism}
