@@ -179,3 +179,29 @@ def test_grpo_trainer_runs_logs_and_uses_pluggable_weights(model):
     assert "eval/success" in rows[0] and "eval/success" not in rows[1]
     assert any(not torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
     assert rows[0]["mismatch/k3"] >= 0
+
+
+def test_toolshop_lab_smoke_resumes_and_cli_errors(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from creditlab.cli.main import main
+    from creditlab.lab.toolshop import ToolshopLabConfig, run_toolshop
+
+    monkeypatch.setenv("CREDITLAB_CACHE", str(tmp_path / "cache"))
+    cfg = ToolshopLabConfig(base=replace(TINY_BASE, chain_lengths=(2,)),
+                            grpo=GRPOConfig(updates=2, tasks_per_update=2, group_size=2, chain_lengths=(2,),
+                                            max_len=48, eval_every=1, eval_tasks=4),
+                            seeds=(0,), mismatch_tasks=4)
+    res = run_toolshop(cfg, tmp_path / "out", progress=False)
+    for name in ("updates.parquet", "summary.md", "mismatch.md", "toolshop_success_k3.png", "report.md"):
+        assert (tmp_path / "out" / name).exists(), name
+    assert set(res["mismatch"]["engine"]) == {"fp32", "bf16", "fp8", "int8"}
+    assert len(res["updates"]) == 3  # two updates + the final evaluation row
+    again = run_toolshop(cfg, tmp_path / "out", progress=False)  # resumed: same rows from the store
+    assert again["updates"].equals(res["updates"])
+    with pytest.raises(SystemExit) as exc:
+        main(["lab", "toolshop", "--quick", "--rollout-precision", "fp4", "--out", str(tmp_path / "x")])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["lab", "toolshop", "--quick", "--correction", "magic", "--out", str(tmp_path / "x")])
+    assert exc.value.code == 2

@@ -67,12 +67,14 @@ class ToolshopLabConfig:
             raise ConfigError("seeds", "needs at least one seed")
         if self.mismatch_tasks < 1:
             raise ConfigError("mismatch_tasks", f"must be >= 1, got {self.mismatch_tasks}")
+        if self.grpo.max_len > self.base.max_len:
+            raise ConfigError("grpo.max_len", f"{self.grpo.max_len} exceeds the model's {self.base.max_len}")
         if tuple(self.grpo.chain_lengths) != tuple(self.base.chain_lengths):
             raise ConfigError("grpo.chain_lengths", "must equal base.chain_lengths (the base policy's tasks)")
 
 
 @torch.no_grad()
-def measure_mismatch(model, n_tasks: int, chain_lengths, *, seed: int = 0,
+def measure_mismatch(model, n_tasks: int, chain_lengths, *, seed: int = 0, max_len: int = 160,
                      pairs=MISMATCH_PAIRS) -> pd.DataFrame:
     """K3 (and mean |delta|) between rollout engine and learner on the model's own trajectories."""
     from creditlab.core.correction import mismatch_metrics
@@ -80,7 +82,8 @@ def measure_mismatch(model, n_tasks: int, chain_lengths, *, seed: int = 0,
     rows = []
     tasks = make_tasks(range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + n_tasks), chain_lengths)
     for engine, learner in pairs:
-        batch = rollout(model, tasks, precision=engine, generator=torch.Generator().manual_seed(seed))
+        batch = rollout(model, tasks, precision=engine, max_len=max_len,
+                        generator=torch.Generator().manual_seed(seed))
         old = sequence_logprobs(model, batch.tokens, learner)
         m = mismatch_metrics(old, batch.rollout_logprobs, batch.policy_mask, batch.valid_mask)
         rows.append({"engine": engine, "learner": learner + (" (QAT)" if learner == engine != "fp32" else ""),
@@ -152,7 +155,7 @@ def run_toolshop(cfg: ToolshopLabConfig, out: str | Path, *, workers: int = 1,
     base_eval = evaluate(model, eval_seeds, g.chain_lengths, precision=g.rollout_precision, seed=1,
                          max_len=g.max_len, max_turns=g.max_turns, max_action_len=g.max_action_len)
     # 2. execution mismatch of the base policy
-    mism = measure_mismatch(model, cfg.mismatch_tasks, g.chain_lengths)
+    mism = measure_mismatch(model, cfg.mismatch_tasks, g.chain_lengths, max_len=g.max_len)
     write_table(mism, out, "mismatch")
     (out / "mismatch.md").write_text(to_markdown(mism, ".3g"))  # K3 spans orders of magnitude
     # 3. GRPO, one resumable cell per seed
