@@ -47,8 +47,8 @@ def test_aggregate_golden():
     assert float(aggregate(loss, mask, "token_mean")) == 3.0  # 15 / 5 tokens
     assert float(aggregate(loss, mask, "seq_mean_token_mean")) == 3.25  # (6/3 + 9/2) / 2 non-empty rows
     assert float(aggregate(loss, mask, "seq_mean_token_sum")) == 7.5  # (6 + 9) / 2
-    assert float(aggregate(loss, mask, "seq_mean_token_sum_norm")) == 5.0  # 15 / L = 15 / 3
-    assert float(aggregate(loss, mask, "seq_mean_token_sum_norm", norm=10)) == 1.5
+    assert float(aggregate(loss, mask, "seq_mean_token_sum_norm")) == 2.5  # (6 + 9) / 2 rows / L=3
+    assert float(aggregate(loss, mask, "seq_mean_token_sum_norm", norm=10)) == 0.75
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)

@@ -16,12 +16,12 @@ def ref_aggregate(loss, mask, mode, norm=None):
     if mode == "token_mean":
         flat = [x for r in rows for x in r]
         return sum(flat) / len(flat) if flat else 0.0
-    if mode == "seq_mean_token_sum_norm":
-        L = len(loss[0]) if loss else 0
-        return sum(sum(r) for r in rows) / (L if norm is None else norm)
     nonempty = [r for r in rows if r]
     if not nonempty:
         return 0.0
+    if mode == "seq_mean_token_sum_norm":
+        L = len(loss[0])
+        return sum(sum(r) for r in nonempty) / len(nonempty) / (L if norm is None else norm)
     if mode == "seq_mean_token_mean":
         return sum(sum(r) / len(r) for r in nonempty) / len(nonempty)
     if mode == "seq_mean_token_sum":

@@ -50,12 +50,13 @@ def _aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm: float | 
         return loss.sum() / mask.sum().clamp_min(1).to(loss.dtype)
     row_sum = loss.sum(dim=1)  # (B,)
     count = mask.sum(dim=1)  # (B,)
-    if mode == "seq_mean_token_sum_norm":
-        return row_sum.sum() / (mask.shape[1] if norm is None else norm)
     nonempty = count > 0
     if mode == "seq_mean_token_mean":
         row_sum = row_sum / count.clamp_min(1).to(loss.dtype)
-    return row_sum.sum() / nonempty.sum().clamp_min(1).to(loss.dtype)
+    seq_mean = row_sum.sum() / nonempty.sum().clamp_min(1).to(loss.dtype)
+    if mode == "seq_mean_token_sum_norm":
+        return seq_mean / (mask.shape[1] if norm is None else norm)
+    return seq_mean
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", *,
@@ -67,8 +68,9 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", 
     - ``token_mean``: ``sum_{b,t} m l / sum_{b,t} m`` (every token weighs the same; DAPO).
     - ``seq_mean_token_mean``: mean over non-empty rows of the row's token mean (GRPO).
     - ``seq_mean_token_sum``: mean over non-empty rows of the row's token sum.
-    - ``seq_mean_token_sum_norm``: ``sum_b sum_t m l / norm`` with the constant ``norm``
-      defaulting to ``L`` (Dr. GRPO). As in verl this sums (not averages) over rows.
+    - ``seq_mean_token_sum_norm``: ``seq_mean_token_sum / norm`` with the constant ``norm``
+      defaulting to ``L`` (Dr. GRPO: a constant instead of each row's length; verl 0.9.1's
+      ``seq-mean-token-sum-norm`` and TRL's ``dr_grpo`` when every row is non-empty).
 
     A fully masked row contributes 0 and is not counted in the ``seq_mean`` denominators; a
     fully masked batch gives 0, never NaN. ``loss`` may hold junk (NaN, inf) at masked positions.
@@ -76,7 +78,7 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", 
     >>> loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0], [9.0, 9.0, 9.0]])
     >>> mask = torch.tensor([[True, True, True], [True, True, False], [False, False, False]])
     >>> [round(float(aggregate(loss, mask, m)), 4) for m in AGG_MODES]
-    [3.0, 3.25, 7.5, 5.0]
+    [3.0, 3.25, 7.5, 2.5]
     """
     dims: dict[str, int] = {}
     check_tensor("mask", mask, shape=("B", "L"), boolean=True, dims=dims)

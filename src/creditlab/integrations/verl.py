@@ -384,7 +384,7 @@ def compute_policy_loss_creditlab(old_log_prob: torch.Tensor, log_prob: torch.Te
         total = info.get("global_batch_size")
         if mode == "seq_mean_token_sum_norm":
             factor = info.get("loss_scale_factor") or L
-            norm = float(n_seq.clamp_min(1)) * factor  # verl: mean over rows of token sums, / factor
+            norm = float(factor)  # verl: mean over non-empty rows of token sums, / factor
         if total is not None:
             scale = n_seq.clamp_min(1).double() / float(total) * dp
     if dp > 1 and total is None:
