@@ -61,6 +61,29 @@ def main() -> None:
               f"100 updates ~ {100 * per / 60:.1f} min")
     a, b = res.values()
     print(f"ratio fp8+QAT / fp32 seconds per update: {b / a:.2f}")
+    # Worst case: every rollout runs the full 160 tokens (an untrained policy on C=8 tasks with a
+    # large action budget never writes), the size the speed target is stated at.
+    torch.manual_seed(0)
+    rnd = TinyLM(bcfg.model_config())
+    long_tasks = [t for t in make_tasks(range(32), (8,)) for _ in range(8)]
+    for prec in ("fp32", "fp8"):
+        t0 = time.perf_counter()
+        b = rollout(rnd, long_tasks, precision=prec, max_len=160, max_turns=60,
+                    generator=torch.Generator().manual_seed(0))
+        dt = time.perf_counter() - t0
+        n = int(b.valid_mask.sum())
+        print(f"full-length rollout {prec:5s}: {n} tokens (longest {b.tokens.size(1)}), {dt:.2f} s, "
+              f"{n / dt:,.0f} tokens/s")
+    for rp, lp in (("fp32", "fp32"), ("fp8", "fp8")):
+        cfg = GRPOConfig(updates=args.updates, tasks_per_update=32, group_size=8, max_len=160, max_turns=60,
+                         chain_lengths=(8,), rollout_precision=rp, learner_precision=lp)
+        m = TinyLM(rnd.cfg)
+        m.load_state_dict(rnd.state_dict())
+        rows = train_grpo(m, cfg)
+        per = sum(r["time/update_s"] for r in rows) / len(rows)
+        print(f"full-length update {rp} engine / {lp} learner: {per:.2f} s/update "
+              f"({rows[-1]['episode/length']:.0f} tokens per rollout), "
+              f"100 updates ~ {100 * per / 60:.1f} min")
 
 
 if __name__ == "__main__":
