@@ -205,3 +205,23 @@ def test_toolshop_lab_smoke_resumes_and_cli_errors(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         main(["lab", "toolshop", "--quick", "--correction", "magic", "--out", str(tmp_path / "x")])
     assert exc.value.code == 2
+
+
+def test_prm_advantage_with_a_schedule_matches_core(model):
+    from creditlab.core.advantages import prm_mixed_advantages
+    from creditlab.core.schedules import decay
+    from creditlab.lab.agent import evidence_scores, make_prm_advantage, turn_mask_of
+
+    batch = _rollout(model, n=8, group_ids=[0, 0, 0, 0, 1, 1, 1, 1])
+    rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 1])
+    lam = decay(1.0, start=2, end=4)
+    fn = make_prm_advantage(evidence_scores, lam)
+    scores = evidence_scores(batch)
+    for k in (0, 3, 10):
+        want = prm_mixed_advantages(rewards, scores, turn_mask_of(batch), batch.group_ids, lam(k))
+        assert torch.allclose(fn(batch, rewards, k), turns_to_tokens(want, batch))
+    # after the decay only the outcome remains: the GRPO advantage on every policy token
+    out = fn(batch, rewards, 10)
+    grpo = make_advantage("grpo")(batch, rewards, 0)
+    pm = batch.policy_mask
+    assert torch.allclose(out[pm], grpo[:, None].expand_as(out)[pm], atol=1e-6)

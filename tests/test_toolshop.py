@@ -182,3 +182,12 @@ def test_noisy_demonstrator_is_middling_and_exact_without_noise():
 
 def test_world_stats():
     assert world_stats(4) == {"chain_length": 4.0, "write_fraction": 0.25, "verifier_density": 0.25}
+
+
+def test_trajectory_stats():
+    from creditlab.envs.toolshop import trajectory_stats
+
+    t = make_task(4, 4)
+    _, _, env = run_scripted(t, seed=0)
+    assert trajectory_stats(env.records) == {"tool_calls": 4.0, "write_fraction": 0.25, "error_rate": 0.0}
+    assert trajectory_stats([])["write_fraction"] == 0.0

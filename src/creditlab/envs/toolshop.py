@@ -77,6 +77,7 @@ __all__ = [
     "ScriptedAgent",
     "run_scripted",
     "tool_chain",
+    "trajectory_stats",
     "verify",
     "world_stats",
 ]
@@ -301,6 +302,14 @@ def verify(store: Store, task: Task) -> tuple[bool, float]:
         and set(store.items) == set(start)
     fields = (f_variant, f_status, f_others)
     return all(fields), sum(fields) / len(fields)
+
+
+def trajectory_stats(records: Sequence[TurnRecord]) -> dict[str, float]:
+    """Measured on one trajectory: tool calls, write fraction (writes / calls), error rate."""
+    n = len(records)
+    return {"tool_calls": float(n),
+            "write_fraction": sum(r.is_write for r in records) / n if n else 0.0,
+            "error_rate": sum(not r.ok for r in records) / n if n else 0.0}
 
 
 def world_stats(chain_length: int) -> dict[str, float]:

@@ -62,7 +62,9 @@ __all__ = [
     "make_tasks",
     "rollout",
     "sequence_logprobs",
+    "evidence_scores",
     "make_advantage",
+    "make_prm_advantage",
     "make_weights",
     "task_seeds",
     "train_base",
@@ -395,6 +397,33 @@ def make_advantage(name: str, *, generator: torch.Generator | None = None) -> Ad
             a = credit.per_turn(adv, turn_progress_deltas(batch), tm)
             if name == "shuffled":
                 a = credit.shuffled(a, tm, generator)
+        return turns_to_tokens(a, batch)
+
+    return fn
+
+
+def evidence_scores(batch: RolloutBatch) -> torch.Tensor:
+    """A turn-level process score ``(B, T)`` that likes evidence gathering: 1 for every successful
+    read, 0 for errors and writes. Hackable on purpose: repeated reads score too."""
+    T = max(batch.n_turns_max, 1)
+    out = torch.zeros(len(batch), T)
+    for b, recs in enumerate(batch.records):
+        for t, r in enumerate(recs):
+            out[b, t] = float(r.ok and not r.is_write)
+    return out
+
+
+def make_prm_advantage(process_scores: Callable[[RolloutBatch], torch.Tensor] = evidence_scores,
+                       lam: Callable[[int], float] | float = 0.5) -> AdvantageFn:
+    """PRM mixing: ``A[i,t] = A_out[i] + lam(k) A_proc[i,t]`` per turn
+    (:func:`creditlab.core.advantages.prm_mixed_advantages`), spread on each turn's policy tokens;
+    ``lam`` a number or a schedule of the update index (:mod:`creditlab.core.schedules`)."""
+    from creditlab.core.advantages import prm_mixed_advantages
+
+    def fn(batch: RolloutBatch, rewards: torch.Tensor, update: int) -> torch.Tensor:
+        lam_k = float(lam(update)) if callable(lam) else float(lam)
+        a = prm_mixed_advantages(rewards, process_scores(batch).float(), turn_mask_of(batch), batch.group_ids,
+                                 lam_k)
         return turns_to_tokens(a, batch)
 
     return fn
