@@ -138,7 +138,13 @@ def decode(ids: Sequence[int]) -> list[str]:
 
 
 def tool_chain(chain_length: int) -> tuple[str, ...]:
-    """The tools a correct episode calls, in order, for chain length ``C`` (the last is the write)."""
+    """The tools a correct episode calls, in order, for chain length ``C`` (the last is the write).
+
+    >>> tool_chain(4)
+    ('get_order', 'get_item', 'get_product', 'exchange')
+    >>> " ".join(make_task(0, 4).instruction)
+    'order 8 bag black'
+    """
     if not MIN_CHAIN <= int(chain_length) <= MAX_CHAIN:
         raise ConfigError("chain_length", f"must be in [{MIN_CHAIN}, {MAX_CHAIN}], got {chain_length}")
     return TOOLS[len(TOOLS) - int(chain_length):]
