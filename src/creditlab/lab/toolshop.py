@@ -131,8 +131,8 @@ def _plot(df: pd.DataFrame, out: Path, base_success: float, engines: str) -> lis
     ax.plot(k3.index.values, np.maximum(k3.values, 1e-16), color="tab:purple")
     ax.set_yscale("log")
     ax.set_xlabel("update")
-    ax.set_ylabel("K3(rollout engine || learner) per policy token")
-    ax.set_title(f"execution mismatch over training ({engines})")
+    ax.set_ylabel("K3(engine || learner) per policy token")
+    ax.set_title(f"execution mismatch over training\n({engines})")
     fig.tight_layout()
     p = out / "toolshop_success_k3.png"
     fig.savefig(p, dpi=110)
