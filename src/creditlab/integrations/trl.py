@@ -188,19 +188,9 @@ def fork_reward_func(judge: str = "offline", *, name: str = "fork", **options: A
     reward = fork_reward(judge, **options)
 
     async def fork(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
-        from creditlab.rewards.items import ForkItem, Rubric, parse_rubrics, render_messages
+        from creditlab.rewards.fork import trl_items
 
-        rubrics = kwargs.get("rubrics", kwargs.get("Rubrics"))
-        if rubrics is None or len(rubrics) != len(completions):
-            raise InputError("rubrics: pass one rubric list per completion (a dataset column 'rubrics')")
-        items = []
-        for k, (p, c, rs) in enumerate(zip(prompts, completions, rubrics, strict=True)):
-            where = f"sample {k}"
-            parsed = tuple(r if isinstance(r, Rubric) else parse_rubrics([r], where)[0] for r in rs) \
-                if isinstance(rs, list) else parse_rubrics(rs, where)
-            items.append(ForkItem(str(k), render_messages(p, where, "prompt"),
-                                  render_messages(c, where, "completion", last_assistant=True), parsed))
-        results = await reward.score(items)
+        results = await reward.score(trl_items(prompts, completions, **kwargs))
         log_metric = kwargs.get("log_metric")
         if log_metric is not None:
             for field in ("precision", "recall"):

@@ -191,21 +191,27 @@ class FORKReward:
         Rubrics come from the dataset column ``rubrics`` (or ``Rubrics``), one list per sample.
         Prompts and completions may be strings or chat message lists.
         """
-        rubrics = kwargs.get("rubrics", kwargs.get("Rubrics"))
-        if rubrics is None or len(rubrics) != len(completions):
-            raise InputError("rubrics: pass one rubric list per completion (a dataset column 'rubrics')")
-        if len(prompts) != len(completions):
-            raise InputError(f"prompts: {len(prompts)} prompts for {len(completions)} completions")
-        items = []
-        for k, (p, c, rs) in enumerate(zip(prompts, completions, rubrics, strict=True)):
-            where = f"sample {k}"
-            parsed = tuple(r if isinstance(r, Rubric) else parse_rubrics([r], where)[0] for r in rs) \
-                if isinstance(rs, list) else parse_rubrics(rs, where)
-            items.append(ForkItem(str(k), render_messages(p, where, "prompt"),
-                                  render_messages(c, where, "completion", last_assistant=True), parsed))
-        results = _run_sync(self.score(items))
+        results = _run_sync(self.score(trl_items(prompts, completions, **kwargs)))
         self.last_results = results
         return [r.reward for r in results]
+
+
+def trl_items(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[ForkItem]:
+    """FORK items from a TRL reward-function call: prompts and completions (strings or chat message
+    lists) and the dataset column ``rubrics`` (or ``Rubrics``), one rubric list per sample."""
+    rubrics = kwargs.get("rubrics", kwargs.get("Rubrics"))
+    if rubrics is None or len(rubrics) != len(completions):
+        raise InputError("rubrics: pass one rubric list per completion (a dataset column 'rubrics')")
+    if len(prompts) != len(completions):
+        raise InputError(f"prompts: {len(prompts)} prompts for {len(completions)} completions")
+    items = []
+    for k, (p, c, rs) in enumerate(zip(prompts, completions, rubrics, strict=True)):
+        where = f"sample {k}"
+        parsed = tuple(r if isinstance(r, Rubric) else parse_rubrics([r], where)[0] for r in rs) \
+            if isinstance(rs, list) else parse_rubrics(rs, where)
+        items.append(ForkItem(str(k), render_messages(p, where, "prompt"),
+                              render_messages(c, where, "completion", last_assistant=True), parsed))
+    return items
 
 
 def _expect(stage: str, what: str, value: Any, n: int | None, typ: type) -> None:
