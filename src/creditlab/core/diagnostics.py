@@ -208,8 +208,8 @@ def chain_length(calls: Sequence[Any], instruction: str | Iterable[Any] = "") ->
     else:
         given = _atoms(list(instruction))
     n = len(calls)
-    names = [_get(c, "name") for c in calls]  # validates presence
-    del names
+    for c in calls:
+        _get(c, "name")  # every call must be named, even if the name plays no part in the dataflow
     args = [_atoms(_get(c, "arguments")) for c in calls]
     rets = [_atoms(_get(c, "returned")) for c in calls]
     writes = [bool(_get(c, "is_write")) for c in calls]

@@ -29,7 +29,7 @@ import pandas as pd
 from creditlab.core.diagnostics import expected_open_fraction, p_cover
 from creditlab.errors import ConfigError
 from creditlab.lab.chain_trainer import ChainTrainConfig, ModelSpec, train_chain
-from creditlab.lab.report import paired_diff, summarize, to_markdown, write_table
+from creditlab.lab.report import paired_diff, summarize, to_markdown
 from creditlab.lab.runner import Cell, run_cells
 from creditlab.lab.store import ResultStore
 
@@ -163,8 +163,8 @@ def run_coverage(cfg: CoverageConfig, out_dir: str | Path, *, workers: int = 1,
         df = df_all[df_all["cell_key"].isin(keys)].drop(columns=["cell_key"]).reset_index(drop=True)
         df = df.sort_values(["arm", "C", "k", "vd", "exposure", "seed"], kind="stable").reset_index(drop=True)
         frames[name] = df
-        write_table(df.drop(columns=["curve", "eval_at"]), out_dir, name)
         df.to_parquet(out_dir / f"{name}.parquet", index=False)  # the parquet keeps the learning curves
+        (out_dir / f"{name}.md").write_text(to_markdown(df.drop(columns=["curve", "eval_at"])))
     from creditlab.lab.coverage_plots import plot_all
 
     plot_all(frames, cfg, out_dir)
@@ -201,7 +201,7 @@ def summary_tables(frames: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict
         df = frames["dose"]
         s = summarize(df, ["arm", "k"], "final_score")
         s["aulc"] = summarize(df, ["arm", "k"], "aulc")["mean"]
-        s["P_cover"] = [float(p_cover(T, cfg.dose_C, k)) if k >= 1 else 0.0 for k in s["k"]]
+        s["P_cover"] = [float(p_cover(T, cfg.dose_C, k)) for k in s["k"]]
         tabs["dose"] = s
     return tabs
 
