@@ -6,9 +6,12 @@ import sys
 import pandas as pd
 import pytest
 
+from dataclasses import replace
+
 from creditlab.lab.chain_trainer import ChainTrainConfig
-from creditlab.lab.coverage import CoverageConfig, build_cells, run_coverage
-from creditlab.lab.runner import Cell, run_cells
+from creditlab.lab.coverage import LAB, CoverageConfig
+from creditlab.lab.protocol import run_lab
+from creditlab.lab.runner import Cell, make_executor, run_cells
 from creditlab.lab.store import ResultStore
 
 TINY = CoverageConfig(train=ChainTrainConfig(T=6, K=3, hidden=8, group=4, updates=8, eval_points=2), seeds=2,
@@ -16,23 +19,24 @@ TINY = CoverageConfig(train=ChainTrainConfig(T=6, K=3, hidden=8, group=4, update
 
 
 def test_lab_writes_tables_plots_report(tmp_path):
-    frames = run_coverage(TINY, tmp_path, progress=False)
+    res = run_lab(LAB, TINY, tmp_path, progress=False)
     for name in ("c_sweep", "vd_sweep", "shuffle", "dose"):
-        df = pd.read_parquet(tmp_path / f"{name}.parquet")
-        assert {"arm", "seed", "C", "k", "vd", "final_score", "aulc", "cfg_updates"} <= set(df.columns)
+        df = pd.read_parquet(tmp_path / f"{name}_runs.parquet")
+        assert {"arm", "seed", "C", "k", "vd", "final_score", "aulc", "cfg_updates", "curve"} <= set(df.columns)
         assert (tmp_path / f"{name}.md").read_text().startswith("|")
         assert (tmp_path / f"{name}.png").stat().st_size > 5000
-        assert len(df) == len(frames[name])
-    assert set(pd.read_parquet(tmp_path / "c_sweep.parquet")["arm"]) == {"uniform", "concentrated"}
-    assert len(pd.read_parquet(tmp_path / "c_sweep.parquet")) == 2 * 2 * 2  # C x arms x seeds
+        assert len(df) == len(res.tables[f"{name}_runs"].frame)
+    runs = pd.read_parquet(tmp_path / "c_sweep_runs.parquet")
+    assert set(runs["arm"]) == {"uniform", "concentrated"}
+    assert len(runs) == 2 * 2 * 2  # C x arms x seeds
     report = (tmp_path / "report.md").read_text()
-    assert "Paired difference uniform - concentrated" in report
+    assert "paired difference uniform - concentrated" in report
+    assert "uniform - concentrated over 2 paired seeds" in report  # the written interpretation
 
 
 def test_rerun_computes_only_missing_cells_and_is_identical(tmp_path):
-    cells = build_cells(TINY)
+    first = LAB.cells(TINY)
     store = ResultStore(tmp_path / "store")
-    first = [c for cs in cells.values() for c in cs]
     # an interrupted run: only half of the cells finished
     run_cells(first[: len(first) // 2], store, progress=False)
     assert len(store.done()) == len(first) // 2
@@ -60,10 +64,10 @@ def _boom():
 
 def test_a_failing_cell_keeps_the_finished_ones(tmp_path):
     store = ResultStore(tmp_path)
-    cells = [Cell("ok", _rows, {"x": 1}), Cell("bad", _boom, {})]
+    cells = [Cell("g", "ok", _rows, {"x": 1}), Cell("g", "bad", _boom, {})]
     with pytest.raises(RuntimeError, match="cell failed"):
         run_cells(cells, store, progress=False)
-    assert store.done() == {"ok"}
+    assert store.done() == {cells[0].key}
 
 
 def _rows(x):
@@ -71,9 +75,9 @@ def _rows(x):
 
 
 def test_process_pool_gives_the_same_numbers(tmp_path):
-    cfg = CoverageConfig(**{**TINY.__dict__, "experiments": ("c_sweep",)})
-    serial = run_coverage(cfg, tmp_path / "a", workers=1, progress=False)["c_sweep"]
-    pooled = run_coverage(cfg, tmp_path / "b", workers=2, progress=False)["c_sweep"]
+    cfg = replace(TINY, experiments=("c_sweep",))
+    serial = run_lab(LAB, cfg, tmp_path / "a", make_executor(1), progress=False).tables["c_sweep_runs"].frame
+    pooled = run_lab(LAB, cfg, tmp_path / "b", make_executor(2), progress=False).tables["c_sweep_runs"].frame
     pd.testing.assert_series_equal(serial["final_score"], pooled["final_score"])
 
 
@@ -84,7 +88,7 @@ def _cli(*args):
 def test_cli_bad_input_exits_nonzero_without_traceback(tmp_path):
     r = _cli("lab", "coverage", "--out", str(tmp_path), "--seeds", "0")
     assert r.returncode == 2
-    assert "seeds" in r.stderr and "Traceback" not in r.stderr
+    assert "--seeds" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_cli_runs_and_resumes(tmp_path):

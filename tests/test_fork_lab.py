@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict
-
 import pandas as pd
 import pytest
 import torch
 
 from creditlab.envs.bagofunits import BagOfUnits, Prompts
 from creditlab.errors import ConfigError
-from creditlab.lab.fork import ForkLabConfig, oracle_thresholds, run_fork_cell, run_fork_lab
+from creditlab.lab.fork import LAB, ForkLabConfig, oracle_thresholds, run_fork_cell
+from creditlab.lab.protocol import run_lab
 
 
 def _prompts():
@@ -69,25 +67,26 @@ def test_oracle_orders_the_rewards():
 def test_lab_is_deterministic_resumable_and_writes_outputs(tmp_path):
     cfg = ForkLabConfig(arms=("recall", "mean", "fork"), seeds=2, updates=6, prompts_per_update=4, group_size=4,
                         eval_every=3, eval_prompts=16, max_units=8)
-    a = run_fork_lab(cfg, tmp_path / "a", workers=1, progress=False)
+    a = run_lab(LAB, cfg, tmp_path / "a", progress=False).tables
     for name in ("fork_curves.parquet", "fork_final.md", "fork_paired.md", "fork_oracle.md", "fork_curves.png",
                  "fork_anatomy.png", "report.md"):
         assert (tmp_path / "a" / name).exists(), name
-    curves = a["curves"]
+    curves = a["fork_curves"].frame
     assert set(curves["arm"]) == {"recall", "mean", "fork"} and sorted(set(curves["update"])) == [0, 3, 6]
     # Same seed, same initial policy and evaluation batch in every arm.
     first = curves[curves["update"] == 0].groupby("seed")["length"].nunique()
     assert (first == 1).all()
     # Deterministic: the same cell computed again gives the same rows.
-    again = pd.DataFrame(run_fork_cell("fork", 1, json.dumps(asdict(cfg), sort_keys=True)))
+    again = pd.DataFrame(run_fork_cell("fork", 1, cfg.identity()))
     stored = curves[(curves["arm"] == "fork") & (curves["seed"] == 1)].reset_index(drop=True)
     pd.testing.assert_frame_equal(stored[again.columns], again, check_dtype=False)
     # Resume: a cell file removed is recomputed, the others are read back; same numbers.
     cells = sorted((tmp_path / "a" / "store" / "cells").glob("*.parquet"))
     mtimes = {c: c.stat().st_mtime_ns for c in cells}
     cells[0].unlink()
-    c = run_fork_lab(cfg, tmp_path / "a", workers=1, progress=False)
-    pd.testing.assert_frame_equal(a["curves"], c["curves"])
+    c = run_lab(LAB, cfg, tmp_path / "a", progress=False)
+    assert c.computed == 1
+    pd.testing.assert_frame_equal(curves, c.tables["fork_curves"].frame)
     assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items() if p != cells[0])
 
 

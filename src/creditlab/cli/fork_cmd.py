@@ -1,4 +1,4 @@
-"""``creditlab fork score`` (batch FORK scoring of a JSONL file) and ``creditlab lab fork``."""
+"""``creditlab fork score``: batch FORK scoring of a JSONL file."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from creditlab.cli._apps import fork_app, lab_app
+from creditlab.cli._apps import fork_app
 from creditlab.errors import ConfigError
 
-__all__ = ["score", "lab_fork"]
+__all__ = ["score"]
 
 
 def _read_out(path: Path) -> list[dict]:
@@ -149,20 +149,3 @@ def score(
             hints.append(f"{bad} bad line(s) skipped (see the messages above)")
         console.print("; ".join(hints), highlight=False, markup=False)
         raise typer.Exit(1)
-
-
-@lab_app.command("fork")
-def lab_fork(
-    quick: bool = typer.Option(False, "--quick", help="Reduced run (under a minute on 2 cores)."),
-    out: Path = typer.Option(Path("runs/fork"), "--out", help="Output directory (results store, tables, plots)."),
-    seeds: int = typer.Option(None, "--seeds", help="Seeds per arm."),
-    updates: int = typer.Option(None, "--updates", help="GRPO updates per run."),
-    workers: int = typer.Option(2, "--workers", help="Worker processes for the cells."),
-) -> None:
-    """FORK in a bag-of-units world: GRPO under recall-only, arithmetic-mean and FORK rewards.
-    Resumes an interrupted run in the same --out directory."""
-    from creditlab.lab.fork import ForkLabConfig, run_fork_lab
-
-    cfg = ForkLabConfig.quick() if quick else ForkLabConfig()
-    cfg = cfg.with_overrides(seeds=seeds, updates=updates)
-    run_fork_lab(cfg, out, workers=workers, console=Console())

@@ -15,8 +15,9 @@ from creditlab.errors import CreditlabError
 
 # Each command module registers its commands on the apps when imported.
 from creditlab.cli import lab_coverage  # noqa: E402,F401  isort: skip
-from creditlab.cli import fork_cmd  # noqa: E402,F401  isort: skip
+from creditlab.cli import lab_fork  # noqa: E402,F401  isort: skip
 from creditlab.cli import lab_toolshop  # noqa: E402,F401  isort: skip
+from creditlab.cli import fork_cmd  # noqa: E402,F401  isort: skip
 
 __all__ = ["app", "main"]
 

@@ -21,32 +21,36 @@ training prompts and the evaluation batch are the same across arms (paired compa
 
 from __future__ import annotations
 
-import json
-import time
-from dataclasses import asdict, dataclass, replace
+import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pandas as pd
 import torch
-from rich.console import Console
 
 from creditlab.core.advantages import grpo_advantages
 from creditlab.envs.bagofunits import BagOfUnits, Prompts
 from creditlab.errors import ConfigError
-from creditlab.lab.report import paired_diff, summarize, to_markdown, write_table
-from creditlab.lab.runner import Cell, run_cells
-from creditlab.lab.store import ResultStore
+from creditlab.lab.plotting import new_figure, save
+from creditlab.lab.protocol import LabConfig, Table, register_lab
+from creditlab.lab.report import paired_diff, read_diff, summarize
+from creditlab.lab.runner import Cell
 
-__all__ = ["ARMS", "FactPolicy", "ForkLabConfig", "oracle_thresholds", "run_fork_cell", "run_fork_lab",
-           "summary_tables"]
+__all__ = ["LAB", "REWARD_ARMS", "FactPolicy", "ForkLab", "ForkLabConfig", "oracle_thresholds", "run_fork_cell",
+           "run_oracle_cell"]
 
-ARMS = ("recall", "mean", "fork", "f2")
+#: Reward arms of the lab (the FORK modes of :func:`creditlab.core.precision.fork_scores`).
+REWARD_ARMS = ("recall", "mean", "fork", "f2")
+EXPERIMENTS = ("train", "oracle")
 METRICS = ("length", "recall", "precision", "f1", "necessary", "redundant", "wrong", "filler")
 
 
 @dataclass(frozen=True)
-class ForkLabConfig:
+class ForkLabConfig(LabConfig):
     """Configuration of the fork lab."""
+
+    EXPERIMENTS: ClassVar[tuple[str, ...]] = EXPERIMENTS
 
     arms: tuple[str, ...] = ("recall", "mean", "fork", "f2")
     """Reward arms (from ``recall``, ``mean``, ``fork``, ``f2``)."""
@@ -78,6 +82,8 @@ class ForkLabConfig:
     """Updates between evaluations."""
     eval_prompts: int = 512
     """Prompts in the fixed evaluation batch (one sampled response each)."""
+    experiments: tuple[str, ...] = EXPERIMENTS
+    """``train`` (GRPO under each reward) and ``oracle`` (best fixed rule per reward, no learning)."""
 
     @classmethod
     def quick(cls) -> ForkLabConfig:
@@ -85,16 +91,17 @@ class ForkLabConfig:
         return cls(arms=("recall", "mean", "fork"), seeds=3, updates=100, prompts_per_update=16, eval_every=20,
                    eval_prompts=128)
 
-    def with_overrides(self, **kw: object) -> ForkLabConfig:
-        return replace(self, **{k: v for k, v in kw.items() if v is not None})
-
     def validate(self) -> None:
-        bad = [a for a in self.arms if a not in ARMS]
+        bad = [a for a in self.arms if a not in REWARD_ARMS]
         if bad or not self.arms:
-            raise ConfigError("arms", f"unknown {bad}; valid: {', '.join(ARMS)}")
+            raise ConfigError("arms", f"unknown {bad}; valid: {', '.join(REWARD_ARMS)}")
         for name in ("seeds", "updates", "prompts_per_update", "eval_every", "eval_prompts", "hidden"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                flag = f"--{name}" if name in ("seeds", "updates") else name
+                raise ConfigError(flag, f"must be an integer >= 1, got {v!r}")
+        if not self.experiments or any(e not in EXPERIMENTS for e in self.experiments):
+            raise ConfigError("--experiment", f"got {list(self.experiments)}; valid: {', '.join(EXPERIMENTS)}")
         if self.group_size < 2:
             raise ConfigError("group_size", f"GRPO needs groups of at least 2, got {self.group_size}")
         if not self.lr > 0:
@@ -162,9 +169,22 @@ def _evaluate(env: BagOfUnits, policy: FactPolicy, prompts: Prompts, seed: int, 
             **{k: float(parts[k].mean()) for k in ("necessary", "redundant", "wrong", "filler")}}
 
 
-def run_fork_cell(arm: str, seed: int, cfg_json: str) -> list[dict]:
+def _init_linears(module: torch.nn.Module, generator: torch.Generator) -> torch.nn.Module:
+    """Initialise every ``Linear`` of ``module`` as ``torch.nn.Linear.reset_parameters`` does, from
+    ``generator`` (the same numbers as under ``torch.manual_seed`` with that seed, without touching
+    the global generator)."""
+    for layer in module.modules():
+        if isinstance(layer, torch.nn.Linear):
+            torch.nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5), generator=generator)
+            if layer.bias is not None:
+                bound = 1 / math.sqrt(layer.weight.shape[1]) if layer.weight.shape[1] > 0 else 0
+                torch.nn.init.uniform_(layer.bias, -bound, bound, generator=generator)
+    return module
+
+
+def run_fork_cell(arm: str, seed: int, config: dict) -> list[dict]:
     """Train one policy under ``arm`` with ``seed``; one row per evaluation point."""
-    cfg = ForkLabConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(cfg_json).items()})
+    cfg = ForkLabConfig.from_dict(config)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors; the sweep runs one process per core
     try:
@@ -175,8 +195,9 @@ def run_fork_cell(arm: str, seed: int, cfg_json: str) -> list[dict]:
 
 def _train(arm: str, seed: int, cfg: ForkLabConfig) -> list[dict]:
     env = BagOfUnits(cfg.f_min, cfg.f_max, cfg.known_prob, cfg.max_units)
-    torch.manual_seed(seed)  # same initial policy for every arm of this seed
-    policy = FactPolicy(cfg.hidden)
+    with torch.device("meta"):  # built without drawing from the global generator, then initialised
+        policy = FactPolicy(cfg.hidden)
+    policy = _init_linears(policy.to_empty(device="cpu"), torch.Generator().manual_seed(seed))  # same in every arm
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
     train_gen = torch.Generator().manual_seed(1_000 + seed)
     eval_prompts = env.sample_prompts(cfg.eval_prompts, torch.Generator().manual_seed(2_000_000 + seed))
@@ -240,8 +261,87 @@ def _oracle(cfg: ForkLabConfig, n_prompts: int, seed: int) -> pd.DataFrame:
     return pd.DataFrame([best[a] for a in cfg.arms])
 
 
+def run_oracle_cell(config: dict) -> list[dict]:
+    """The ``oracle`` experiment as a cell: one row per reward arm (see :func:`oracle_thresholds`)."""
+    return oracle_thresholds(ForkLabConfig.from_dict(config)).to_dict("records")
+
+
+class ForkLab:
+    """What a recall-only rubric reward teaches, and what FORK teaches instead (module docstring)."""
+
+    name = "fork"
+    summary = "FORK vs recall-only rubric rewards: GRPO in a bag-of-units world with known truth."
+    config_type = ForkLabConfig
+
+    def describe(self, cfg: ForkLabConfig) -> str:
+        return (f"Bag-of-units world: {cfg.f_min}-{cfg.f_max} rubric facts per prompt, a fact known with probability "
+                f"{cfg.known_prob}, responses of at most {cfg.max_units} units. GRPO ({cfg.prompts_per_update} prompts "
+                f"x {cfg.group_size} rollouts, {cfg.updates} updates, Adam lr {cfg.lr}) under the rewards "
+                f"{', '.join(cfg.arms)} (FORK beta = {cfg.beta}, necessity tau = {cfg.tau}), {cfg.seeds} paired "
+                f"seeds: the same initial policy, training prompts and evaluation batch ({cfg.eval_prompts} prompts) "
+                "in every arm. Verdicts are exact (the world knows which units are right, redundant or filler).")
+
+    def cells(self, cfg: ForkLabConfig) -> list[Cell]:
+        ident = cfg.identity()
+        cells = []
+        if "train" in cfg.experiments:
+            cells += [Cell("train", f"arm={arm}/seed={seed}", run_fork_cell,
+                           {"arm": arm, "seed": seed, "config": ident})
+                      for seed in range(cfg.seeds) for arm in cfg.arms]
+        if "oracle" in cfg.experiments:
+            cells.append(Cell("oracle", "oracle", run_oracle_cell, {"config": ident}))
+        return cells
+
+    def tables(self, rows: dict[str, pd.DataFrame], cfg: ForkLabConfig) -> dict[str, Table]:
+        tabs: dict[str, Table] = {}
+        if "train" in rows:
+            df = rows["train"].sort_values(["arm", "seed", "update"]).reset_index(drop=True)
+            tabs["fork_curves"] = Table(df, "Evaluation over training, every run", report=False)
+            summary = summary_tables(df, cfg)
+            tabs["fork_final"] = Table(summary["final"], "Final policies (mean [95% CI] over seeds)", console=True)
+            if len(summary["paired"]):
+                tabs["fork_paired"] = Table(summary["paired"], "Paired differences (same seeds)", console=True)
+        if "oracle" in rows:
+            order = {a: i for i, a in enumerate(cfg.arms)}
+            o = rows["oracle"].sort_values("arm", key=lambda c: c.map(order)).reset_index(drop=True)
+            tabs["fork_oracle"] = Table(o, "Best fixed rule 'state each fact with confidence >= theta once' per "
+                                           "reward (no learning)", console=True)
+        return tabs
+
+    def plots(self, tabs: dict[str, Table], cfg: ForkLabConfig, out: Path) -> list[Path]:
+        return _plot(tabs["fork_curves"].frame, cfg, out) if "fork_curves" in tabs else []
+
+    def interpret(self, tabs: dict[str, Table], cfg: ForkLabConfig) -> dict[str, str]:
+        text: dict[str, str] = {}
+        few = (f" With {cfg.seeds} seeds the intervals are wide: too small to tell small differences."
+               if cfg.seeds < 5 else "")
+        if "fork_final" in tabs:
+            text["fork_final"] = (
+                "Length, recall, precision and the anatomy of the final policies' responses (units that are "
+                "necessary, redundant restatements, wrong facts, filler), with the initial policy for reference. "
+                "Expected: recall-only grows the response with redundancy and wrong guesses; FORK keeps recall, "
+                "raises precision and cuts length; the mean gives up more recall." + few)
+        if "fork_paired" in tabs:
+            d = tabs["fork_paired"].frame.rename(columns={"pairs": "n"})
+            text["fork_paired"] = " ".join(
+                read_diff(g, ["metric"], what) for what, g in d.groupby("diff", sort=False))
+        if "fork_oracle" in tabs:
+            o = tabs["fork_oracle"].frame
+            text["fork_oracle"] = (
+                "What each reward asks for without learning noise: the best confidence threshold theta for the rule "
+                "'state each fact whose confidence is at least theta, once'. "
+                + "; ".join(f"{r['arm']}: theta {r['best theta']:.2f}, recall {r['recall']:.2f}, precision "
+                            f"{r['precision']:.2f}" for _, r in o.iterrows())
+                + ". A reward that rewards guessing picks a low theta.")
+        return text
+
+
+LAB = register_lab(ForkLab())
+
+
 def summary_tables(df: pd.DataFrame, cfg: ForkLabConfig) -> dict[str, pd.DataFrame]:
-    """Final-point means with 95% intervals per arm, and paired differences FORK - others."""
+    """Final-point means with 95% intervals per arm (``final``), and paired differences FORK - others
+    (``paired``)."""
     final = df[df["update"] == cfg.updates]
     start = df[df["update"] == 0]
     rows = []
@@ -265,21 +365,15 @@ def summary_tables(df: pd.DataFrame, cfg: ForkLabConfig) -> dict[str, pd.DataFra
                 diffs.append({"diff": f"fork - {other}", "metric": m, "mean": d["mean"].iloc[0],
                               "lo": d["lo"].iloc[0], "hi": d["hi"].iloc[0], "pairs": int(d["n"].iloc[0])})
     tables["paired"] = pd.DataFrame(diffs)
-    tables["oracle"] = oracle_thresholds(cfg)
     return tables
 
 
 def _plot(df: pd.DataFrame, cfg: ForkLabConfig, out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     colors = {"recall": "tab:red", "mean": "tab:blue", "fork": "tab:green", "f2": "tab:purple"}
     panels = [("length", "response length (units)"), ("recall", "recall"), ("precision", "precision"),
               ("wrong", "wrong units per response"), ("redundant", "redundant units per response"),
               ("f1", "F1 of P and Rec")]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
+    fig, axes = new_figure(2, 3, figsize=(13, 7))
     for ax, (m, title) in zip(axes.flat, panels, strict=True):
         for arm in cfg.arms:
             g = df[df["arm"] == arm].groupby("update")[m]
@@ -292,12 +386,10 @@ def _plot(df: pd.DataFrame, cfg: ForkLabConfig, out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
     axes.flat[0].legend(title="reward")
     fig.suptitle(f"fork lab: GRPO under rewards {', '.join(cfg.arms)} ({cfg.seeds} seeds, mean ± 95% CI)")
-    curves = out / "fork_curves.png"
-    fig.savefig(curves, dpi=110)
-    plt.close(fig)
+    curves = save(fig, out / "fork_curves.png")
 
     final = df[df["update"] == cfg.updates]
-    fig, ax = plt.subplots(figsize=(7, 4.2), constrained_layout=True)
+    fig, ax = new_figure(figsize=(7, 4.2))
     parts = ["necessary", "redundant", "wrong", "filler"]
     pcolors = ["tab:green", "tab:orange", "tab:red", "tab:gray"]
     bottom = [0.0] * len(cfg.arms)
@@ -308,45 +400,5 @@ def _plot(df: pd.DataFrame, cfg: ForkLabConfig, out: Path) -> list[Path]:
     ax.set_ylabel("units per response (final policy)")
     ax.set_title("anatomy of the final responses")
     ax.legend()
-    anatomy = out / "fork_anatomy.png"
-    fig.savefig(anatomy, dpi=110)
-    plt.close(fig)
+    anatomy = save(fig, out / "fork_anatomy.png")
     return [curves, anatomy]
-
-
-def run_fork_lab(cfg: ForkLabConfig, out: str | Path, *, workers: int = 2, console: Console | None = None,
-                 progress: bool = True) -> dict[str, pd.DataFrame]:
-    """Run (or resume) every cell, then write tables, plots and ``report.md`` under ``out``."""
-    cfg.validate()
-    console = console or Console()
-    out = Path(out)
-    t0 = time.perf_counter()
-    cfg_json = json.dumps(asdict(cfg), sort_keys=True)
-    tag = "fork/" + _digest(cfg_json)  # another config never reuses these cells
-    store = ResultStore(out / "store")
-    cells = [Cell(f"{tag}/arm={arm}/seed={seed}", run_fork_cell, {"arm": arm, "seed": seed, "cfg_json": cfg_json})
-             for seed in range(cfg.seeds) for arm in cfg.arms]
-    df = run_cells(cells, store, workers=workers, desc="fork lab", progress=progress)
-    df = df.drop(columns=["cell_key"]).sort_values(["arm", "seed", "update"]).reset_index(drop=True)
-    write_table(df, out, "fork_curves")
-    tables = summary_tables(df, cfg)
-    for name, t in tables.items():
-        write_table(t, out, f"fork_{name}")
-    plots = _plot(df, cfg, out)
-    report = [f"# fork lab\n\nconfig: `{cfg_json}`\n", "## Final policies (mean [95% CI] over seeds)\n",
-              to_markdown(tables["final"]), "\n## Paired differences (same seeds)\n", to_markdown(tables["paired"]),
-              "\n## Best fixed rule 'state each fact with confidence >= theta once' per reward (no learning)\n",
-              to_markdown(tables["oracle"]),
-              "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"]
-    (out / "report.md").write_text("\n".join(report))
-    console.print(to_markdown(tables["final"]), markup=False, highlight=False)
-    console.print(to_markdown(tables["paired"]), markup=False, highlight=False)
-    console.print(to_markdown(tables["oracle"]), markup=False, highlight=False)
-    console.print(f"wrote {out}/report.md, tables and plots in {time.perf_counter() - t0:.1f} s")
-    return {"curves": df, **tables}
-
-
-def _digest(text: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(text.encode()).hexdigest()[:12]

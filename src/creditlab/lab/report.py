@@ -88,3 +88,43 @@ def write_table(df: pd.DataFrame, out_dir: str | os.PathLike[str], name: str) ->
     df.to_parquet(pq, index=False)
     md.write_text(to_markdown(df))
     return pq, md
+
+
+# --------------------------------------------------------------------------------------------
+# written interpretation
+
+
+def _label(row: pd.Series, by: list[str]) -> str:
+    return ", ".join(f"{c}={_fmt_value(row[c])}" for c in by) if by else "overall"
+
+
+def _fmt_value(v) -> str:
+    if isinstance(v, float | np.floating):
+        return format(float(v), "g")
+    return str(v)
+
+
+def read_diff(diff: pd.DataFrame, by: list[str], what: str) -> str:
+    """One or two sentences reading a :func:`paired_diff` table: where ``what`` (e.g.
+    ``"uniform - concentrated"``) is positive or negative with a 95% interval excluding 0, where
+    it is within noise, and whether the run has too few pairs to tell."""
+    if diff.empty:
+        return f"No pairs for {what}."
+    n = int(diff["n"].min())
+    if n < 2:
+        return (f"{what}: one pair per configuration, so no interval; this run cannot tell a difference "
+                "from noise (use more --seeds).")
+    pos = [_label(r, by) for _, r in diff.iterrows() if r["lo"] > 0]
+    neg = [_label(r, by) for _, r in diff.iterrows() if r["hi"] < 0]
+    flat = [_label(r, by) for _, r in diff.iterrows() if not (r["lo"] > 0 or r["hi"] < 0)]
+    parts = []
+    if pos:
+        parts.append(f"positive (95% interval above 0) at {'; '.join(pos)}")
+    if neg:
+        parts.append(f"negative (interval below 0) at {'; '.join(neg)}")
+    if flat:
+        parts.append(f"within noise (interval contains 0) at {'; '.join(flat)}")
+    text = f"{what} over {n} paired seeds is " + ", ".join(parts) + "."
+    if n < 5:
+        text += f" With {n} pairs the intervals are wide: too small to tell small effects apart."
+    return text

@@ -13,6 +13,8 @@ implementing :class:`Executor` — ``submit_all`` yielding ``(cell, rows)`` as c
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
+import json
 import multiprocessing as mp
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,17 +26,38 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from creditlab.errors import InputError
 from creditlab.lab.store import ResultStore
 
-__all__ = ["Cell", "Executor", "ProcessPoolExecutorBackend", "SerialExecutor", "make_executor", "run_cells"]
+__all__ = ["EXECUTORS", "Cell", "Executor", "ProcessPoolExecutorBackend", "SerialExecutor", "digest", "make_executor",
+           "run_cells"]
+
+
+def digest(value: Any) -> str:
+    """Short content hash of a JSON-able value (the one way cell keys are built)."""
+    try:
+        text = json.dumps(value, sort_keys=True, allow_nan=True)
+    except TypeError as err:
+        raise InputError(f"cell arguments must be JSON values (numbers, strings, lists, dicts): {err}") from None
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
 class Cell:
-    """One unit of work: ``fn(**kwargs)`` returns a list of row dicts. ``fn`` must be picklable
-    (a module-level function) for process-pool execution."""
+    """One unit of work: ``fn(**kwargs)`` returns a list of row dicts.
 
-    key: str
+    ``kwargs`` are plain JSON values (the cell rebuilds its config from them), so the key
+    ``<group>/<name>/<digest of kwargs>`` changes whenever anything that could change the rows
+    does, and a store never hands back rows computed with other arguments. ``fn`` must be a
+    module-level function (picklable for process-pool execution). ``group`` names the table
+    family the rows belong to (e.g. an experiment); ``name`` is for people (``"C=4"``).
+    """
+
+    group: str
+    name: str
     fn: Callable[..., list[dict]]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"{self.group}/{self.name}/{digest(self.kwargs)}")
 
     def run(self) -> list[dict]:
         return self.fn(**self.kwargs)
@@ -64,8 +87,10 @@ class ProcessPoolExecutorBackend:
         self.workers = workers
 
     def submit_all(self, cells: Sequence[Cell]) -> Iterator[tuple[Cell, list[dict]]]:
+        if not cells:
+            return
         ctx = mp.get_context("spawn")
-        with cf.ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx) as pool:
+        with cf.ProcessPoolExecutor(max_workers=min(self.workers, len(cells)), mp_context=ctx) as pool:
             futures = {pool.submit(_run_cell, c): c for c in cells}
             try:
                 for fut in cf.as_completed(futures):
@@ -76,12 +101,21 @@ class ProcessPoolExecutorBackend:
                 raise
 
 
-def make_executor(workers: int) -> Executor:
-    if workers < 1:
-        from creditlab.errors import ConfigError
+#: Executor names of ``--executor``.
+EXECUTORS = ("serial", "process")
 
-        raise ConfigError("workers", f"must be >= 1, got {workers}")
-    return SerialExecutor() if workers == 1 else ProcessPoolExecutorBackend(workers)
+
+def make_executor(workers: int = 1, kind: str | None = None) -> Executor:
+    """``serial`` (in process) or ``process`` (a local pool of ``workers`` processes); ``kind=None``
+    picks ``process`` when ``workers > 1``."""
+    from creditlab.errors import ConfigError
+
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError("--workers", f"must be an integer >= 1, got {workers!r}")
+    kind = kind or ("process" if workers > 1 else "serial")
+    if kind not in EXECUTORS:
+        raise ConfigError("--executor", f"unknown executor {kind!r}; valid: {', '.join(EXECUTORS)}")
+    return SerialExecutor() if kind == "serial" else ProcessPoolExecutorBackend(workers)
 
 
 def run_cells(
@@ -101,7 +135,7 @@ def run_cells(
         raise InputError(f"cells: duplicate key {dup!r}")
     done = store.done()
     todo = [c for c in cells if c.key not in done]
-    executor = executor or make_executor(min(workers, max(1, len(todo))))
+    executor = executor or make_executor(workers)
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),

@@ -1,0 +1,92 @@
+"""One CLI factory for every lab: the same options everywhere, a few lines per lab.
+
+``lab_command(lab)(apply)`` registers ``creditlab lab <lab.name>`` with the options every lab has
+(``--quick --out --seeds --updates --workers --executor -e/--experiment --fresh``) plus the
+lab-specific options declared as keyword parameters of ``apply(config, **options) -> config``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from creditlab.cli._apps import lab_app
+from creditlab.errors import ConfigError
+
+__all__ = ["lab_command"]
+
+
+def _common_parameters(lab) -> list[inspect.Parameter]:
+    cfg_type = lab.config_type
+    exps = ", ".join(cfg_type.EXPERIMENTS) or "none: this lab has one experiment"
+    P = inspect.Parameter
+    opts = {
+        "quick": typer.Option(False, "--quick", help="Reduced run: the same shapes in under a minute on 2 cores."),
+        "out": typer.Option(Path(f"runs/{lab.name}"), "--out",
+                            help="Output directory (results store, tables, plots, report.md). A rerun with the same "
+                                 "options resumes; one with other options refuses unless --fresh."),
+        "seeds": typer.Option(None, "--seeds", help="Paired seeds per arm (default: the lab's, see --quick)."),
+        "updates": typer.Option(None, "--updates", help="Policy updates per training run (default: the lab's)."),
+        "workers": typer.Option(1, "--workers", help="Worker processes for the cells (process executor)."),
+        "executor": typer.Option(None, "--executor",
+                                 help="Where cells run: serial, process (default: process when --workers > 1)."),
+        "experiment": typer.Option(None, "--experiment", "-e", help=f"Run only these experiments ({exps})."),
+        "fresh": typer.Option(False, "--fresh", help="Discard a previous run in --out (its store and outputs)."),
+    }
+    types = {"quick": bool, "out": Path, "seeds": int | None, "updates": int | None, "workers": int,
+             "executor": str | None, "experiment": list[str] | None, "fresh": bool}
+    return [P(name, P.KEYWORD_ONLY, default=default, annotation=types[name]) for name, default in opts.items()]
+
+
+def lab_command(lab, *, doc: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``creditlab lab <lab.name>``; the decorated ``apply(config, **options)`` applies the
+    lab-specific options (its keyword parameters, declared with ``typer.Option``) to the config."""
+
+    def decorator(apply: Callable[..., Any]) -> Callable[..., Any]:
+        specific = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+                    for p in list(inspect.signature(apply).parameters.values())[1:]]
+        common = _common_parameters(lab)
+        clash = {p.name for p in specific} & {p.name for p in common}
+        if clash:
+            raise TypeError(f"lab {lab.name}: options {sorted(clash)} are common to every lab")
+
+        def command(**kw: Any) -> None:
+            from creditlab.lab.protocol import run_lab
+            from creditlab.lab.report import to_markdown
+            from creditlab.lab.runner import make_executor
+
+            cfg_type = lab.config_type
+            cfg = cfg_type.quick() if kw.pop("quick") else cfg_type()
+            experiments = kw.pop("experiment")
+            if experiments:
+                if not cfg_type.EXPERIMENTS:
+                    raise ConfigError("--experiment", f"the {lab.name} lab has a single experiment")
+                cfg = cfg.with_options(experiments=tuple(experiments))
+            cfg = cfg.with_options(seeds=kw.pop("seeds"), updates=kw.pop("updates"))
+            out, workers, executor, fresh = kw.pop("out"), kw.pop("workers"), kw.pop("executor"), kw.pop("fresh")
+            cfg = apply(cfg, **kw)
+            cfg.validate()
+            ex = make_executor(workers, executor)
+            console = Console()
+            t0 = time.perf_counter()
+            res = run_lab(lab, cfg, out, ex, fresh=fresh, status=lambda m: console.print(m, highlight=False))
+            for t in res.tables.values():
+                if t.console:
+                    console.print(f"[bold]{t.title}[/]")
+                    console.print(to_markdown(t.frame, t.floatfmt), markup=False, highlight=False)
+            console.print(f"wrote {out}/report.md, parquet/markdown tables and PNG plots in "
+                          f"{time.perf_counter() - t0:.1f} s", highlight=False)
+
+        command.__signature__ = inspect.Signature(common + specific)  # typer reads the options from here
+        command.__name__ = f"lab_{lab.name}"
+        command.__doc__ = doc or (inspect.getdoc(apply) or lab.summary)
+        lab_app.command(lab.name, help=command.__doc__, short_help=lab.summary)(command)
+        return apply
+
+    return decorator

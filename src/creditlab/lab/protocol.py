@@ -1,0 +1,359 @@
+"""The lab protocol: what every lab implements, and :func:`run_lab`, which does the rest.
+
+A lab is one module with one object implementing :class:`Lab`:
+
+* ``config_type``: a frozen dataclass deriving from :class:`LabConfig` (a docstring per field,
+  ``quick()``, ``validate()`` whose errors name the CLI flag, ``seeds`` as a count);
+* ``cells(config)``: the independent units of work (:class:`~creditlab.lab.runner.Cell`), each
+  seeding itself from its arguments, so a cell's rows do not depend on where or when it runs;
+* ``tables(rows, config)``: the tables derived from the stored rows (``rows`` maps each cell group
+  to the concatenated rows of its cells);
+* ``plots(tables, config, out)``: PNG files;
+* ``interpret(tables, config)``: a few sentences per report table: what it shows, and whether the
+  run is too small to tell.
+
+:func:`run_lab` owns everything else: the output directory and its manifest (a rerun into an
+``--out`` made with another configuration refuses, or starts clean with ``fresh=True``), the
+results store (every finished cell persisted at once, a rerun computes only the missing cells),
+the executor, progress, the parquet + markdown tables, the plots and ``report.md``.
+
+Adding a lab is one module plus a few CLI lines (see ``docs/contributing.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import pandas as pd
+
+from creditlab.errors import ConfigError, CreditlabError
+from creditlab.lab.report import to_markdown
+from creditlab.lab.runner import Cell, Executor, run_cells
+from creditlab.lab.store import ResultStore
+
+__all__ = ["LABS", "Lab", "LabConfig", "LabResult", "Table", "get_lab", "register_lab", "run_lab"]
+
+MANIFEST = "lab.json"
+#: Version of the manifest layout (bump when the store or manifest format changes).
+MANIFEST_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------
+# configs
+
+
+class LabConfig:
+    """Mixin of every lab's frozen config dataclass.
+
+    Class attributes a lab sets:
+
+    * ``OPTIONS``: CLI option name -> dotted field path, for the options shared by every lab
+      (``seeds``, ``updates``) when the field is nested (e.g. ``{"updates": "train.updates"}``);
+      a missing entry means a top-level field of that name.
+    * ``EXPERIMENTS``: the experiments ``-e`` can select (empty: the lab has one experiment).
+    * ``SELECTION``: fields that only select which part of the lab runs (``experiments``). They
+      are not part of the run's identity: rerunning another selection into the same ``--out``
+      reuses the finished cells and rewrites the tables, plots and report for the new selection.
+    * ``FLAGS``: field path -> CLI flag for errors raised by ``validate`` (``ConfigError`` names
+      the flag a user typed, not the internal field).
+    """
+
+    OPTIONS: ClassVar[dict[str, str]] = {}
+    EXPERIMENTS: ClassVar[tuple[str, ...]] = ()
+    SELECTION: ClassVar[tuple[str, ...]] = ("experiments",)
+
+    @classmethod
+    def quick(cls):  # pragma: no cover - every lab overrides it
+        raise NotImplementedError
+
+    def validate(self) -> None:  # pragma: no cover - every lab overrides it
+        raise NotImplementedError
+
+    # -- the one override mechanism ----------------------------------------------------------
+    def with_options(self, **values: Any):
+        """A copy with the given options set (``None`` values are skipped). Keys are CLI option
+        names (mapped through ``OPTIONS``) or dotted field paths (``"grpo.correction"``)."""
+        cfg = self
+        for name, value in values.items():
+            if value is None:
+                continue
+            cfg = _replace_path(cfg, self.OPTIONS.get(name, name), value)
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values (tuples become lists)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]):
+        """Inverse of :meth:`to_dict` (nested dataclasses and tuples rebuilt from their types)."""
+        return _from_dict(cls, data)
+
+    def identity(self) -> dict[str, Any]:
+        """The config without its selection fields: what a rerun into the same ``--out`` must match."""
+        d = self.to_dict()
+        for f in self.SELECTION:
+            d.pop(f, None)
+        return d
+
+
+def _replace_path(cfg: Any, path: str, value: Any) -> Any:
+    head, _, rest = path.partition(".")
+    if not dataclasses.is_dataclass(cfg) or head not in {f.name for f in dataclasses.fields(cfg)}:
+        raise ConfigError(path, f"not a field of {type(cfg).__name__}")
+    if rest:
+        return dataclasses.replace(cfg, **{head: _replace_path(getattr(cfg, head), rest, value)})
+    return dataclasses.replace(cfg, **{head: value})
+
+
+def _from_dict(cls: type, data: Mapping[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        kwargs[f.name] = _coerce(hints.get(f.name, Any), data[f.name])
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ConfigError(cls.__name__, f"unknown field(s) {unknown}")
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any) -> Any:
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
+        return _from_dict(tp, value)
+    origin = typing.get_origin(tp)
+    if origin is tuple and isinstance(value, list | tuple):
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(args[0], v) for v in value)
+        return tuple(_coerce(a, v) for a, v in zip(args, value, strict=False)) if args else tuple(value)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if arg is not type(None) and typing.get_origin(arg) is tuple and isinstance(value, list):
+                return _coerce(arg, value)
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# tables and the protocol
+
+
+@dataclass(frozen=True)
+class Table:
+    """A derived table: written as ``<name>.parquet`` and ``<name>.md``; shown in ``report.md``
+    (with its interpretation) when ``report`` is True, printed by the CLI when ``console``."""
+
+    frame: pd.DataFrame
+    title: str
+    floatfmt: str = ".3f"
+    report: bool = True
+    console: bool = False
+
+
+@runtime_checkable
+class Lab(Protocol):
+    """What a lab module provides (see the module docstring)."""
+
+    name: str
+    """CLI name (``creditlab lab <name>``) and default output directory ``runs/<name>``."""
+    summary: str
+    """One line for ``creditlab lab --help``."""
+    config_type: type
+
+    def describe(self, config: Any) -> str:
+        """The opening paragraph of ``report.md``: the world, the arms, the protocol."""
+        ...
+
+    def cells(self, config: Any) -> list[Cell]: ...
+
+    def tables(self, rows: dict[str, pd.DataFrame], config: Any) -> dict[str, Table]: ...
+
+    def plots(self, tables: dict[str, Table], config: Any, out: Path) -> list[Path]: ...
+
+    def interpret(self, tables: dict[str, Table], config: Any) -> dict[str, str]: ...
+
+
+#: Every lab, by CLI name (filled by :func:`register_lab` when a lab module is imported).
+LABS: dict[str, Lab] = {}
+
+
+def register_lab(lab: Lab) -> Lab:
+    """Add ``lab`` to :data:`LABS` (re-registering the same object is a no-op)."""
+    missing = [m for m in ("name", "summary", "config_type", "describe", "cells", "tables", "plots", "interpret")
+               if not hasattr(lab, m)]
+    if missing:
+        raise CreditlabError(f"lab {getattr(lab, 'name', lab)!r} does not implement {missing}")
+    old = LABS.get(lab.name)
+    if old is not None and old is not lab:
+        raise CreditlabError(f"a lab named {lab.name!r} is already registered ({type(old).__module__})")
+    LABS[lab.name] = lab
+    return lab
+
+
+def get_lab(name: str) -> Lab:
+    """The registered lab ``name``; unknown names raise with the list of valid ones."""
+    import creditlab.lab.all  # noqa: F401  registers the built-in labs
+
+    if name not in LABS:
+        raise ConfigError("lab", f"unknown lab {name!r}; valid: {', '.join(sorted(LABS))}")
+    return LABS[name]
+
+
+# --------------------------------------------------------------------------------------------
+# run_lab
+
+
+@dataclass
+class LabResult:
+    """What :func:`run_lab` produced: the tables (by name), the plot files and the report path."""
+
+    tables: dict[str, Table]
+    plots: list[Path]
+    report: Path
+    computed: int
+    """Cells computed by this run (the others were read back from the store)."""
+
+
+def _check_out(out: Path, lab: Lab, config: LabConfig, fresh: bool) -> dict | None:
+    """Refuse an ``--out`` that holds another lab or another configuration; returns the old manifest."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError("--out", f"{out} exists and is not a directory")
+    manifest = out / MANIFEST
+    if not manifest.exists():
+        if out.exists() and any(out.iterdir()):
+            raise ConfigError("--out", f"{out} is not empty and holds no creditlab lab run; choose another --out")
+        return None
+    try:
+        old = json.loads(manifest.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError("--out", f"{manifest} is unreadable ({err}); choose another --out") from None
+    if fresh:
+        return old
+    if old.get("lab") != lab.name:
+        raise ConfigError("--out", f"{out} holds a run of the {old.get('lab')!r} lab; choose another --out")
+    if old.get("manifest_version") != MANIFEST_VERSION or old.get("identity") != config.identity():
+        diff = _diff(old.get("identity") or {}, config.identity())
+        raise ConfigError("--out", f"{out} holds a {lab.name} run with another configuration "
+                                   f"(differs in: {', '.join(diff) or 'store format'}); rerun with the same options, "
+                                   "choose another --out, or pass --fresh to discard it")
+    return old
+
+
+def _diff(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, Mapping) and isinstance(vb, Mapping):
+            out += _diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def _clean(out: Path, old: dict | None, everything: bool) -> None:
+    """Remove the outputs the previous run listed in its manifest (and its store when ``everything``)."""
+    if old is None:
+        return
+    for name in old.get("outputs", []):
+        p = out / name
+        if p.is_file() and p.parent == out:
+            p.unlink()
+    if everything:
+        shutil.rmtree(out / "store", ignore_errors=True)
+        (out / MANIFEST).unlink(missing_ok=True)
+
+
+def _write_manifest(out: Path, lab: Lab, config: LabConfig, outputs: list[str]) -> None:
+    from creditlab import __version__
+
+    data = {"lab": lab.name, "manifest_version": MANIFEST_VERSION, "creditlab_version": __version__,
+            "identity": config.identity(), "config": config.to_dict(), "outputs": sorted(outputs)}
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    tmp.replace(out / MANIFEST)
+
+
+def _markdown(t: Table) -> str:
+    df = t.frame
+    listy = [c for c in df.columns if len(df) and df[c].map(lambda v: isinstance(v, list | tuple)).any()]
+    listy += [c for c in df.columns if len(df) and hasattr(df[c].iloc[0], "__len__")
+              and not isinstance(df[c].iloc[0], str) and c not in listy]
+    return to_markdown(df.drop(columns=listy), t.floatfmt)
+
+
+def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | None = None, *,
+            fresh: bool = False, progress: bool = True, status: Callable[[str], None] | None = None) -> LabResult:
+    """Run (or resume) ``lab`` with ``config`` into ``out``.
+
+    Writes ``out/lab.json`` (the lab, the configuration and the files this run wrote),
+    ``out/store/`` (one file per finished cell), ``<table>.parquet`` and ``<table>.md`` for every
+    table, the lab's PNG plots and ``report.md``. A rerun with the same configuration computes
+    only the cells missing from the store; a rerun with another one raises
+    :class:`~creditlab.errors.ConfigError` naming ``--out``, unless ``fresh`` (discard the old
+    run first). Selecting other experiments (``-e``) is the same run: finished cells are reused
+    and the tables, plots and report are rewritten for the new selection.
+
+    Args:
+        executor: where cells run (:func:`~creditlab.lab.runner.make_executor`); None: in process.
+        status: called with one-line progress messages (e.g. ``rich.console.Console.print``).
+    """
+    if not isinstance(config, lab.config_type):
+        raise ConfigError("config", f"the {lab.name} lab needs a {lab.config_type.__name__}, "
+                                    f"got {type(config).__name__}")
+    config.validate()
+    out = Path(out)
+    old = _check_out(out, lab, config, fresh)
+    cells = lab.cells(config)
+    _clean(out, old, everything=fresh)
+    out.mkdir(parents=True, exist_ok=True)
+    store = ResultStore(out / "store")
+    _write_manifest(out, lab, config, [])  # an interrupted run is resumable from here on
+    before = store.done()
+    frame = run_cells(cells, store, executor=executor, desc=f"{lab.name} lab", progress=progress)
+    computed = len({c.key for c in cells} - before)
+    rows: dict[str, pd.DataFrame] = {}
+    if len(frame):
+        group_of = {c.key: c.group for c in cells}
+        frame = frame.assign(_group=frame["cell_key"].map(group_of))
+        for group, df in frame.groupby("_group", sort=True):
+            rows[str(group)] = df.drop(columns=["_group", "cell_key"]).dropna(axis=1, how="all").reset_index(drop=True)
+    tables = lab.tables(rows, config)
+    texts = lab.interpret(tables, config)
+    missing = [n for n, t in tables.items() if t.report and not texts.get(n)]
+    if missing:
+        raise CreditlabError(f"lab {lab.name!r}: no interpretation for report table(s) {missing}")
+    written: list[str] = []
+    for name, t in tables.items():
+        t.frame.to_parquet(out / f"{name}.parquet", index=False)
+        (out / f"{name}.md").write_text(_markdown(t))
+        written += [f"{name}.parquet", f"{name}.md"]
+    plots = [Path(p) for p in lab.plots(tables, config, out)]
+    written += [p.name for p in plots]
+    report = out / "report.md"
+    report.write_text(_report(lab, config, tables, texts, plots))
+    written.append(report.name)
+    _write_manifest(out, lab, config, written)
+    if status is not None:
+        status(f"{lab.name} lab: {computed} cell(s) computed, {len(cells) - computed} read back from {out}/store")
+    return LabResult(tables=tables, plots=plots, report=report, computed=computed)
+
+
+def _report(lab: Lab, config: LabConfig, tables: dict[str, Table], texts: dict[str, str], plots: list[Path]) -> str:
+    lines = [f"# {lab.name} lab", "", lab.describe(config).strip(), ""]
+    for name, t in tables.items():
+        if not t.report:
+            continue
+        lines += [f"## {t.title}", "", texts[name].strip(), "", _markdown(t), f"(`{name}.parquet`, `{name}.md`)", ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    lines += ["## Configuration", "", "```json", json.dumps(config.to_dict(), indent=1, sort_keys=True), "```", ""]
+    return "\n".join(lines)
