@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from creditlab.lab.chain_trainer import ChainTrainConfig, ModelSpec, train_chain  # noqa: E402
-from creditlab.lab.coverage import CoverageConfig, build_cells  # noqa: E402
+from creditlab.lab.coverage import LAB, CoverageConfig  # noqa: E402
 from creditlab.lab.runner import run_cells  # noqa: E402
 from creditlab.lab.store import ResultStore  # noqa: E402
 from reference.ref_chain import train_loop  # noqa: E402
@@ -54,7 +54,7 @@ def main() -> None:
     cov = CoverageConfig(experiments=("c_sweep",))
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        run_cells(build_cells(cov)["c_sweep"], ResultStore(tmp), workers=args.workers, progress=False)
+        run_cells(LAB.cells(cov), ResultStore(tmp), workers=args.workers, progress=False)
         t_runner = time.perf_counter() - t0
     print(f"full C sweep through the runner ({len(CS)} cells, {args.workers} worker processes, "
           f"including process start-up): {t_runner:.2f} s")
