@@ -6,18 +6,22 @@ Target (issue): 256 rollouts of up to 160 tokens per update, 100 updates in unde
     python benchmarks/bench_toolshop.py [--updates 3] [--threads 2] [--random-init]
 
 It measures, side by side in one run, the fp32 engine + fp32 learner and the FP8 (W8A8-KV8) engine
-+ QAT learner, from the cached base policy (trained on first use) or a random init.
++ QAT learner, from the cached base policy (trained on first use, cached under $CREDITLAB_CACHE or
+the user cache directory) or a random init.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 
 from creditlab.envs.toolshop import VOCAB
-from creditlab.lab.agent import BaseConfig, GRPOConfig, base_policy, make_tasks, rollout, train_grpo
+from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir
+from creditlab.lab.toolshop_grpo import GRPOConfig, train_grpo
+from creditlab.lab.toolshop_rollout import make_tasks, rollout
 from creditlab.models.tiny_lm import TinyLM
 
 
@@ -30,11 +34,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     bcfg = BaseConfig()
     if args.random_init:
-        torch.manual_seed(0)
-        model = TinyLM(bcfg.model_config())
+        model = TinyLM(bcfg.model_config(), generator=torch.Generator().manual_seed(0))
     else:
         t0 = time.perf_counter()
-        model = base_policy(bcfg)
+        model = base_policy(bcfg, cache_dir=default_cache_dir(os.environ.get("CREDITLAB_CACHE")))
         print(f"base policy ready in {time.perf_counter() - t0:.1f} s (cached after the first run)")
     print(f"threads={args.threads}, vocab={len(VOCAB)}, params={sum(p.numel() for p in model.parameters())}")
     tasks = [t for t in make_tasks(range(32), bcfg.chain_lengths) for _ in range(8)]
@@ -63,8 +66,7 @@ def main() -> None:
     print(f"ratio fp8+QAT / fp32 seconds per update: {b / a:.2f}")
     # Worst case: every rollout runs the full 160 tokens (an untrained policy on C=8 tasks with a
     # large action budget never writes), the size the speed target is stated at.
-    torch.manual_seed(0)
-    rnd = TinyLM(bcfg.model_config())
+    rnd = TinyLM(bcfg.model_config(), generator=torch.Generator().manual_seed(0))
     long_tasks = [t for t in make_tasks(range(32), (8,)) for _ in range(8)]
     for prec in ("fp32", "fp8"):
         t0 = time.perf_counter()

@@ -90,3 +90,38 @@ def test_config_and_input_errors():
         m.step(torch.zeros(1, dtype=torch.long), cache)
     with pytest.raises(ConfigError, match="precision"):
         m.init_cache(1, "fp16")
+
+
+# First weights of TinyLM(vocab 40, d 32, 2 layers) after torch.manual_seed(3), recorded from the
+# implementation that drew from the global generator (nn defaults first, then the GPT-2 init).
+_SEED3_WEIGHTS = {
+    "tok.weight": [-0.005502575542777777, 0.03377680853009224],
+    "pos.weight": [-0.035878390073776245, 0.010287140496075153],
+    "shift.weight": [-0.00608435133472085, -0.019704099744558334],
+    "blocks.0.qkv.weight": [0.01505196187645197, -0.039715033024549484],
+    "blocks.0.proj.weight": [0.018520602956414223, 0.012528246268630028],
+    "blocks.1.fc.weight": [-0.035754092037677765, -0.017925644293427467],
+    "blocks.1.out.weight": [-0.001420389860868454, -0.00015839507977943867],
+}
+
+
+def test_init_from_a_generator_equals_the_global_seed_and_leaves_it_alone():
+    cfg = TinyLMConfig(vocab_size=40, d_model=32, n_head=4, max_len=48, n_layer=2)
+    torch.manual_seed(99)
+    state = torch.random.get_rng_state()
+    a = TinyLM(cfg, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(state, torch.random.get_rng_state())  # the global generator did not move
+    torch.manual_seed(3)
+    b = TinyLM(cfg)  # generator=None: torch's global generator, as nn.Module constructors
+    after = torch.rand(3)
+    torch.manual_seed(3)
+    TinyLM(cfg, generator=torch.default_generator)
+    assert torch.equal(after, torch.rand(3))  # and it consumes exactly what it did before
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    params = dict(a.named_parameters())
+    for name, want in _SEED3_WEIGHTS.items():
+        assert params[name].flatten()[:2].tolist() == want, name
+    assert a.head.weight is a.tok.weight and all(torch.equal(p, torch.ones_like(p)) for n, p in params.items()
+                                                 if n.endswith("ln1.weight"))
+    assert not any(bool(p.detach().any()) for n, p in params.items() if n.endswith(".bias"))

@@ -31,9 +31,9 @@ def toolshop(
     import time
     from dataclasses import replace
 
-    from creditlab.lab.agent import make_weights
     from creditlab.lab.report import to_markdown
     from creditlab.lab.toolshop import ToolshopLabConfig, run_toolshop
+    from creditlab.lab.toolshop_grpo import make_weights
 
     cfg = ToolshopLabConfig.quick() if quick else ToolshopLabConfig()
     make_weights(correction)  # validates the arm name

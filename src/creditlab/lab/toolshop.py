@@ -3,7 +3,7 @@
 Reads top to bottom:
 
 1. build (or load from the cache) the base policy: supervised warm start on noisy scripted
-   demonstrations (:func:`creditlab.lab.agent.base_policy`);
+   demonstrations (:func:`creditlab.lab.toolshop_base.base_policy`);
 2. measure the execution mismatch of the base policy: K3 between each rollout engine (fp32, bf16,
    FP8 W8A8-KV8, INT8 W8A8) and the learner (fp32, or quantization-aware with the engine's rules);
 3. train with multi-turn outcome GRPO, one cell per seed, persisted as it finishes (resumable);
@@ -13,6 +13,7 @@ Reads top to bottom:
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -21,20 +22,12 @@ import pandas as pd
 import torch
 
 from creditlab.errors import ConfigError
-from creditlab.lab.agent import (
-    EVAL_SEED_OFFSET,
-    BaseConfig,
-    GRPOConfig,
-    base_policy,
-    evaluate,
-    make_tasks,
-    rollout,
-    sequence_logprobs,
-    train_grpo,
-)
 from creditlab.lab.report import mean_ci, to_markdown, write_table
 from creditlab.lab.runner import Cell, run_cells
 from creditlab.lab.store import ResultStore
+from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir
+from creditlab.lab.toolshop_grpo import GRPOConfig, train_grpo
+from creditlab.lab.toolshop_rollout import EVAL_SEED_OFFSET, evaluate, make_tasks, rollout, sequence_logprobs
 
 __all__ = ["MISMATCH_PAIRS", "ToolshopLabConfig", "measure_mismatch", "run_seed", "run_toolshop"]
 
@@ -97,7 +90,7 @@ def run_seed(base: dict, grpo: dict, seed: int) -> list[dict]:
     bcfg = BaseConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in base.items()})
     gcfg = GRPOConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in grpo.items()})
     gcfg = replace(gcfg, seed=seed)
-    model = base_policy(bcfg)
+    model = base_policy(bcfg, cache_dir=default_cache_dir(os.environ.get("CREDITLAB_CACHE")))
     rows = train_grpo(model, gcfg)
     final = evaluate(model, range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + gcfg.eval_tasks), gcfg.chain_lengths,
                      precision=gcfg.rollout_precision, seed=gcfg.seed + 1, max_len=gcfg.max_len,
@@ -150,7 +143,7 @@ def run_toolshop(cfg: ToolshopLabConfig, out: str | Path, *, workers: int = 1,
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     g = cfg.grpo
     # 1. the base policy (trained once, cached) and its held-out success
-    model = base_policy(cfg.base)
+    model = base_policy(cfg.base, cache_dir=default_cache_dir(os.environ.get("CREDITLAB_CACHE")))
     eval_seeds = range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + g.eval_tasks)
     base_eval = evaluate(model, eval_seeds, g.chain_lengths, precision=g.rollout_precision, seed=1,
                          max_len=g.max_len, max_turns=g.max_turns, max_action_len=g.max_action_len)

@@ -112,30 +112,54 @@ class TinyLM(nn.Module):
     """The causal transformer. ``forward(idx, precision)`` -> logits ``(B, L, V)``;
     ``step(tokens, cache)`` -> logits ``(B, V)`` of the next position."""
 
-    def __init__(self, cfg: TinyLMConfig):
+    def __init__(self, cfg: TinyLMConfig, *, generator: torch.Generator | None = None):
+        """``generator``: the random stream of the initialisation (a CPU generator); ``None`` draws
+        from torch's global generator, as ``nn.Module`` constructors do.
+
+        ``TinyLM(cfg, generator=torch.Generator().manual_seed(s))`` has exactly the weights of
+        ``torch.manual_seed(s); TinyLM(cfg)`` (tested) and leaves the global generator untouched:
+        the layers are built on the meta device, and the first pass of :meth:`_init_weights` draws
+        what their own default initialisation would have drawn, so the stream, and the weights of
+        cached base policies keyed by their config, stay what they were.
+        """
         super().__init__()
         self.cfg = cfg
-        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.max_len, cfg.d_model)
-        self.shift = nn.Embedding(cfg.vocab_size, cfg.d_model) if cfg.token_shift else None
-        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.apply(self._init)
+        device = generator.device if generator is not None else torch.get_default_device()
+        with torch.device("meta"):  # no draws here: every parameter is drawn in _init_weights
+            self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.pos = nn.Embedding(cfg.max_len, cfg.d_model)
+            self.shift = nn.Embedding(cfg.vocab_size, cfg.d_model) if cfg.token_shift else None
+            self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layer))
+            self.ln_f = nn.LayerNorm(cfg.d_model)
+            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.to_empty(device=device)
+        self._init_weights(generator)
+
+    @torch.no_grad()
+    def _init_weights(self, g: torch.Generator | None) -> None:
+        cfg = self.cfg
+        leaves = [m for m in self.modules() if isinstance(m, nn.Linear | nn.Embedding | nn.LayerNorm)]
+        for m in leaves:  # 1. the layers' default init (nn.Linear / nn.Embedding.reset_parameters)
+            if isinstance(m, nn.Linear):
+                nn.init.kaiming_uniform_(m.weight, a=math.sqrt(5), generator=g)
+                if m.bias is not None:
+                    bound = 1 / math.sqrt(m.in_features)
+                    nn.init.uniform_(m.bias, -bound, bound, generator=g)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, generator=g)
+            else:
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        for m in leaves:  # 2. GPT-2 init, in the order of Module.apply
+            if isinstance(m, nn.Linear | nn.Embedding):
+                nn.init.normal_(m.weight, std=0.02, generator=g)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
         if cfg.tie_embeddings:  # as nanoGPT; also what makes copying ids from the context easy to learn
             self.head.weight = self.tok.weight
         for blk in self.blocks:  # GPT-2 scaled init of residual projections
             for lin in (blk.proj, blk.out):
-                nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, std=0.02)
+                nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.n_layer), generator=g)
 
     # -- quantized pieces ------------------------------------------------------------------------
 

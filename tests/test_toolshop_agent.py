@@ -1,4 +1,6 @@
-"""Agent engine: batched multi-turn rollout, cached base policy, multi-turn GRPO trainer."""
+"""toolshop agent: batched multi-turn rollout, cached base policy, multi-turn GRPO trainer."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -6,18 +8,9 @@ import torch
 from creditlab.core.diagnostics import chain_length
 from creditlab.envs.toolshop import VOCAB, ToolshopEnv
 from creditlab.errors import ConfigError
-from creditlab.lab.agent import (
-    BaseConfig,
-    GRPOConfig,
-    base_policy,
-    make_advantage,
-    make_tasks,
-    make_weights,
-    rollout,
-    sequence_logprobs,
-    train_grpo,
-    turns_to_tokens,
-)
+from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir, train_base
+from creditlab.lab.toolshop_grpo import GRPOConfig, make_advantage, make_weights, train_grpo
+from creditlab.lab.toolshop_rollout import make_tasks, rollout, sequence_logprobs, turns_to_tokens
 from creditlab.models.tiny_lm import TinyLM, TinyLMConfig
 
 TINY_BASE = BaseConfig(n_demos=64, steps=30, batch_size=16, d_model=32, n_layer=1, max_len=96)
@@ -25,11 +18,11 @@ TINY_BASE = BaseConfig(n_demos=64, steps=30, batch_size=16, d_model=32, n_layer=
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    m = TinyLM(TinyLMConfig(vocab_size=len(VOCAB), d_model=32, n_layer=2, max_len=96))
+    g = torch.Generator().manual_seed(0)
+    m = TinyLM(TinyLMConfig(vocab_size=len(VOCAB), d_model=32, n_layer=2, max_len=96), generator=g)
     with torch.no_grad():
         for p in m.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
     return m.eval()
 
 
@@ -95,19 +88,43 @@ def test_records_carry_dataflow_fields(model):
         chain_length(recs, task.given)  # never raises on sampled trajectories
 
 
-def test_base_policy_is_cached_and_deterministic(tmp_path, monkeypatch):
-    monkeypatch.setenv("CREDITLAB_CACHE", str(tmp_path))
-    m1 = base_policy(TINY_BASE)
+def test_base_policy_is_cached_and_deterministic(tmp_path):
+    steps = []
+    m1 = base_policy(TINY_BASE, cache_dir=tmp_path, progress=lambda k, loss: steps.append(k))
+    assert steps == list(range(TINY_BASE.steps))  # trained: one progress call per optimizer step
     files = list(tmp_path.glob("toolshop-base-*.safetensors"))
-    assert len(files) == 1
+    assert [f.name for f in files] == [f"toolshop-base-{TINY_BASE.key()}.safetensors"]
     calls = []
-    m2 = base_policy(TINY_BASE, progress=lambda k, loss: calls.append(k))  # loaded, not retrained
+    m2 = base_policy(TINY_BASE, cache_dir=tmp_path, progress=lambda k, loss: calls.append(k))  # loaded
     assert calls == []
     for (n, p), (_, q) in zip(m1.state_dict().items(), m2.state_dict().items(), strict=True):
         assert torch.equal(p, q), n
-    m3 = base_policy(TINY_BASE, cache=tmp_path / "other")  # retrained from the seed: same weights
+    m3 = base_policy(TINY_BASE, cache_dir=tmp_path / "other")  # retrained from the seed: same weights
     assert all(torch.equal(p, q) for p, q in zip(m1.state_dict().values(), m3.state_dict().values(),
                                                   strict=True))
+    m4 = base_policy(TINY_BASE, cache_dir=None)  # no cache: trained, nothing written
+    assert all(torch.equal(p, q) for p, q in zip(m1.state_dict().values(), m4.state_dict().values(),
+                                                  strict=True))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([files[0].name, "other"])
+
+
+def test_base_policy_needs_no_global_seed_and_leaves_it_alone():
+    """train_base draws from its own generators: the global RNG neither matters nor moves."""
+    cfg = BaseConfig(n_demos=16, steps=3, batch_size=4, d_model=32, n_layer=1, max_len=96)
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    a = train_base(cfg)
+    assert torch.equal(state, torch.random.get_rng_state())
+    torch.manual_seed(456)
+    b = train_base(cfg)
+    assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+def test_default_cache_dir_takes_the_environment_value_as_an_argument(tmp_path):
+    import platformdirs
+
+    assert default_cache_dir(str(tmp_path)) == tmp_path
+    assert default_cache_dir(None) == default_cache_dir("") == Path(platformdirs.user_cache_dir("creditlab"))
 
 
 def test_turns_to_tokens_and_builtin_advantages(model):
@@ -170,7 +187,9 @@ def test_grpo_trainer_runs_logs_and_uses_pluggable_weights(model):
         adv_calls.append(update)
         return torch.randn(len(batch), generator=torch.Generator().manual_seed(update))
 
+    state = torch.random.get_rng_state()
     rows = train_grpo(m, cfg, weights=weights, advantage=advantage)
+    assert torch.equal(state, torch.random.get_rng_state())  # its own generators only
     assert adv_calls == [0, 1]
     assert len(rows) == 2 and len(seen) == 2
     for key in ("reward/success", "mismatch/k3", "loss/policy", "episode/truncation_rate",
@@ -210,7 +229,8 @@ def test_toolshop_lab_smoke_resumes_and_cli_errors(tmp_path, monkeypatch):
 def test_prm_advantage_with_a_schedule_matches_core(model):
     from creditlab.core.advantages import prm_mixed_advantages
     from creditlab.core.schedules import decay
-    from creditlab.lab.agent import evidence_scores, make_prm_advantage, turn_mask_of
+    from creditlab.lab.toolshop_grpo import make_prm_advantage
+    from creditlab.lab.toolshop_rollout import evidence_scores, turn_mask_of
 
     batch = _rollout(model, n=8, group_ids=[0, 0, 0, 0, 1, 1, 1, 1])
     rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 1])

@@ -1,0 +1,163 @@
+"""The toolshop base policy: supervised warm start on noisy scripted demonstrations, and its cache.
+
+:func:`train_base` imitates :class:`creditlab.envs.toolshop.ScriptedAgent` at noise ``cfg.noise``
+(cross-entropy on the demonstrator's tokens): the imitation learns the demonstrator's mistakes too,
+so RL starts from a middling success rate. It is deterministic from ``cfg.seed`` and touches no
+global state: the model init and the batch order each draw from their own ``torch.Generator``
+seeded with ``cfg.seed`` (the same numbers ``torch.manual_seed(cfg.seed)`` gave).
+
+:func:`base_policy` is the cached form: safetensors files (no pickle) named by a hash of the config
+in the directory the caller names; ``cache_dir=None`` trains without caching. The library reads no
+environment variable: a command line resolves the directory with :func:`default_cache_dir`, e.g.
+``default_cache_dir(os.environ.get("CREDITLAB_CACHE"))``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from creditlab.envs.toolshop import PAD, VOCAB, run_scripted
+from creditlab.lab.toolshop_rollout import make_tasks
+from creditlab.models.tiny_lm import TinyLM, TinyLMConfig
+
+__all__ = ["DEMO_SEED_OFFSET", "BaseConfig", "base_policy", "default_cache_dir", "train_base"]
+
+DEMO_SEED_OFFSET = 10_000_000  # base-policy demo tasks; RL and evaluation use seeds below this
+
+
+@dataclass(frozen=True)
+class BaseConfig:
+    """Supervised warm start of the base policy (deterministic from ``seed``)."""
+
+    chain_lengths: tuple[int, ...] = (4,)
+    """Chain lengths of the demonstration tasks (each task draws one)."""
+    noise: float = 0.2
+    """Demonstrator noise: probability of a wrong choice at each selection (see ScriptedAgent)."""
+    n_demos: int = 4000
+    """Demonstration episodes (tasks seeded from ``seed``, disjoint from RL task seeds)."""
+    steps: int = 1000
+    """Optimizer steps."""
+    batch_size: int = 128
+    """Demonstrations per step."""
+    lr: float = 3e-3
+    """AdamW peak learning rate (linear warm-up over 5% of steps, cosine decay)."""
+    n_layer: int = 2
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads."""
+    d_model: int = 64
+    """Model width."""
+    max_len: int = 192
+    """Model context length."""
+    seed: int = 0
+    """Seed of the model init, the demonstrations and the batches."""
+
+    def model_config(self) -> TinyLMConfig:
+        return TinyLMConfig(vocab_size=len(VOCAB), n_layer=self.n_layer, n_head=self.n_head,
+                            d_model=self.d_model, max_len=self.max_len)
+
+    def key(self) -> str:
+        # the model's full config and a format version: a changed architecture never loads old weights
+        blob = json.dumps({**asdict(self), "model": asdict(self.model_config()), "v": 2}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def default_cache_dir(env_value: str | None = None) -> Path:
+    """The base-policy cache directory a command line should use: ``env_value`` when it is set and
+    not empty (the caller passes the value of its environment variable, e.g. ``CREDITLAB_CACHE``),
+    else the user cache directory (``platformdirs.user_cache_dir("creditlab")``)."""
+    if env_value:
+        return Path(env_value)
+    try:
+        import platformdirs
+
+        return Path(platformdirs.user_cache_dir("creditlab"))
+    except ImportError:  # pragma: no cover - platformdirs is a dependency
+        return Path.home() / ".cache" / "creditlab"
+
+
+def train_base(cfg: BaseConfig, progress: Callable[[int, float], None] | None = None, *,
+               checkpoint: Callable[[int, TinyLM], None] | None = None, checkpoint_every: int = 0) -> TinyLM:
+    """Train the base policy from scratch (no cache). Cross-entropy on the demonstrator's tokens.
+
+    ``progress(k, loss)`` is called after optimizer step ``k`` (0 to ``cfg.steps - 1``);
+    ``checkpoint(k, model)`` every ``checkpoint_every`` steps (e.g. to evaluate)."""
+    model = TinyLM(cfg.model_config(), generator=torch.Generator().manual_seed(cfg.seed))
+    seqs, masks = [], []
+    for j in range(cfg.n_demos):
+        s = DEMO_SEED_OFFSET + cfg.seed * cfg.n_demos + j
+        task = make_tasks([s], cfg.chain_lengths)[0]
+        ids, mask, _ = run_scripted(task, seed=s, noise=cfg.noise)
+        seqs.append(ids)
+        masks.append(mask)
+    L = min(max(len(s) for s in seqs), cfg.max_len)
+    X = torch.full((cfg.n_demos, L), PAD, dtype=torch.long)
+    M = torch.zeros((cfg.n_demos, L), dtype=torch.bool)
+    for j, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+        X[j, :len(s)] = torch.tensor(s[:L])
+        M[j, :len(m)] = torch.tensor(m[:L])
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warm = max(1, cfg.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: min(1.0, (k + 1) / warm) * 0.5 * (1 + np.cos(np.pi * min(1.0, k / cfg.steps))))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    model.train()
+    for k in range(cfg.steps):
+        idx = torch.randint(0, cfg.n_demos, (cfg.batch_size,), generator=gen)
+        x, m = X[idx], M[idx]
+        n = int(m.any(0).nonzero().max()) + 1
+        x, m = x[:, :n], m[:, :n]
+        logits = model(x)[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1),
+                                                 reduction="none").view(x.size(0), -1)
+        loss = (loss * m[:, 1:]).sum() / m[:, 1:].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if progress is not None:
+            progress(k, float(loss.detach()))
+        if checkpoint is not None and checkpoint_every and (k + 1) % checkpoint_every == 0:
+            model.eval()
+            checkpoint(k + 1, model)
+            model.train()
+    model.eval()
+    return model
+
+
+def base_policy(cfg: BaseConfig = BaseConfig(), *, cache_dir: str | os.PathLike[str] | None,
+                refresh: bool = False, progress: Callable[[int, float], None] | None = None) -> TinyLM:
+    """The base policy for ``cfg``: loaded from ``cache_dir`` when it holds it, else trained (and
+    saved there). ``cache_dir=None``: trained every time, nothing is written.
+
+    The file is ``toolshop-base-<cfg.key()>.safetensors`` (a hash of the config), loaded with
+    safetensors (no pickle). ``refresh=True`` retrains and overwrites. ``progress(k, loss)`` is
+    called after each of the ``cfg.steps`` optimizer steps when it trains (see :func:`train_base`),
+    never on a cache hit; drive a progress bar with it.
+    """
+    from safetensors.torch import load_model, save_model
+
+    if cache_dir is None:
+        return train_base(cfg, progress)
+    root = Path(cache_dir)
+    path = root / f"toolshop-base-{cfg.key()}.safetensors"
+    if path.exists() and not refresh:
+        model = TinyLM(cfg.model_config(), generator=torch.Generator().manual_seed(cfg.seed))
+        load_model(model, str(path))  # safetensors: no pickle; handles the tied head
+        model.eval()
+        return model
+    model = train_base(cfg, progress)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # concurrent builders never share one
+    save_model(model, str(tmp), metadata={"config": json.dumps(asdict(cfg))})
+    os.replace(tmp, path)
+    return model

@@ -1,0 +1,276 @@
+"""Multi-turn GRPO on toolshop: the trainer, its advantages and its per-token correction weights.
+
+:func:`train_grpo` is built on ``core``: groups of ``group_size`` rollouts of one task
+(:func:`creditlab.lab.toolshop_rollout.rollout`), a pluggable advantage and pluggable per-token
+weights, one row of metrics per update. It touches no global state: the task stream comes from
+:func:`task_seeds` (seeded by ``cfg.seed`` and the update index), the sampling and the minibatch
+order from one ``torch.Generator`` seeded with ``cfg.seed``.
+
+Advantages (:data:`AdvantageFn`, ``(batch, rewards, update) -> (B,) | (B, L)``): the built-ins of
+:func:`make_advantage` (outcome GRPO broadcast, credit geometries over turns) and PRM mixing with
+a fixed or scheduled weight (:func:`make_prm_advantage`). Weights (:data:`WeightFn`): the
+execution-mismatch correction arms of :func:`make_weights`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from creditlab.errors import ConfigError
+from creditlab.lab.toolshop_rollout import (
+    EVAL_SEED_OFFSET,
+    RolloutBatch,
+    evaluate,
+    evidence_scores,
+    make_tasks,
+    rollout,
+    sequence_logprobs,
+    turn_mask_of,
+    turn_progress_deltas,
+    turns_to_tokens,
+)
+from creditlab.models.quant import check_precision
+from creditlab.models.tiny_lm import TinyLM
+
+__all__ = [
+    "ADVANTAGES",
+    "AdvantageFn",
+    "GRPOConfig",
+    "WeightFn",
+    "make_advantage",
+    "make_prm_advantage",
+    "make_weights",
+    "task_seeds",
+    "train_grpo",
+]
+
+AdvantageFn = Callable[["RolloutBatch", torch.Tensor, int], torch.Tensor]
+WeightFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+ADVANTAGES = ("grpo", "uniform", "per_turn", "shuffled")
+
+
+def make_advantage(name: str, *, generator: torch.Generator | None = None) -> AdvantageFn:
+    """A built-in advantage by name: ``grpo`` (outcome GRPO on every policy token, the plain
+    broadcast), or a credit geometry of :mod:`creditlab.core.credit` over turns (equal total credit
+    per rollout): ``uniform``, ``per_turn`` (credit where the verifier's progress changed),
+    ``shuffled`` (the per-turn credit moved to random turns)."""
+    from creditlab.core import credit
+    from creditlab.core.advantages import grpo_advantages
+
+    if name not in ADVANTAGES:
+        raise ConfigError("advantage", f"unknown advantage {name!r}; valid: {', '.join(ADVANTAGES)}")
+
+    def fn(batch: RolloutBatch, rewards: torch.Tensor, update: int) -> torch.Tensor:
+        adv = grpo_advantages(rewards, batch.group_ids)
+        if name == "grpo":
+            return adv
+        tm = turn_mask_of(batch)
+        if name == "uniform":
+            a = credit.uniform(adv, tm)
+        else:
+            a = credit.per_turn(adv, turn_progress_deltas(batch), tm)
+            if name == "shuffled":
+                a = credit.shuffled(a, tm, generator)
+        return turns_to_tokens(a, batch)
+
+    return fn
+
+
+def make_prm_advantage(process_scores: Callable[[RolloutBatch], torch.Tensor] = evidence_scores,
+                       lam: Callable[[int], float] | float = 0.5) -> AdvantageFn:
+    """PRM mixing: ``A[i,t] = A_out[i] + lam(k) A_proc[i,t]`` per turn
+    (:func:`creditlab.core.advantages.prm_mixed_advantages`), spread on each turn's policy tokens;
+    ``lam`` a number or a schedule of the update index (:mod:`creditlab.core.schedules`)."""
+    from creditlab.core.advantages import prm_mixed_advantages
+
+    def fn(batch: RolloutBatch, rewards: torch.Tensor, update: int) -> torch.Tensor:
+        lam_k = float(lam(update)) if callable(lam) else float(lam)
+        a = prm_mixed_advantages(rewards, process_scores(batch).float(), turn_mask_of(batch), batch.group_ids,
+                                 lam_k)
+        return turns_to_tokens(a, batch)
+
+    return fn
+
+
+def make_weights(arm: str, **params) -> WeightFn:
+    """Per-token correction weights of an arm of :data:`creditlab.core.correction.ARMS`
+    (``interq``, ``prefix``, ``global`` are modes of ``interq_weights``; ``tis``, ``mis``, ``seq_is``,
+    ``geo``, ``none`` the baselines), with its parameters bound."""
+    from creditlab.core import correction
+
+    if arm not in correction.ARMS:
+        raise ConfigError("correction", f"unknown arm {arm!r}; valid: {', '.join(correction.ARMS)}")
+    if arm in correction.INTERQ_MODES:
+        def fn(old, rollout_lp, pm, vm=None):
+            return correction.interq_weights(old, rollout_lp, pm, vm, mode=arm, **params)
+        return fn
+    base = getattr(correction, f"{arm}_weights")
+
+    def fn2(old, rollout_lp, pm, vm=None):
+        return base(old, rollout_lp, pm, vm, **params)
+    return fn2
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """Multi-turn GRPO on toolshop."""
+
+    updates: int = 100
+    """Policy updates (one rollout batch each)."""
+    tasks_per_update: int = 32
+    """Distinct tasks per update (fresh seeded tasks every update)."""
+    group_size: int = 8
+    """Rollouts per task (the GRPO group)."""
+    chain_lengths: tuple[int, ...] = (4,)
+    """Chain lengths C of the tasks."""
+    rollout_precision: str = "fp32"
+    """Rollout engine precision: fp32, bf16, fp8 (W8A8-KV8) or int8 (W8A8)."""
+    learner_precision: str = "fp32"
+    """Learner precision: fp32, or the rollout's for a quantization-aware (QAT) learner."""
+    advantage: str = "grpo"
+    """Built-in advantage (see make_advantage); a callable can be passed to train_grpo instead."""
+    reward: str = "success"
+    """Outcome reward: "success" (binary) or "progress" (field-level score)."""
+    correction: str = "none"
+    """Per-token weights arm (creditlab.core.correction.ARMS); a callable can be passed instead."""
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    minibatches: int = 2
+    """Optimizer steps per update (the batch split into this many minibatches)."""
+    epochs: int = 1
+    """Passes over the batch per update."""
+    clip_low: float = 0.2
+    """PPO ratio clip below."""
+    clip_high: float = 0.28
+    """PPO ratio clip above (DAPO-style asymmetric clip)."""
+    agg: str = "token_mean"
+    """Loss aggregation mode (creditlab.core.losses.aggregate)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    max_len: int = 160
+    """Token budget of a trajectory."""
+    max_turns: int | None = None
+    """Action budget (default C + 2)."""
+    max_action_len: int = 8
+    """Tokens per action before it is cut and sent as is."""
+    temperature: float = 1.0
+    """Sampling temperature of the engine (and of the learner's log-probs)."""
+    eval_every: int = 0
+    """Evaluate on a fixed task set every this many updates (0: never)."""
+    eval_tasks: int = 256
+    """Size of the fixed evaluation set (seeds disjoint from training)."""
+    seed: int = 0
+    """Seed of the task stream and the sampling."""
+
+    def __post_init__(self) -> None:
+        check_precision(self.rollout_precision)
+        check_precision(self.learner_precision)
+        if self.reward not in ("success", "progress"):
+            raise ConfigError("reward", f"must be 'success' or 'progress', got {self.reward!r}")
+        for name in ("updates", "tasks_per_update", "group_size", "minibatches", "epochs"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ConfigError("group_size", "GRPO needs at least 2 rollouts per task")
+
+
+def task_seeds(cfg: GRPOConfig, update: int) -> list[int]:
+    """The task seeds of one update (deterministic in ``cfg.seed`` and ``update``)."""
+    rng = random.Random(f"grpo-{cfg.seed}-{update}")
+    return [rng.randrange(EVAL_SEED_OFFSET) for _ in range(cfg.tasks_per_update)]
+
+
+def train_grpo(model: TinyLM, cfg: GRPOConfig, *, advantage: AdvantageFn | None = None,
+               weights: WeightFn | None = None,
+               on_update: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+    """Train ``model`` in place with multi-turn GRPO; returns one metrics row per update.
+
+    Each update: sample ``tasks_per_update`` tasks x ``group_size`` rollouts with the engine of
+    ``rollout_precision``; ``old_logprobs`` from the learner (``learner_precision``, no grad);
+    advantages from ``advantage`` (default: ``cfg.advantage``); per-token weights from ``weights``
+    (default: ``cfg.correction``) applied as detached coefficients of the clipped token loss
+    (:func:`creditlab.core.losses.policy_loss`); ``minibatches`` AdamW steps per epoch.
+    Row keys: ``update``, ``reward/success``, ``reward/progress``, ``episode/*``, ``mismatch/*``
+    (engine vs learner, :func:`creditlab.core.correction.mismatch_metrics`), ``correction/*``,
+    ``loss/*``, ``grad_norm``, ``time/*`` and ``eval/*`` when evaluated.
+    """
+    from creditlab.core.correction import mismatch_metrics
+    from creditlab.core.losses import policy_loss
+
+    adv_fn = advantage or make_advantage(cfg.advantage, generator=torch.Generator().manual_seed(cfg.seed))
+    w_fn = weights or make_weights(cfg.correction)
+    gen = torch.Generator().manual_seed(cfg.seed)  # the rollouts and minibatch order
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
+    eval_seeds = range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + cfg.eval_tasks)
+    G = cfg.group_size
+    rows: list[dict[str, float]] = []
+    for k in range(cfg.updates):
+        row: dict[str, float] = {"update": float(k)}
+        if cfg.eval_every and k % cfg.eval_every == 0:
+            model.eval()
+            ev = evaluate(model, eval_seeds, cfg.chain_lengths, precision=cfg.rollout_precision,
+                          seed=cfg.seed + 1, max_len=cfg.max_len, max_turns=cfg.max_turns,
+                          max_action_len=cfg.max_action_len, temperature=cfg.temperature)
+            row.update({f"eval/{n}": v for n, v in ev.items()})
+        t0 = time.perf_counter()
+        model.eval()
+        seeds = task_seeds(cfg, k)
+        tasks = [t for t in make_tasks(seeds, cfg.chain_lengths) for _ in range(G)]
+        batch = rollout(model, tasks, precision=cfg.rollout_precision, max_len=cfg.max_len,
+                        max_turns=cfg.max_turns, max_action_len=cfg.max_action_len,
+                        temperature=cfg.temperature, generator=gen,
+                        group_ids=[j // G for j in range(len(tasks))])
+        t1 = time.perf_counter()
+        pm, vm = batch.policy_mask, batch.valid_mask
+        with torch.no_grad():
+            old = sequence_logprobs(model, batch.tokens, cfg.learner_precision, cfg.temperature)
+        rewards = batch.success if cfg.reward == "success" else batch.progress
+        adv = adv_fn(batch, rewards.float(), k)
+        if adv.dim() == 1:
+            adv = adv[:, None].expand_as(old)
+        w, wm = w_fn(old, batch.rollout_logprobs, pm, vm)
+        row.update(mismatch_metrics(old, batch.rollout_logprobs, pm, vm))
+        row.update({n: v for n, v in wm.items() if n.startswith("correction/")})
+        model.train()
+        B = len(batch)
+        loss_m: dict[str, list[float]] = {}
+        gnorms = []
+        for _ in range(cfg.epochs):
+            perm = torch.randperm(B, generator=gen)
+            for chunk in perm.chunk(cfg.minibatches):
+                lp = sequence_logprobs(model, batch.tokens[chunk], cfg.learner_precision, cfg.temperature)
+                loss, lm = policy_loss(lp, old[chunk], adv[chunk], pm[chunk], clip_low=cfg.clip_low,
+                                       clip_high=cfg.clip_high, weights=w[chunk].to(lp.dtype), agg=cfg.agg)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                gnorms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
+                opt.step()
+                for n, v in lm.items():
+                    loss_m.setdefault(n, []).append(v)
+        model.eval()
+        t2 = time.perf_counter()
+        n_policy = int(pm.sum())
+        row.update({n: float(np.mean(v)) for n, v in loss_m.items()})
+        row.update({
+            "reward/success": float(batch.success.mean()),
+            "reward/progress": float(batch.progress.mean()),
+            "episode/truncation_rate": float(batch.truncated.float().mean()),
+            "episode/tool_calls": float(batch.n_calls.float().mean()),
+            "episode/length": float(vm.sum(1).float().mean()),
+            "episode/policy_tokens": float(n_policy) / B,
+            "adv/abs_mean": float(adv[pm].abs().mean()) if n_policy else 0.0,
+            "grad_norm": float(np.mean(gnorms)),
+            "time/rollout_s": t1 - t0,
+            "time/update_s": t2 - t0,
+            "time/rollout_tokens_per_s": float(vm.sum()) / max(t1 - t0, 1e-9),
+        })
+        rows.append(row)
+        if on_update is not None:
+            on_update(row)
+    return rows

@@ -1,0 +1,223 @@
+"""The toolshop rollout engine: batched multi-turn sampling, learner log-probs, evaluation, turn helpers.
+
+Rollout (:func:`rollout`). All trajectories of a batch advance in lock step, one token position per
+model call, through :meth:`creditlab.models.tiny_lm.TinyLM.step` with a KV cache in the *engine*
+precision. At each position a trajectory either consumes a forced token (its prompt or the
+environment's observation, queued) or samples one from the policy; when it samples ``EOA`` (or its
+action reaches ``max_action_len`` tokens) the action goes to its :class:`ToolshopEnv` and the
+observation is queued. Because every trajectory sits at the same position, the learner's
+full-sequence forward over the padded batch (:func:`sequence_logprobs`) computes exactly the same
+function (tested).
+
+Alignment: ``rollout_logprobs[b, t]`` and ``logprobs[b, t]`` are the log-probabilities of token
+``tokens[b, t]`` given ``tokens[b, :t]``; ``policy_mask[b, t]`` is True on sampled tokens.
+
+Tasks: :func:`make_tasks` builds one task per seed; held-out evaluation (:func:`evaluate`) uses the
+seeds from :data:`EVAL_SEED_OFFSET` on, training tasks are drawn below it.
+
+Turn helpers: a :class:`RolloutBatch` knows which turn each token belongs to, so per-turn values
+``(B, T)`` go to tokens with :func:`turns_to_tokens`; :func:`turn_mask_of` (the turns taken),
+:func:`turn_progress_deltas` (the verifier's progress change per turn) and :func:`evidence_scores`
+(a deliberately hackable process score) feed the advantages of :mod:`creditlab.lab.toolshop_grpo`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from creditlab.envs.toolshop import EOA, PAD, Task, ToolshopEnv, TurnRecord, make_task, verify
+from creditlab.errors import ConfigError
+from creditlab.models.quant import check_precision
+from creditlab.models.tiny_lm import TinyLM
+
+__all__ = [
+    "EVAL_SEED_OFFSET",
+    "RolloutBatch",
+    "evaluate",
+    "evidence_scores",
+    "make_tasks",
+    "rollout",
+    "sequence_logprobs",
+    "turn_mask_of",
+    "turn_progress_deltas",
+    "turns_to_tokens",
+]
+
+EVAL_SEED_OFFSET = 5_000_000  # evaluation tasks; training tasks are drawn below this
+
+
+@dataclass
+class RolloutBatch:
+    """A batch of ``B`` multi-turn trajectories padded to ``L`` tokens.
+
+    ``turn_ids``: the turn each token belongs to (action and its observation), -1 on the prompt and
+    padding. ``records[b]``: the per-turn :class:`TurnRecord` list (tool, arguments, returned values,
+    is_write). ``success``/``progress``: the terminal verifier's outcome and field-level score.
+    """
+
+    tokens: torch.Tensor            # (B, L) long
+    policy_mask: torch.Tensor       # (B, L) bool
+    valid_mask: torch.Tensor        # (B, L) bool
+    rollout_logprobs: torch.Tensor  # (B, L) float, 0 off policy tokens
+    turn_ids: torch.Tensor          # (B, L) long
+    records: list[list[TurnRecord]]
+    success: torch.Tensor           # (B,) float 0/1
+    progress: torch.Tensor          # (B,) float in [0, 1]
+    truncated: torch.Tensor         # (B,) bool: ended by the action budget or max_len, no write
+    n_calls: torch.Tensor           # (B,) long: tool calls (turns)
+    tasks: list[Task]
+    group_ids: torch.Tensor         # (B,) long
+
+    def __len__(self) -> int:
+        return self.tokens.size(0)
+
+    @property
+    def n_turns_max(self) -> int:
+        return int(self.n_calls.max().item()) if len(self) else 0
+
+
+def make_tasks(seeds: Sequence[int], chain_lengths: Sequence[int]) -> list[Task]:
+    """One task per seed; the chain length cycles through ``chain_lengths`` (seeded choice)."""
+    return [make_task(s, chain_lengths[random.Random(s).randrange(len(chain_lengths))]) for s in seeds]
+
+
+@torch.no_grad()
+def rollout(model: TinyLM, tasks: Sequence[Task], *, precision: str = "fp32", max_len: int = 160,
+            max_turns: int | None = None, max_action_len: int = 8, temperature: float = 1.0,
+            generator: torch.Generator | None = None, group_ids: Sequence[int] | None = None
+            ) -> RolloutBatch:
+    """Sample one trajectory per task with the engine of ``precision`` (see module doc)."""
+    check_precision(precision)
+    if temperature <= 0:
+        raise ConfigError("temperature", f"must be > 0, got {temperature}")
+    B = len(tasks)
+    envs = [ToolshopEnv(t, max_turns) for t in tasks]
+    queues = [deque(env.reset()) for env in envs]
+    tokens = np.full((B, max_len), PAD, dtype=np.int64)
+    policy = np.zeros((B, max_len), dtype=bool)
+    valid = np.zeros((B, max_len), dtype=bool)
+    turn = np.full((B, max_len), -1, dtype=np.int64)
+    logp = np.zeros((B, max_len), dtype=np.float32)
+    action: list[list[int]] = [[] for _ in range(B)]
+    finished = [False] * B
+    for b in range(B):
+        tokens[b, 0] = queues[b].popleft()
+        valid[b, 0] = True
+    cache = model.init_cache(B, precision, max_len)
+    cur = torch.as_tensor(tokens[:, 0])
+    for t in range(max_len - 1):
+        logits = model.step(cur, cache).float()  # (B, V): next-token distribution at position t+1
+        lp = torch.log_softmax(logits / temperature, dim=-1)
+        need = [b for b in range(B) if not finished[b] and not queues[b]]
+        if need:
+            idx = torch.as_tensor(need)
+            draw = torch.multinomial(lp[idx].exp(), 1, generator=generator).squeeze(1)
+            draw_lp = lp[idx, draw]
+            for j, b in enumerate(need):
+                tok = int(draw[j])
+                tokens[b, t + 1] = tok
+                policy[b, t + 1] = valid[b, t + 1] = True
+                logp[b, t + 1] = float(draw_lp[j])
+                turn[b, t + 1] = len(envs[b].records)
+                action[b].append(tok)
+                if tok == EOA or len(action[b]) >= max_action_len:
+                    res = envs[b].step(action[b])
+                    action[b] = []
+                    queues[b].extend(res.observation)
+        for b in range(B):
+            if finished[b] or not queues[b] or policy[b, t + 1]:
+                continue
+            tokens[b, t + 1] = queues[b].popleft()
+            valid[b, t + 1] = True
+            turn[b, t + 1] = len(envs[b].records) - 1 if envs[b].records else -1
+            if not queues[b] and envs[b].done:
+                finished[b] = True
+        if all(finished):
+            break
+        cur = torch.as_tensor(tokens[:, t + 1])
+    L = int(valid.any(0).nonzero()[0].max()) + 1 if valid.any() else 1
+    succ, prog, trunc = [], [], []
+    for env in envs:
+        ok, pr = env.result()
+        succ.append(float(ok))
+        prog.append(pr)
+        trunc.append(not env.wrote)
+    gids = torch.arange(B) if group_ids is None else torch.as_tensor(list(group_ids), dtype=torch.long)
+    return RolloutBatch(
+        tokens=torch.as_tensor(tokens[:, :L]), policy_mask=torch.as_tensor(policy[:, :L]),
+        valid_mask=torch.as_tensor(valid[:, :L]), rollout_logprobs=torch.as_tensor(logp[:, :L]),
+        turn_ids=torch.as_tensor(turn[:, :L]), records=[env.records for env in envs],
+        success=torch.tensor(succ), progress=torch.tensor(prog), truncated=torch.tensor(trunc),
+        n_calls=torch.tensor([len(env.records) for env in envs]), tasks=list(tasks), group_ids=gids)
+
+
+def sequence_logprobs(model: TinyLM, tokens: torch.Tensor, precision: str = "fp32",
+                      temperature: float = 1.0) -> torch.Tensor:
+    """Learner log-probs ``(B, L)`` of ``tokens`` ``(B, L)`` (position 0 gets 0), full forward."""
+    logits = model(tokens, precision)[:, :-1].float() / temperature  # (B, L-1, V)
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+
+
+@torch.no_grad()
+def evaluate(model: TinyLM, seeds: Sequence[int], chain_lengths: Sequence[int], *, precision: str = "fp32",
+             seed: int = 0, batch: int = 256, **kw) -> dict[str, float]:
+    """Success, progress, truncation and tool calls of the policy on fixed tasks (sampled, seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, list[float]] = {"success": [], "progress": [], "truncated": [], "n_calls": []}
+    seeds = list(seeds)
+    for i in range(0, len(seeds), batch):
+        rb = rollout(model, make_tasks(seeds[i:i + batch], chain_lengths), precision=precision,
+                     generator=gen, **kw)
+        out["success"] += rb.success.tolist()
+        out["progress"] += rb.progress.tolist()
+        out["truncated"] += rb.truncated.float().tolist()
+        out["n_calls"] += rb.n_calls.float().tolist()
+    return {k: float(np.mean(v)) for k, v in out.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Turn helpers: per-turn values of a batch, and per-turn values to tokens
+# ----------------------------------------------------------------------------------------------
+
+
+def turn_mask_of(batch: RolloutBatch) -> torch.Tensor:
+    """``(B, T)`` bool: True on the turns each trajectory took."""
+    T = max(batch.n_turns_max, 1)
+    return torch.arange(T)[None, :] < batch.n_calls[:, None]
+
+
+def turns_to_tokens(turn_values: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
+    """Spread a per-turn ``(B, T)`` tensor onto the policy tokens of each turn, ``(B, L)`` (0 elsewhere)."""
+    tid = batch.turn_ids.clamp(min=0, max=turn_values.size(1) - 1)
+    out = turn_values.gather(1, tid)
+    return torch.where(batch.policy_mask & (batch.turn_ids >= 0), out, torch.zeros_like(out))
+
+
+def turn_progress_deltas(batch: RolloutBatch) -> torch.Tensor:
+    """``(B, T)`` change of the verifier's progress score at each turn (non-zero only at a write)."""
+    T = max(batch.n_turns_max, 1)
+    out = torch.zeros(len(batch), T)
+    for b, (task, recs) in enumerate(zip(batch.tasks, batch.records, strict=True)):
+        before = verify(task.store, task)[1]
+        for t, r in enumerate(recs):
+            if r.is_write:
+                out[b, t] = float(batch.progress[b]) - before
+    return out
+
+
+def evidence_scores(batch: RolloutBatch) -> torch.Tensor:
+    """A turn-level process score ``(B, T)`` that likes evidence gathering: 1 for every successful
+    read, 0 for errors and writes. Hackable on purpose: repeated reads score too."""
+    T = max(batch.n_turns_max, 1)
+    out = torch.zeros(len(batch), T)
+    for b, recs in enumerate(batch.records):
+        for t, r in enumerate(recs):
+            out[b, t] = float(r.ok and not r.is_write)
+    return out
