@@ -1,6 +1,10 @@
-"""toolshop world: deterministic generation, verifier on hand-built episodes, robustness, chain length."""
+"""toolshop world: deterministic generation, verifier on hand-built episodes, robustness, chain length,
+the tool table."""
 
+import hashlib
 import random
+from collections import Counter
+from dataclasses import fields
 
 import pytest
 from hypothesis import given
@@ -9,9 +13,14 @@ from hypothesis import strategies as st
 from creditlab.core.diagnostics import chain_length
 from creditlab.envs.toolshop import (
     EOA,
+    READ_TOOLS,
     TOK,
+    TOOL_TABLE,
+    TOOLS,
     VOCAB,
+    WRITE_TOOLS,
     ScriptedAgent,
+    Task,
     ToolshopEnv,
     decode,
     encode,
@@ -191,3 +200,122 @@ def test_trajectory_stats():
     _, _, env = run_scripted(t, seed=0)
     assert trajectory_stats(env.records) == {"tool_calls": 4.0, "write_fraction": 0.25, "error_rate": 0.0}
     assert trajectory_stats([])["write_fraction"] == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# The tool table
+# ----------------------------------------------------------------------------------------------
+
+
+def test_tool_table_is_the_one_definition_of_the_tools():
+    assert TOOLS == tuple(TOOL_TABLE) == ("get_case", "get_ticket", "find_user", "get_user", "get_order",
+                                          "get_item", "get_product", "exchange")
+    assert READ_TOOLS == TOOLS[:-1] and WRITE_TOOLS == ("exchange",)
+    assert VOCAB[9:17] == TOOLS and len(VOCAB) == 178  # token ids unchanged
+    task_fields = {f.name for f in fields(Task)}
+    for name, tool in TOOL_TABLE.items():
+        assert tool.name == name and tool.arity == len(tool.arg_kinds) >= 1
+        assert set(tool.arg_kinds) <= {"id", "name"}
+        if tool.guard is not None:
+            assert tool.guard in task_fields and 0 <= tool.guard_pos <= tool.arity
+        assert tool.listed_by is None or tool.listed_by in task_fields
+    # the chain's dataflow: what a read returns is an argument of the next tool, and the attribute a
+    # listing read selects by is the next tool's guard
+    for a, b in zip(TOOLS, TOOLS[1:], strict=False):
+        ta, tb = TOOL_TABLE[a], TOOL_TABLE[b]
+        assert ta.returns in tb.arg_names, a
+        if ta.listed_by is not None:
+            assert tb.guard == ta.listed_by, a
+
+
+# (action, observation, error, arguments) on make_task(0, 8), each in a fresh episode; recorded from
+# the world before its tools were a table.
+_TOOL_CASES = [
+    ("get_case 35", "OBS 118 EOO", "", {"case": 35}),
+    ("get_case 36", "OBS ERR EOO", "case 36 not found", {"case": 36}),
+    ("get_ticket 118", "OBS fay EOO", "", {"ticket": 118}),
+    ("get_ticket 35", "OBS ERR EOO", "ticket 35 not found", {"ticket": 35}),
+    ("find_user fay", "OBS 88 EOO", "", {"name": "fay"}),
+    ("find_user ann", "OBS ERR EOO", "name ann not found", {"name": "ann"}),
+    ("find_user 88", "OBS ERR EOO", "argument '88' is not a name", {}),
+    ("get_user 88", "OBS delivered 19 pending 8 EOO", "", {"user": 88}),
+    ("get_user 8", "OBS ERR EOO", "user 8 not found", {"user": 8}),
+    ("get_order 8", "OBS desk 0 bag 82 mug 56 EOO", "", {"order": 8}),
+    ("get_order pending 8", "OBS desk 0 bag 82 mug 56 EOO", "", {"order": 8, "status": "pending"}),
+    ("get_order delivered 8", "OBS ERR EOO", "order 8 is not delivered", {"order": 8, "status": "delivered"}),
+    ("get_order 8 9", "OBS ERR EOO", "get_order takes 1 argument(s), got 2", {}),
+    ("get_order 88", "OBS ERR EOO", "order 88 not found", {"order": 88}),
+    ("get_item 82", "OBS 119 EOO", "", {"item": 82}),
+    ("get_item bag 82", "OBS 119 EOO", "", {"item": 82, "category": "bag"}),
+    ("get_item mug 82", "OBS ERR EOO", "item 82 is not a mug", {"item": 82, "category": "mug"}),
+    ("get_item bag", "OBS ERR EOO", "argument 'bag' is not an id", {}),
+    ("get_product 119", "OBS black 11 red 1 EOO", "", {"product": 119}),
+    ("get_product 82", "OBS ERR EOO", "product 82 not found", {"product": 82}),
+    ("exchange 8 82 11", "OBS OK EOO", "", {"order": 8, "item": 82, "variant": 11}),
+    ("exchange 8 82 black 11", "OBS OK EOO", "", {"order": 8, "item": 82, "variant": 11, "color": "black"}),
+    ("exchange 8 82 red 11", "OBS ERR EOO", "variant 11 is not red",
+     {"order": 8, "item": 82, "variant": 11, "color": "red"}),
+    ("exchange 8 0 11", "OBS ERR EOO", "variant 11 is not a variant of item 0's product",
+     {"order": 8, "item": 0, "variant": 11}),
+    ("exchange 19 82 11", "OBS ERR EOO", "item 82 is not in order 19", {"order": 19, "item": 82, "variant": 11}),
+    ("exchange 8 82 1 11", "OBS ERR EOO", "exchange takes 3 argument(s), got 4", {}),
+    ("exchange 8 fay 11", "OBS ERR EOO", "argument 'fay' is not an id", {}),
+    ("get_case", "OBS ERR EOO", "get_case takes 1 argument(s), got 0", {}),
+    ("EOO", "OBS ERR EOO", "action does not start with a tool name", {}),
+    ("", "OBS ERR EOO", "action does not start with a tool name", {}),
+    ("TASK 35", "OBS ERR EOO", "action does not start with a tool name", {}),
+]
+
+
+@pytest.mark.parametrize(("action", "observation", "error", "arguments"), _TOOL_CASES)
+def test_each_tool_behaves_as_recorded(action, observation, error, arguments):
+    t = make_task(0, 8)
+    env = ToolshopEnv(t)
+    r = env.step(encode([*action.split(), "EOA"]))
+    rec = r.record
+    assert " ".join(decode(r.observation)) == observation
+    assert (rec.error, rec.arguments, rec.ok) == (error, arguments, not error)
+    tool = TOOL_TABLE.get(action.split()[0]) if action else None
+    assert rec.name == (tool.name if tool else "<malformed>")
+    assert rec.is_write == (rec.ok and tool.is_write) and r.done == rec.is_write
+    assert verify(env.store, t)[0] == (rec.is_write and rec.arguments["variant"] == t.variant)
+    if not rec.is_write:
+        assert env.store == t.store  # reads and failures change nothing
+
+
+# run_scripted on 40 seeds x C = 2..8: successes per C, calls and successful calls per tool, and a
+# hash of every token, mask and turn record; recorded from the world before its tools were a table.
+_SCRIPTED = {
+    0.0: ({2: 40, 3: 40, 4: 40, 5: 40, 6: 40, 7: 40, 8: 40},
+          {"exchange": 280, "find_user": 120, "get_case": 40, "get_item": 240, "get_order": 200,
+           "get_product": 280, "get_ticket": 80, "get_user": 160},
+          {"exchange": 280, "find_user": 120, "get_case": 40, "get_item": 240, "get_order": 200,
+           "get_product": 280, "get_ticket": 80, "get_user": 160},
+          "9e789c2dc6cbdc2f"),
+    0.3: ({2: 30, 3: 32, 4: 19, 5: 8, 6: 15, 7: 10, 8: 7},
+          {"<malformed>": 24, "exchange": 298, "find_user": 123, "get_case": 56, "get_item": 244,
+           "get_order": 207, "get_product": 283, "get_ticket": 80, "get_user": 171},
+          {"<malformed>": 0, "exchange": 275, "find_user": 120, "get_case": 40, "get_item": 240,
+           "get_order": 200, "get_product": 279, "get_ticket": 80, "get_user": 160},
+          "100b86a2c9bde751"),
+}
+
+
+@pytest.mark.parametrize("noise", sorted(_SCRIPTED))
+def test_scripted_episodes_reach_every_tool_as_recorded(noise):
+    h = hashlib.sha256()
+    succ, calls, ok = Counter(), Counter(), Counter()
+    for C in range(2, 9):
+        for s in range(40):
+            ids, mask, env = run_scripted(make_task(s, C), seed=s, noise=noise)
+            succ[C] += env.result()[0]
+            h.update(repr((ids, mask)).encode())
+            for r in env.records:
+                calls[r.name] += 1
+                ok[r.name] += r.ok
+                h.update(repr((r.name, r.arguments, r.returned, r.is_write, r.ok, r.error, r.action,
+                               r.observation)).encode())
+    want_succ, want_calls, want_ok, want_hash = _SCRIPTED[noise]
+    assert (dict(succ), dict(calls), dict(ok)) == (want_succ, want_calls, want_ok)
+    assert set(TOOLS) <= {n for n, k in ok.items() if k}  # every tool of the table is reached and works
+    assert h.hexdigest()[:16] == want_hash

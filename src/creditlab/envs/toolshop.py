@@ -27,6 +27,11 @@ mismatch is an error, so an agent that names what it selected gets its slips cau
 is freshly generated from the task seed with random,
 globally distinct ids, so nothing can be memorised across tasks: the ids must be read and copied.
 
+Tools. Each tool is one :class:`Tool` record of :data:`TOOL_TABLE`: its argument names and kinds,
+its optional guard, whether it writes, what a read returns, and its behaviour (a function of the
+store and the parsed arguments). :data:`TOOLS` (and with it the vocabulary), the environment's
+parser and :class:`ScriptedAgent` all read that table, so adding a tool is adding one record.
+
 Tokens. The world speaks a small fixed vocabulary (:data:`VOCAB`). An episode is
 ``BOS TASK <instruction> SEP`` followed by turns; a turn is an *action* (the policy's tokens,
 ``tool arg ... EOA``) and the environment's *observation* ``OBS value ... EOO``. A malformed or
@@ -47,7 +52,7 @@ Each turn is kept as a :class:`TurnRecord` with ``name``, ``arguments``, ``retur
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from creditlab.errors import ConfigError, InputError
@@ -63,11 +68,14 @@ __all__ = [
     "READ_TOOLS",
     "STATUSES",
     "TOOLS",
+    "TOOL_TABLE",
     "TOK",
     "VOCAB",
     "WRITE_TOOLS",
     "Store",
     "Task",
+    "Tool",
+    "ToolError",
     "ToolshopEnv",
     "TurnRecord",
     "decode",
@@ -88,11 +96,134 @@ STATUSES = ("pending", "delivered")
 CATEGORIES = ("shirt", "lamp", "mug", "shoe", "desk", "bag")
 COLORS = ("red", "blue", "green", "black", "white", "gray")
 NAMES = ("ann", "bob", "cyd", "dan", "eve", "fay", "gus", "hal", "ida", "jon", "kim", "lee")
-# Chain order: each read's selected output is the next read's argument.
-TOOLS = ("get_case", "get_ticket", "find_user", "get_user", "get_order", "get_item", "get_product",
-         "exchange")
-READ_TOOLS = TOOLS[:-1]
-WRITE_TOOLS = ("exchange",)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tools: one record per tool (its signature, its optional guard, what it returns, what it does)
+# ----------------------------------------------------------------------------------------------
+
+
+class ToolError(Exception):
+    """Raised by a tool's behaviour when the call fails; the turn records the message as its error
+    and observes ``OBS ERR EOO`` (it never leaves :meth:`ToolshopEnv.step`)."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One tool of the world. Adding a tool is adding one record to :data:`TOOL_TABLE` (its name
+    becomes a token of :data:`VOCAB`, so ids after it shift).
+
+    A call is ``name arg ...``: one token per argument, an ``"id"`` (a number) or a ``"name"`` (one
+    of :data:`NAMES`), plus the optional guard, an attribute token at position ``guard_pos`` of the
+    arguments. ``call(store, arguments)`` is the behaviour: ``arguments`` maps ``arg_names`` (and
+    ``guard``, when given) to the parsed values, as the turn's :class:`TurnRecord` keeps them; it
+    returns the observed values (``[]`` for a write) or raises :class:`ToolError`.
+
+    ``returns`` and ``listed_by`` describe the dataflow of a correct episode: a read returns the id
+    of the entity ``returns`` (the argument of the next tool of :func:`tool_chain`); when it lists
+    ``attribute id`` alternatives, ``listed_by`` is the attribute (a :class:`Task` field and the
+    next tool's guard) that tells which id the task means. :class:`ScriptedAgent` plays from them.
+    """
+
+    name: str
+    arg_names: tuple[str, ...]
+    """Argument names, in call order (the keys of ``TurnRecord.arguments``)."""
+    arg_kinds: tuple[str, ...]
+    """``"id"`` or ``"name"`` for each argument."""
+    call: Callable[[Store, dict[str, object]], list[object]]
+    """The behaviour: ``call(store, arguments) -> returned values``; raises :class:`ToolError`."""
+    guard: str | None = None
+    """The attribute an optional guard names (``status``, ``category``, ``color``); a mismatch fails."""
+    guard_pos: int = 0
+    """Where the optional guard sits among the arguments."""
+    is_write: bool = False
+    """A write changes the store; a successful one ends the episode (observation ``OK``)."""
+    returns: str | None = None
+    """The entity whose id a read returns (``None`` for the write)."""
+    listed_by: str | None = None
+    """For reads returning ``attribute id`` pairs: the attribute that selects the id."""
+
+    @property
+    def arity(self) -> int:
+        """Number of arguments, without the optional guard."""
+        return len(self.arg_names)
+
+
+def _row(table: dict, key: object, what: str):
+    if key not in table:
+        raise ToolError(f"{what} {key} not found")
+    return table[key]
+
+
+def _get_case(st: Store, a: dict[str, object]) -> list[object]:
+    return [_row(st.cases, a["case"], "case")]
+
+
+def _get_ticket(st: Store, a: dict[str, object]) -> list[object]:
+    return [_row(st.tickets, a["ticket"], "ticket")]
+
+
+def _find_user(st: Store, a: dict[str, object]) -> list[object]:
+    u = st.user_by_name(str(a["name"]))
+    if u is None:
+        raise ToolError(f"name {a['name']} not found")
+    return [u]
+
+
+def _get_user(st: Store, a: dict[str, object]) -> list[object]:
+    user = _row(st.users, a["user"], "user")
+    return [v for o in user["orders"] for v in (st.orders[o]["status"], o)]
+
+
+def _get_order(st: Store, a: dict[str, object]) -> list[object]:
+    order = _row(st.orders, a["order"], "order")
+    if "status" in a and order["status"] != a["status"]:
+        raise ToolError(f"order {a['order']} is not {a['status']}")
+    return [v for i in order["items"] for v in (st.products[st.items[i]["product"]]["category"], i)]
+
+
+def _get_item(st: Store, a: dict[str, object]) -> list[object]:
+    item = _row(st.items, a["item"], "item")
+    if "category" in a and st.products[item["product"]]["category"] != a["category"]:
+        raise ToolError(f"item {a['item']} is not a {a['category']}")
+    return [item["product"]]
+
+
+def _get_product(st: Store, a: dict[str, object]) -> list[object]:
+    product = _row(st.products, a["product"], "product")
+    return [v for w in product["variants"] for v in (st.variants[w]["color"], w)]
+
+
+def _exchange(st: Store, a: dict[str, object]) -> list[object]:
+    o, i, v = a["order"], a["item"], a["variant"]
+    if "color" in a and v in st.variants and st.variants[v]["color"] != a["color"]:
+        raise ToolError(f"variant {v} is not {a['color']}")
+    if o not in st.orders or i not in st.orders[o]["items"]:
+        raise ToolError(f"item {i} is not in order {o}")
+    if v not in st.products[st.items[i]["product"]]["variants"]:
+        raise ToolError(f"variant {v} is not a variant of item {i}'s product")
+    if st.items[i]["status"] != "ordered":
+        raise ToolError(f"item {i} was already exchanged")
+    st.items[i]["variant"] = v
+    st.items[i]["status"] = "exchanged"
+    return []
+
+
+#: The tools, in chain order: each read's (selected) output is the next tool's argument.
+TOOL_TABLE: dict[str, Tool] = {t.name: t for t in (
+    Tool("get_case", ("case",), ("id",), _get_case, returns="ticket"),
+    Tool("get_ticket", ("ticket",), ("id",), _get_ticket, returns="name"),
+    Tool("find_user", ("name",), ("name",), _find_user, returns="user"),
+    Tool("get_user", ("user",), ("id",), _get_user, returns="order", listed_by="status"),
+    Tool("get_order", ("order",), ("id",), _get_order, guard="status", returns="item", listed_by="category"),
+    Tool("get_item", ("item",), ("id",), _get_item, guard="category", returns="product"),
+    Tool("get_product", ("product",), ("id",), _get_product, returns="variant", listed_by="color"),
+    Tool("exchange", ("order", "item", "variant"), ("id", "id", "id"), _exchange, guard="color", guard_pos=2,
+         is_write=True),
+)}
+TOOLS: tuple[str, ...] = tuple(TOOL_TABLE)
+READ_TOOLS = tuple(n for n, t in TOOL_TABLE.items() if not t.is_write)
+WRITE_TOOLS = tuple(n for n, t in TOOL_TABLE.items() if t.is_write)
 SPECIALS = ("<pad>", "<bos>", "TASK", "SEP", "EOA", "OBS", "EOO", "ERR", "OK")
 MARKERS = ("case", "ticket", "name", "user", "order", "item", "product")
 ATTRIBUTE_TOKENS = STATUSES + CATEGORIES + COLORS
@@ -101,19 +232,6 @@ VOCAB: tuple[str, ...] = (SPECIALS + TOOLS + MARKERS + ATTRIBUTE_TOKENS + NAMES
 TOK: dict[str, int] = {t: i for i, t in enumerate(VOCAB)}
 PAD, BOS, EOA, EOO = TOK["<pad>"], TOK["<bos>"], TOK["EOA"], TOK["EOO"]
 _ID0 = TOK["0"]
-# Number of arguments of each tool and the kind of each argument ("id" or "name").
-_ARITY: dict[str, tuple[str, ...]] = {t: ("id",) for t in READ_TOOLS}
-_ARITY["find_user"] = ("name",)
-_ARITY["exchange"] = ("id", "id", "id")
-# Tools that take an optional guard (the attribute the agent expects; a mismatch is an error):
-# ``get_order [status] O``, ``get_item [category] I``, ``exchange O I [colour] V``.
-_GUARDS = {"get_order": "status", "get_item": "category", "exchange": "color"}
-_ARG_NAMES: dict[str, tuple[str, ...]] = {
-    "get_case": ("case",), "get_ticket": ("ticket",), "find_user": ("name",), "get_user": ("user",),
-    "get_order": ("order",), "get_item": ("item",), "get_product": ("product",),
-    "exchange": ("order", "item", "variant"),
-}
-
 
 def encode(tokens: Sequence[str | int]) -> list[int]:
     """Token strings (ints are id numbers) to token ids; raises :class:`InputError` on unknowns."""
@@ -408,71 +526,34 @@ class ToolshopEnv:
         def fail(name: str, msg: str, arguments: dict | None = None) -> TurnRecord:
             return TurnRecord(name, arguments or {}, [], False, False, msg, tuple(action))
 
-        if not toks or toks[0] not in TOOLS:
+        tool = TOOL_TABLE.get(toks[0]) if toks else None
+        if tool is None:
             return fail("<malformed>", "action does not start with a tool name")
-        tool, args = toks[0], toks[1:]
+        args = toks[1:]
         # an optional guard: the attribute the agent expects the entity to have
-        guard, guard_kind = None, _GUARDS.get(tool)
-        if guard_kind is not None:
-            gpos = 2 if tool == "exchange" else 0
-            if len(args) == len(_ARITY[tool]) + 1 and args[gpos] in ATTRIBUTE_TOKENS:
-                guard = args[gpos]
-                args = args[:gpos] + args[gpos + 1:]
-        kinds = _ARITY[tool]
-        if len(args) != len(kinds):
-            return fail(tool, f"{tool} takes {len(kinds)} argument(s), got {len(args)}")
+        guard = None
+        if tool.guard is not None and len(args) == tool.arity + 1 and args[tool.guard_pos] in ATTRIBUTE_TOKENS:
+            guard = args.pop(tool.guard_pos)
+        if len(args) != tool.arity:
+            return fail(tool.name, f"{tool.name} takes {tool.arity} argument(s), got {len(args)}")
         values: list[object] = []
-        for a, kind in zip(args, kinds, strict=True):
+        for a, kind in zip(args, tool.arg_kinds, strict=True):
             if kind == "id":
                 if not a.isdigit():
-                    return fail(tool, f"argument {a!r} is not an id")
+                    return fail(tool.name, f"argument {a!r} is not an id")
                 values.append(int(a))
             else:
                 if a not in NAMES:
-                    return fail(tool, f"argument {a!r} is not a name")
+                    return fail(tool.name, f"argument {a!r} is not a name")
                 values.append(a)
-        arguments: dict[str, object] = dict(zip(_ARG_NAMES[tool], values, strict=True))
+        arguments: dict[str, object] = dict(zip(tool.arg_names, values, strict=True))
         if guard is not None:
-            arguments[guard_kind] = guard
-        st = self.store
-        x = values[0]
-        returned: list[object] | None = None
-        if tool == "get_case" and x in st.cases:
-            returned = [st.cases[x]]
-        elif tool == "get_ticket" and x in st.tickets:
-            returned = [st.tickets[x]]
-        elif tool == "find_user":
-            u = st.user_by_name(str(x))
-            returned = None if u is None else [u]
-        elif tool == "get_user" and x in st.users:
-            returned = [v for o in st.users[x]["orders"] for v in (st.orders[o]["status"], o)]
-        elif tool == "get_order" and x in st.orders:
-            if guard is not None and st.orders[x]["status"] != guard:
-                return fail(tool, f"order {x} is not {guard}", arguments)
-            returned = [v for i in st.orders[x]["items"]
-                        for v in (st.products[st.items[i]["product"]]["category"], i)]
-        elif tool == "get_item" and x in st.items:
-            if guard is not None and st.products[st.items[x]["product"]]["category"] != guard:
-                return fail(tool, f"item {x} is not a {guard}", arguments)
-            returned = [st.items[x]["product"]]
-        elif tool == "get_product" and x in st.products:
-            returned = [v for w in st.products[x]["variants"] for v in (st.variants[w]["color"], w)]
-        elif tool == "exchange":
-            o, i, v = values
-            if guard is not None and v in st.variants and st.variants[v]["color"] != guard:
-                return fail(tool, f"variant {v} is not {guard}", arguments)
-            if o not in st.orders or i not in st.orders[o]["items"]:
-                return fail(tool, f"item {i} is not in order {o}", arguments)
-            if v not in st.products[st.items[i]["product"]]["variants"]:
-                return fail(tool, f"variant {v} is not a variant of item {i}'s product", arguments)
-            if st.items[i]["status"] != "ordered":
-                return fail(tool, f"item {i} was already exchanged", arguments)
-            st.items[i]["variant"] = v
-            st.items[i]["status"] = "exchanged"
-            return TurnRecord(tool, arguments, [], True, True, "", tuple(action))
-        if returned is None:
-            return fail(tool, f"{_ARG_NAMES[tool][0]} {x} not found", arguments)
-        return TurnRecord(tool, arguments, returned, False, True, "", tuple(action))
+            arguments[tool.guard] = guard
+        try:
+            returned = tool.call(self.store, arguments)
+        except ToolError as e:
+            return fail(tool.name, str(e), arguments)
+        return TurnRecord(tool.name, arguments, returned, tool.is_write, True, "", tuple(action))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -506,43 +587,28 @@ class ScriptedAgent:
         self.stage = 0
         inst = dict(zip(task.instruction[::2], task.instruction[1::2], strict=False))
         self.known: dict[str, object] = {}
-        for key in ("case", "ticket", "name", "user", "order", "item", "product"):
+        for key in MARKERS:
             if key in inst:
                 self.known[key] = inst[key] if key == "name" else int(inst[key])
 
     def act(self, last: TurnRecord | None = None) -> list[str]:
         task, rng, noise, known = self.task, self.rng, self.noise, self.known
-        if last is not None and last.ok:
+        if last is not None and last.ok:  # a read went through: remember what it returned
             self.stage += 1
-            r = last
-            if r.name == "get_case":
-                known["ticket"] = r.returned[0]
-            elif r.name == "get_ticket":
-                known["name"] = r.returned[0]
-            elif r.name == "find_user":
-                known["user"] = r.returned[0]
-            elif r.name == "get_user":
-                known["order"], known["status"] = _select(r.returned, task.status, rng, noise)
-            elif r.name == "get_order":
-                known["item"], known["category"] = _select(r.returned, task.category, rng, noise)
-            elif r.name == "get_item":
-                known["product"] = r.returned[0]
-            elif r.name == "get_product":
-                known["variant"], known["color"] = _select(r.returned, task.color, rng, noise)
+            done = TOOL_TABLE[last.name]
+            if done.listed_by is not None:
+                known[done.returns], known[done.listed_by] = _select(
+                    last.returned, getattr(task, done.listed_by), rng, noise)
+            elif done.returns is not None:
+                known[done.returns] = last.returned[0]
         if rng.random() < noise / 4:
-            junk = rng.choice([["exchange", str(task.order)], [rng.choice(READ_TOOLS)], ["EOO"]])
+            junk = rng.choice([[WRITE_TOOLS[0], str(task.order)], [rng.choice(READ_TOOLS)], ["EOO"]])
             return [*junk, "EOA"]
-        tool = self.chain[min(self.stage, len(self.chain) - 1)]
-        # guards: the attribute the id was selected by (only when it was selected from a list)
-        if tool == "exchange":
-            args = [known.get("order"), known.get("item"), known.get("color"), known.get("variant")]
-        elif tool == "get_order":
-            args = [known.get("status"), known.get("order")]
-        elif tool == "get_item":
-            args = [known.get("category"), known.get("item")]
-        else:
-            args = [known.get(_ARG_NAMES[tool][0])]
-        return [tool, *(str(a) for a in args if a is not None), "EOA"]
+        tool = TOOL_TABLE[self.chain[min(self.stage, len(self.chain) - 1)]]
+        args = [known.get(n) for n in tool.arg_names]
+        if tool.guard is not None:  # the attribute the id was selected by (only when selected from a list)
+            args.insert(tool.guard_pos, known.get(tool.guard))
+        return [tool.name, *(str(a) for a in args if a is not None), "EOA"]
 
 
 def run_scripted(task: Task, seed: int, noise: float = 0.0, max_turns: int | None = None
