@@ -44,6 +44,18 @@ def _common_parameters(lab) -> list[inspect.Parameter]:
     return [P(name, P.KEYWORD_ONLY, default=default, annotation=types[name]) for name, default in opts.items()]
 
 
+def _flagged(err: ConfigError, cfg_type: type, names: list[str]) -> ConfigError:
+    """``err`` renamed to the CLI flag when it names the field behind one of the options ``names``."""
+    param = getattr(err, "parameter", "")
+    message = str(err)[len(param) + 2:] if str(err).startswith(f"{param}: ") else str(err)
+    for name in names:
+        path = cfg_type.OPTIONS.get(name, name)
+        if param in (name, path, path.rsplit(".", 1)[-1]):
+            flag = "--experiment" if name == "experiments" else "--" + name.replace("_", "-")
+            return ConfigError(flag, message)
+    return err
+
+
 def lab_command(lab, *, doc: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``creditlab lab <lab.name>``; the decorated ``apply(config, **options)`` applies the
     lab-specific options (its keyword parameters, declared with ``typer.Option``) to the config."""
@@ -70,8 +82,11 @@ def lab_command(lab, *, doc: str | None = None) -> Callable[[Callable[..., Any]]
                 cfg = cfg.with_options(experiments=tuple(experiments))
             cfg = cfg.with_options(seeds=kw.pop("seeds"), updates=kw.pop("updates"))
             out, workers, executor, fresh = kw.pop("out"), kw.pop("workers"), kw.pop("executor"), kw.pop("fresh")
-            cfg = apply(cfg, **kw)
-            cfg.validate()
+            try:
+                cfg = apply(cfg, **kw)
+                cfg.validate()
+            except ConfigError as err:
+                raise _flagged(err, cfg_type, [*kw, "seeds", "updates", "experiments"]) from None
             ex = make_executor(workers, executor)
             console = Console()
             t0 = time.perf_counter()

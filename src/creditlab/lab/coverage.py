@@ -37,6 +37,7 @@ from creditlab.lab.runner import Cell
 __all__ = ["EXPERIMENTS", "LAB", "CoverageConfig", "CoverageLab", "run_cell"]
 
 EXPERIMENTS = ("c_sweep", "vd_sweep", "shuffle", "dose")
+UNIT, DIFF = (0.0, 1.0), (-1.0, 1.0)  # range of a score and of a difference of two scores (interval clipping)
 
 
 @dataclass(frozen=True)
@@ -175,32 +176,32 @@ class CoverageLab:
             tabs[f"{name}_runs"] = Table(rows[name], f"{name}: every run", report=False)
         if "c_sweep" in rows:
             df = rows["c_sweep"]
-            s = summarize(df, ["C", "arm"], "final_score")
+            s = summarize(df, ["C", "arm"], "final_score", UNIT)
             s["P_cover"] = [float(p_cover(T, C, cfg.k)) for C in s["C"]]
             tabs["c_sweep"] = Table(s, f"C sweep (k={cfg.k}): uniform vs concentrated on the first k causal steps")
-            tabs["c_sweep_diff"] = Table(paired_diff(df, "uniform", "concentrated", ["C"], "final_score"),
+            tabs["c_sweep_diff"] = Table(paired_diff(df, "uniform", "concentrated", ["C"], "final_score", bounds=DIFF),
                                          "C sweep: paired difference uniform - concentrated", console=True)
         if "vd_sweep" in rows:
             df = rows["vd_sweep"]
-            s = summarize(df, ["exposure", "vd", "arm"], "final_score")
+            s = summarize(df, ["exposure", "vd", "arm"], "final_score", UNIT)
             s["open_fraction"] = [float(expected_open_fraction(v, cfg.vd_C)) if e == "independent" else
                                   round(v * cfg.vd_C) / cfg.vd_C
                                   for e, v in zip(s["exposure"], s["vd"], strict=True)]
             tabs["vd_sweep"] = Table(s, f"Verifier-density sweep (C={cfg.vd_C}): uniform vs targeted")
-            tabs["vd_sweep_diff"] = Table(paired_diff(df, "targeted", "uniform", ["exposure", "vd"], "final_score"),
-                                          "V_d sweep: paired difference targeted - uniform", console=True)
+            d = paired_diff(df, "targeted", "uniform", ["exposure", "vd"], "final_score", bounds=DIFF)
+            tabs["vd_sweep_diff"] = Table(d, "V_d sweep: paired difference targeted - uniform", console=True)
         if "shuffle" in rows:
             df = rows["shuffle"]
-            tabs["shuffle"] = Table(summarize(df, ["C", "vd", "arm"], "final_score"),
+            tabs["shuffle"] = Table(summarize(df, ["C", "vd", "arm"], "final_score", UNIT),
                                     "Shuffled control: uniform, per_turn, shuffled")
             tabs["shuffle_diff"] = Table(pd.concat([
-                paired_diff(df, "per_turn", "shuffled", ["C", "vd"], "final_score"),
-                paired_diff(df, "per_turn", "uniform", ["C", "vd"], "final_score"),
-                paired_diff(df, "shuffled", "uniform", ["C", "vd"], "final_score"),
+                paired_diff(df, "per_turn", "shuffled", ["C", "vd"], "final_score", bounds=DIFF),
+                paired_diff(df, "per_turn", "uniform", ["C", "vd"], "final_score", bounds=DIFF),
+                paired_diff(df, "shuffled", "uniform", ["C", "vd"], "final_score", bounds=DIFF),
             ], ignore_index=True), "Shuffled control: paired differences", console=True)
         if "dose" in rows:
             df = rows["dose"]
-            s = summarize(df, ["arm", "k"], "final_score")
+            s = summarize(df, ["arm", "k"], "final_score", UNIT)
             s["aulc"] = summarize(df, ["arm", "k"], "aulc")["mean"]
             s["P_cover"] = [float(p_cover(T, cfg.dose_C, k)) for k in s["k"]]
             tabs["dose"] = Table(s, f"Dose-response of coverage (C={cfg.dose_C})")
@@ -277,7 +278,7 @@ def _band(ax, s: pd.DataFrame, x: str, arm: str, label: str | None = None) -> No
 
 def plot_c_sweep(df: pd.DataFrame, cfg, out: Path) -> Path:
     T, K, k = cfg.train.T, cfg.train.K, cfg.k
-    s = summarize(df, ["C", "arm"], "final_score")
+    s = summarize(df, ["C", "arm"], "final_score", UNIT)
     fig, (a1, a2) = new_figure(1, 2, figsize=(11, 4.2))
     for arm in ("uniform", "concentrated"):
         _band(a1, s[s["arm"] == arm], "C", arm)
@@ -309,7 +310,7 @@ def plot_vd_sweep(df: pd.DataFrame, cfg, out: Path) -> Path:
         sub = df[df["exposure"] == ex]
         if sub.empty:
             continue
-        s = summarize(sub, ["vd", "arm"], "final_score")
+        s = summarize(sub, ["vd", "arm"], "final_score", UNIT)
         for arm in ("uniform", "targeted"):
             _band(ax, s[s["arm"] == arm], "vd", arm)
         analytic = expected_open_fraction(grid, C).numpy() if ex == "independent" else np.round(grid * C) / C
@@ -322,7 +323,7 @@ def plot_vd_sweep(df: pd.DataFrame, cfg, out: Path) -> Path:
 
 
 def plot_shuffle(df: pd.DataFrame, cfg, out: Path) -> Path:
-    s = summarize(df, ["C", "vd", "arm"], "final_score")
+    s = summarize(df, ["C", "vd", "arm"], "final_score", UNIT)
     confs = s[["C", "vd"]].drop_duplicates().sort_values(["C", "vd"], ascending=[True, False]).values.tolist()
     arms = ["uniform", "per_turn", "shuffled"]
     fig, ax = new_figure(figsize=(8, 4.2))
@@ -346,7 +347,7 @@ def plot_dose(df: pd.DataFrame, cfg, out: Path) -> Path:
     sub = df[df["arm"] == "random_k"]
     fig, ax = new_figure(figsize=(7, 4.2))
     for value, style in (("final_score", "o-"), ("aulc", "s--")):
-        s = summarize(sub, ["k"], value).sort_values("k")
+        s = summarize(sub, ["k"], value, UNIT).sort_values("k")
         ax.plot(s["k"], s["mean"], style, color="tab:brown", label=f"random k steps: {value}")
         ax.fill_between(s["k"], s["lo"], s["hi"], color="tab:brown", alpha=0.15)
     u = df[df["arm"] == "uniform"]

@@ -44,6 +44,7 @@ __all__ = ["LAB", "REWARD_ARMS", "FactPolicy", "ForkLab", "ForkLabConfig", "orac
 REWARD_ARMS = ("recall", "mean", "fork", "f2")
 EXPERIMENTS = ("train", "oracle")
 METRICS = ("length", "recall", "precision", "f1", "necessary", "redundant", "wrong", "filler")
+UNIT_METRICS = ("recall", "precision", "f1")  # in [0, 1]: their intervals are clipped to it
 
 
 @dataclass(frozen=True)
@@ -348,7 +349,7 @@ def summary_tables(df: pd.DataFrame, cfg: ForkLabConfig) -> dict[str, pd.DataFra
     for arm in cfg.arms:
         row: dict[str, object] = {"arm": arm}
         for m in METRICS:
-            s = summarize(final[final["arm"] == arm], ["arm"], m).iloc[0]
+            s = summarize(final[final["arm"] == arm], ["arm"], m, (0.0, 1.0) if m in UNIT_METRICS else None).iloc[0]
             row[m] = f"{s['mean']:.3f} [{s['lo']:.3f}, {s['hi']:.3f}]"
         rows.append(row)
     init: dict[str, object] = {"arm": "initial policy"}

@@ -10,7 +10,9 @@ A lab is one module with one object implementing :class:`Lab`:
   to the concatenated rows of its cells);
 * ``plots(tables, config, out)``: PNG files;
 * ``interpret(tables, config)``: a few sentences per report table: what it shows, and whether the
-  run is too small to tell.
+  run is too small to tell;
+* optionally ``prepare(config, progress)``: one-off work in the driver before the cells run (e.g.
+  building a cached base policy that every cell loads), with its own progress display.
 
 :func:`run_lab` owns everything else: the output directory and its manifest (a rerun into an
 ``--out`` made with another configuration refuses, or starts clean with ``fresh=True``), the
@@ -59,9 +61,10 @@ class LabConfig:
       (``seeds``, ``updates``) when the field is nested (e.g. ``{"updates": "train.updates"}``);
       a missing entry means a top-level field of that name.
     * ``EXPERIMENTS``: the experiments ``-e`` can select (empty: the lab has one experiment).
-    * ``SELECTION``: fields that only select which part of the lab runs (``experiments``). They
-      are not part of the run's identity: rerunning another selection into the same ``--out``
-      reuses the finished cells and rewrites the tables, plots and report for the new selection.
+    * ``SELECTION``: fields that select which part of the lab runs (``experiments``) or where
+      things live (a cache directory), and never change a stored number. They are not part of the
+      run's identity: rerunning another selection into the same ``--out`` reuses the finished
+      cells and rewrites the tables, plots and report for the new selection.
     * ``FLAGS``: field path -> CLI flag for errors raised by ``validate`` (``ConfigError`` names
       the flag a user typed, not the internal field).
     """
@@ -314,6 +317,9 @@ def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | N
     old = _check_out(out, lab, config, fresh)
     cells = lab.cells(config)
     _clean(out, old, everything=fresh)
+    prepare = getattr(lab, "prepare", None)
+    if prepare is not None:
+        prepare(config, progress)
     out.mkdir(parents=True, exist_ok=True)
     store = ResultStore(out / "store")
     _write_manifest(out, lab, config, [])  # an interrupted run is resumable from here on

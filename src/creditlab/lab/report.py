@@ -25,57 +25,85 @@ def _t975(df: int) -> float:
         return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
-def mean_ci(values) -> tuple[float, float, float]:
-    """Mean and 95% Student-t interval ``(mean, lo, hi)``; a single value gives a zero-width
-    interval, an empty input gives NaNs."""
+def mean_ci(values, bounds: tuple[float, float] | None = None) -> tuple[float, float, float]:
+    """Mean and 95% Student-t interval ``(mean, lo, hi)``.
+
+    A single value has no interval (``lo = hi = NaN``; tables print "-" and the written
+    interpretation says "one seed: no interval"); an empty input gives NaNs. ``bounds``: the range
+    the quantity lives in (e.g. ``(0, 1)`` for a success rate): the interval is clipped to it, so
+    a score's interval never reaches past a perfect score.
+    """
     v = np.asarray(values, dtype=float)
     v = v[~np.isnan(v)]
     if v.size == 0:
         return (math.nan, math.nan, math.nan)
     m = float(v.mean())
     if v.size == 1:
-        return (m, m, m)
+        return (m, math.nan, math.nan)
     half = _t975(v.size - 1) * float(v.std(ddof=1)) / math.sqrt(v.size)
-    return (m, m - half, m + half)
+    lo, hi = m - half, m + half
+    if bounds is not None:
+        lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
+    return (m, lo, hi)
 
 
-def summarize(df: pd.DataFrame, by: list[str], value: str) -> pd.DataFrame:
-    """Mean, 95% interval and count of ``value`` per group of ``by``."""
+def summarize(df: pd.DataFrame, by: list[str], value: str, bounds: tuple[float, float] | None = None
+              ) -> pd.DataFrame:
+    """Mean, 95% interval (clipped to ``bounds``, see :func:`mean_ci`) and count of ``value`` per
+    group of ``by``."""
     rows = []
     for key, g in df.groupby(by, sort=True, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
-        m, lo, hi = mean_ci(g[value])
+        m, lo, hi = mean_ci(g[value], bounds)
         rows.append({**dict(zip(by, key, strict=True)), "mean": m, "lo": lo, "hi": hi, "n": len(g)})
     return pd.DataFrame(rows)
 
 
 def paired_diff(df: pd.DataFrame, arm_a: str, arm_b: str, by: list[str], value: str,
-                arm_col: str = "arm", pair_col: str = "seed") -> pd.DataFrame:
+                arm_col: str = "arm", pair_col: str = "seed", bounds: tuple[float, float] | None = None
+                ) -> pd.DataFrame:
     """Paired difference ``arm_a - arm_b`` of ``value`` per group of ``by``, pairing rows on
     ``pair_col`` (same seed = same environment draws and evaluation batch). Returns mean
-    difference, 95% interval and the number of pairs."""
+    difference, 95% interval (clipped to ``bounds``, e.g. ``(-1, 1)`` for a difference of two
+    scores in ``[0, 1]``) and the number of pairs."""
     for col in [*by, arm_col, pair_col, value]:
         if col not in df.columns:
             raise InputError(f"paired_diff: column {col!r} not in the table")
     a = df[df[arm_col] == arm_a].set_index([*by, pair_col])[value]
     b = df[df[arm_col] == arm_b].set_index([*by, pair_col])[value]
     d = (a - b).dropna().reset_index()
-    out = summarize(d, by, value) if by else pd.DataFrame([dict(zip(("mean", "lo", "hi"), mean_ci(d[value]),
-                                                                      strict=True)) | {"n": len(d)}])
+    out = summarize(d, by, value, bounds) if by else pd.DataFrame(
+        [dict(zip(("mean", "lo", "hi"), mean_ci(d[value], bounds), strict=True)) | {"n": len(d)}])
     out.insert(0, "diff", f"{arm_a} - {arm_b}")
     return out
 
 
+def _cell(text: str) -> str:
+    """A markdown table cell: ``|`` escaped, newlines folded."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
 def to_markdown(df: pd.DataFrame, floatfmt: str = ".3f") -> str:
-    """Markdown table without the optional ``tabulate`` dependency."""
+    """Markdown table without the optional ``tabulate`` dependency.
+
+    Missing values print as ``-`` (e.g. the interval of a single seed), a value that rounds to
+    zero prints without a sign (no ``-0.000``), and ``|`` in labels is escaped so the table renders.
+    """
     cols = list(df.columns)
 
     def fmt(x) -> str:
         if isinstance(x, float | np.floating):
-            return "nan" if math.isnan(x) else format(float(x), floatfmt)
-        return str(x)
+            if math.isnan(x):
+                return "-"
+            text = format(float(x), floatfmt)
+            if text.startswith("-") and float(text) == 0.0:
+                text = text[1:]
+            return text
+        if x is None:
+            return "-"
+        return _cell(x)
 
-    lines = ["| " + " | ".join(map(str, cols)) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines = ["| " + " | ".join(_cell(c) for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines) + "\n"
 
@@ -112,8 +140,8 @@ def read_diff(diff: pd.DataFrame, by: list[str], what: str) -> str:
         return f"No pairs for {what}."
     n = int(diff["n"].min())
     if n < 2:
-        return (f"{what}: one pair per configuration, so no interval; this run cannot tell a difference "
-                "from noise (use more --seeds).")
+        return (f"{what}: one seed, so no interval; this run cannot tell a difference from noise "
+                "(use more --seeds).")
     pos = [_label(r, by) for _, r in diff.iterrows() if r["lo"] > 0]
     neg = [_label(r, by) for _, r in diff.iterrows() if r["hi"] < 0]
     flat = [_label(r, by) for _, r in diff.iterrows() if not (r["lo"] > 0 or r["hi"] < 0)]

@@ -48,19 +48,25 @@ class Cell:
     does, and a store never hands back rows computed with other arguments. ``fn`` must be a
     module-level function (picklable for process-pool execution). ``group`` names the table
     family the rows belong to (e.g. an experiment); ``name`` is for people (``"C=4"``).
+    ``context`` holds arguments that cannot change the rows (e.g. where a cached model lives):
+    passed to ``fn`` too, but not part of the key.
     """
 
     group: str
     name: str
     fn: Callable[..., list[dict]]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    context: dict[str, Any] = field(default_factory=dict)
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
+        clash = set(self.kwargs) & set(self.context)
+        if clash:
+            raise InputError(f"cell {self.name!r}: {sorted(clash)} given both as kwargs and as context")
         object.__setattr__(self, "key", f"{self.group}/{self.name}/{digest(self.kwargs)}")
 
     def run(self) -> list[dict]:
-        return self.fn(**self.kwargs)
+        return self.fn(**self.kwargs, **self.context)
 
 
 class Executor(Protocol):
