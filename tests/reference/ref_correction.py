@@ -47,7 +47,7 @@ def ref_seg_ids(policy):
 
 
 def ref_allocate_budget(C, rho, alpha_g, iters=200):
-    """alpha_s = min(c rho_s, 1) with c by plain bisection on the budget (see DESIGN.md 3.5)."""
+    """alpha_s = min(c rho_s, 1) with c by plain bisection on the budget (see docs/design.md 3.5)."""
     target = alpha_g**2 * sum(C)
     pos = [c > 0 and r > 0 for c, r in zip(C, rho, strict=True)]
     if not any(pos):
@@ -73,7 +73,7 @@ def ref_allocate_budget(C, rho, alpha_g, iters=200):
 
 def ref_interq(old, rollout, policy, *, eps_low=0.025, eps_high=0.05, alpha_g=0.5, rho_eps=1e-8,
                mode="interq"):
-    """Return ``(weights, C, rho, alpha, clipped)`` following DESIGN.md section 3 step by step."""
+    """Return ``(weights, C, rho, alpha, clipped)`` following docs/design.md section 3 step by step."""
     B = len(policy)
     prefix_w = [[1.0] * len(r) for r in policy]
     clipped = [[False] * len(r) for r in policy]

@@ -80,3 +80,39 @@ def p_cover_enum(T, C, k):
 
 def open_fraction_sum(q, C):
     return sum(q**j for j in range(1, C + 1)) / C
+
+
+def random_k(adv, keys, k, mask):
+    """Credit A_i / k on the k real steps of each row with the smallest keys (all of them if fewer)."""
+    B, T = mask.shape
+    sel = torch.zeros(B, T, dtype=torch.bool)
+    for i in range(B):
+        real = sorted((t for t in range(T) if mask[i, t]), key=lambda t: float(keys[i, t]))
+        k_i = int(k[i]) if isinstance(k, torch.Tensor) else int(k)
+        for t in real[:k_i]:
+            sel[i, t] = True
+    return concentrated(adv, sel, mask)
+
+
+def targeted(adv, local, exposed, group_ids, mask, eps=1e-6, conserve=True):
+    """Per step t, the local signal normalised over the rollouts of the group that have step t; kept on
+    exposed steps; each row rescaled to total |A_i| (0 when nothing is left)."""
+    B, T = mask.shape
+    loc = [[0.0] * T for _ in range(B)]
+    for i in range(B):
+        for t in range(T):
+            if not (mask[i, t] and exposed[i, t]):
+                continue
+            vals = [float(local[j, t]) for j in range(B) if int(group_ids[j]) == int(group_ids[i]) and mask[j, t]]
+            mean = sum(vals) / len(vals)
+            std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+            loc[i][t] = (float(local[i, t]) - mean) / (std + eps)
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for i in range(B):
+        mass = sum(abs(x) for x in loc[i])
+        for t in range(T):
+            if not conserve:
+                out[i, t] = loc[i][t] * abs(float(adv[i]))
+            elif mass > 0:
+                out[i, t] = loc[i][t] * abs(float(adv[i])) / mass
+    return out

@@ -1,7 +1,11 @@
 """The one small helper every public ``core`` function calls first.
 
-A wrong shape, dtype, NaN/inf or a non-boolean mask raises :class:`creditlab.errors.InputError`
-(a ``ValueError``) naming the argument.
+A wrong shape, dtype, device, NaN/inf or a non-boolean mask raises
+:class:`creditlab.errors.InputError` (a ``ValueError``) naming the argument.
+
+Shape, dtype and device checks read no tensor value. Value checks (NaN/inf, signs, ranges) read one
+boolean on the host; on ``meta`` tensors, which have no values, they are skipped (:func:`any_true`
+is False there), so shape-only runs on ``meta`` exercise every other line of a function.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ def check_tensor(
     finite: bool = False,
     finite_where: torch.Tensor | None = None,
     dims: dict[str, int] | None = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Validate ``x`` and return it.
 
@@ -34,7 +39,8 @@ def check_tensor(
     symbolic name is bound in ``dims`` on first sight and must match afterwards, so one ``dims``
     dict shared across the checks of a function enforces consistent shapes between arguments.
     ``finite_where`` restricts the finiteness check to positions where the mask is True (masked
-    positions may hold junk).
+    positions may hold junk). ``device``: the device ``x`` must be on (e.g. the first argument's).
+    ``finite=True`` reads one boolean on the host (none on ``meta`` tensors).
     """
     if not isinstance(x, torch.Tensor):
         raise InputError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -65,14 +71,21 @@ def check_tensor(
         raise InputError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
     if integer and (x.is_floating_point() or x.dtype == torch.bool or x.is_complex()):
         raise InputError(f"{name}: expected an integer tensor, got dtype {x.dtype}")
+    if device is not None and x.device != device:
+        raise InputError(f"{name}: is on device {x.device} but the other inputs are on {device}")
     if finite and x.is_floating_point():
         bad = ~torch.isfinite(x)
         if finite_where is not None:
             bad = bad & finite_where
-        if bool(bad.any()):
+        if any_true(bad):
             idx = tuple(int(i) for i in bad.nonzero()[0].tolist())
             raise InputError(f"{name}: contains NaN or inf (first at index {idx})")
     return x
+
+
+def any_true(x: torch.Tensor) -> bool:
+    """``bool(x.any())``: one host read; False on ``meta`` tensors (no values to check)."""
+    return x.device.type != "meta" and bool(x.any())
 
 
 def check_scalar(name: str, value: float, *, low: float | None = None, high: float | None = None,

@@ -26,12 +26,18 @@ Per batch (``B`` trajectories x ``L`` tokens, ``S`` segments):
 The idea of bounding a cumulative importance ratio by an envelope that grows like a random walk
 and shrinking it per action follows the truncated/per-decision importance sampling literature
 (Precup et al., 2000; Ionides, 2008); the application to quantized multi-turn rollouts is the
-InterQ-RL design of this library (DESIGN.md section 3).
+InterQ-RL design of this library (docs/design.md section 3).
 
 Baselines under the same signature ``fn(old_logprobs, rollout_logprobs, policy_mask,
 valid_mask=None, **params) -> (weights, metrics)``: :func:`tis_weights` (truncated token IS),
 :func:`mis_weights` (masked token IS), :func:`seq_is_weights` (truncated sequence IS),
 :func:`geo_weights` (geometric mean of the sequence ratio), :func:`none_weights`.
+
+Every arm is registered by name in :data:`CORRECTIONS` (``interq``, ``prefix``, ``global``, ``tis``,
+``mis``, ``seq_is``, ``geo``, ``none``); the trainer integrations and the labs look arms up there at
+call time (:func:`get_correction`, :func:`correction_params`), so an arm added with
+:func:`register_correction` works everywhere without touching them. :func:`correction_weights`
+computes an arm's weights together with :func:`mismatch_metrics`, with one InterQ pass per batch.
 
 Everything runs on the device of the inputs, with no Python loop over tokens or segments, using
 only dense passes over ``(B, L)`` (arithmetic with the mask as 0/1 numbers, row-wise cumulative
@@ -42,35 +48,155 @@ for float64 inputs; the returned weights are float32 (float64 for float64 inputs
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
-from typing import NamedTuple
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from creditlab.core._checks import check_scalar, check_tensor
-from creditlab.core.masks import SegmentBounds, Segments, effective_policy_mask, segment_bounds, segments
+from creditlab.core._checks import any_true, check_scalar, check_tensor
+from creditlab.core.masks import (
+    SegmentBounds,
+    Segments,
+    effective_policy_mask,
+    segment_bounds,
+    segments_from_bounds,
+)
 from creditlab.errors import ConfigError, InputError
 
 __all__ = [
-    "ARMS",
+    "CORRECTIONS",
+    "INTERQ_MODES",
+    "CorrectionFn",
     "InterQTerms",
     "allocate_budget",
+    "correction_params",
+    "correction_weights",
     "geo_weights",
+    "get_correction",
     "interq_terms",
     "interq_weights",
     "mis_weights",
     "mismatch_metrics",
     "none_weights",
+    "register_correction",
+    "registered_correction",
     "seq_is_weights",
     "tis_weights",
+    "unregister_correction",
 ]
 
-#: Names of every correction arm (``interq``/``prefix``/``global`` are modes of
-#: :func:`interq_weights`; the others are functions ``<name>_weights``).
-ARMS = ("interq", "prefix", "global", "tis", "mis", "seq_is", "geo", "none")
+#: Modes of :func:`interq_weights` (each is also a registered arm of the same name).
 INTERQ_MODES = ("interq", "prefix", "global")
 
 _F64 = torch.float64
+
+
+# --------------------------------------------------------------------------------------------
+# the registry of correction arms
+
+#: A correction arm: ``fn(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, **params)
+#: -> (weights, metrics)`` with ``weights`` ``(B, L)`` detached and ``metrics`` a dict of floats.
+CorrectionFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+#: Every registered arm by name (read it, register with :func:`register_correction`).
+CORRECTIONS: dict[str, CorrectionFn] = {}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_NAME = re.compile(r"^[A-Za-z0-9_]+$")
+_POSITIONAL = 4  # old_logprobs, rollout_logprobs, policy_mask, valid_mask
+
+
+def _arm_parameters(fn: Callable[..., Any], where: str) -> tuple[str, ...]:
+    """Names of the keyword parameters of an arm; :class:`ConfigError` if its signature is not an arm's."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise ConfigError(where, f"{fn!r} has no inspectable signature") from None
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < _POSITIONAL or any(p.default is p.empty for p in positional[3:_POSITIONAL]):
+        raise ConfigError(where, "an arm takes (old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, "
+                                 f"*, params...), got {fn.__name__}{sig}")
+    rest = positional[_POSITIONAL:] + [p for p in params if p.kind is p.KEYWORD_ONLY]
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        raise ConfigError(where, f"{fn.__name__}{sig}: declare the arm's parameters by name (no *args / **kwargs): "
+                                 "trainer configs are validated against them")
+    missing = [p.name for p in rest if p.default is p.empty]
+    if missing:
+        raise ConfigError(where, f"{fn.__name__}: parameter(s) {missing} need a default")
+    return tuple(p.name for p in rest)
+
+
+def register_correction(name: str) -> Callable[[_F], _F]:
+    """Decorator registering an arm under ``name`` in :data:`CORRECTIONS`.
+
+    The arm has the common signature ``fn(old_logprobs, rollout_logprobs, policy_mask,
+    valid_mask=None, *, param=default, ...) -> (weights (B, L) detached, metrics dict)``; its
+    parameters must be named, with defaults (they are what trainer configs may set). ``name`` is
+    letters, digits and ``_`` (it becomes verl's ``creditlab_<name>``). Registering the same function
+    again is a no-op; another function under a taken name raises :class:`ConfigError`. Use a
+    module-level function (not a lambda) so that the arm pickles.
+    """
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ConfigError("correction", f"arm names are letters, digits and '_', got {name!r}")
+
+    def register(fn: _F) -> _F:
+        taken = CORRECTIONS.get(name)
+        if taken is fn:
+            return fn
+        if taken is not None:
+            raise ConfigError("correction", f"{name!r} is already registered to "
+                                            f"{taken.__module__}.{taken.__qualname__}")
+        _arm_parameters(fn, "correction")
+        CORRECTIONS[name] = fn
+        return fn
+
+    return register
+
+
+def unregister_correction(name: str) -> CorrectionFn:
+    """Remove the arm ``name`` from :data:`CORRECTIONS` and return it (tests, notebooks)."""
+    fn = get_correction(name)
+    del CORRECTIONS[name]
+    return fn
+
+
+@contextlib.contextmanager
+def registered_correction(name: str, fn: CorrectionFn) -> Iterator[CorrectionFn]:
+    """``with registered_correction("half_tis", fn):`` registers ``fn`` for the block, then removes it."""
+    register_correction(name)(fn)
+    try:
+        yield fn
+    finally:
+        if CORRECTIONS.get(name) is fn:
+            del CORRECTIONS[name]
+
+
+def get_correction(name: str) -> CorrectionFn:
+    """The arm registered as ``name``; :class:`ConfigError` listing every registered name otherwise.
+
+    >>> get_correction("tis") is tis_weights
+    True
+    """
+    fn = CORRECTIONS.get(name) if isinstance(name, str) else None
+    if fn is None:
+        raise ConfigError("correction", f"unknown {name!r}; valid: {', '.join(CORRECTIONS)}")
+    return fn
+
+
+def correction_params(name: str) -> tuple[str, ...]:
+    """The keyword parameters the arm ``name`` accepts, from its signature.
+
+    >>> correction_params("interq")
+    ('eps_low', 'eps_high', 'alpha_g', 'rho_eps', 'iters')
+    >>> correction_params("tis"), correction_params("geo")
+    (('cap',), ())
+    """
+    return _arm_parameters(get_correction(name), "correction")
 
 
 class InterQTerms(NamedTuple):
@@ -84,6 +210,8 @@ class InterQTerms(NamedTuple):
             envelope above / below.
         C, rho, alpha: ``(S,)`` float64 per-segment correction magnitude, support and alpha.
         segments: the :class:`~creditlab.core.masks.Segments` of the batch.
+        bounds: the :class:`~creditlab.core.masks.SegmentBounds` of the batch (what
+            :func:`mismatch_metrics` reuses when given these terms).
     """
 
     weights: torch.Tensor
@@ -94,6 +222,7 @@ class InterQTerms(NamedTuple):
     rho: torch.Tensor
     alpha: torch.Tensor
     segments: Segments
+    bounds: SegmentBounds
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,7 +235,7 @@ def _check_finite(name: str, x: torch.Tensor, pm: torch.Tensor) -> None:
     Fast path: the sum of a tensor with no NaN/inf at all is finite (one reduction); only when
     it is not are the positions inspected against the mask.
     """
-    if not bool(torch.isfinite(x.sum())):
+    if x.device.type != "meta" and not bool(torch.isfinite(x.sum())):
         check_tensor(name, x, finite=True, finite_where=pm)
 
 
@@ -211,7 +340,7 @@ def _budget_log_scale_exact(C: torch.Tensor, rho: torch.Tensor, target: torch.Te
 
 
 def _budget_log_scale_bisection(C, rho, target, pos, iters: int) -> torch.Tensor:
-    """The same ``log c`` by ``iters`` steps of bisection on ``log c`` (the method of DESIGN.md).
+    """The same ``log c`` by ``iters`` steps of bisection on ``log c`` (the method of docs/design.md).
 
     Bracket: ``c0 = sqrt(target / sum C rho^2)`` (no segment capped; ``f(c0) <= target``) and
     ``1 / min rho`` (every positive-support segment capped). Working on ``log c`` keeps the
@@ -272,8 +401,8 @@ def allocate_budget(
     check_tensor("rho_s", rho_s, shape=("S",), floating=True, finite=True, dims=dims)
     check_scalar("alpha_g", alpha_g, low=0.0, high=1.0)
     _check_iters(iters)
-    if bool((C_s < 0).any()):
-        raise ConfigError("C_s", "must be non-negative")
+    if any_true(C_s < 0):
+        raise InputError("C_s: must be non-negative")
     return _allocate(C_s.to(_F64), rho_s.to(_F64).clamp(0.0, 1.0), alpha_g, iters)
 
 
@@ -295,7 +424,7 @@ def _allocate(C: torch.Tensor, rho: torch.Tensor, alpha_g: float, iters: int | N
 # InterQ-RL
 
 
-def _check_params(eps_low, eps_high, alpha_g, rho_eps, iters, mode) -> None:
+def _check_params(eps_low=0.025, eps_high=0.05, alpha_g=0.5, rho_eps=1e-8, iters=None, mode="interq") -> None:
     check_scalar("eps_low", eps_low, low=0.0)
     check_scalar("eps_high", eps_high, low=0.0)
     check_scalar("alpha_g", alpha_g, low=0.0, high=1.0)
@@ -319,7 +448,7 @@ def _segment_sums(x: torch.Tensor, b: SegmentBounds) -> torch.Tensor:
 
 
 def _interq(delta, m, b: SegmentBounds, *, eps_low, eps_high, alpha_g, rho_eps, iters, mode):
-    """Core of InterQ-RL on ``delta`` / ``m`` from :func:`_prepare` (``delta`` is consumed).
+    """Core of InterQ-RL on ``delta`` / ``m`` from :func:`_prepare` (neither is modified).
 
     Returns ``(weights, d, clip, C, rho, alpha)``: ``clip`` is ``(B, L)`` +1/-1 where the prefix
     was clipped high/low and 0 elsewhere.
@@ -359,6 +488,38 @@ def _interq(delta, m, b: SegmentBounds, *, eps_low, eps_high, alpha_g, rho_eps, 
     return weights, d, clip, C, rho, alpha
 
 
+def _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, params: dict[str, Any], mode: str):
+    """Checks, segment bounds, ``delta`` and one InterQ pass: ``(pm, b, delta, m, (w, d, clip, C, rho, alpha))``.
+
+    ``delta`` is returned unconsumed (the pass works on a copy only where it must: it never writes
+    into ``delta``)."""
+    _check_params(mode=mode, **params)
+    pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
+    b = segment_bounds(pm)
+    delta, m = _prepare(old_logprobs, rollout_logprobs, pm)
+    out = _interq(delta, m, b, mode=mode, **_with_defaults(params))
+    return pm, b, delta, m, out
+
+
+def _with_defaults(params: dict[str, Any]) -> dict[str, Any]:
+    return {**_INTERQ_DEFAULTS, **params}
+
+
+_INTERQ_DEFAULTS = {"eps_low": 0.025, "eps_high": 0.05, "alpha_g": 0.5, "rho_eps": 1e-8, "iters": None}
+
+
+def _interq_metrics(delta, m, n, b: SegmentBounds, w, clip, rho, alpha) -> dict[str, torch.Tensor]:
+    """The metrics of :func:`interq_weights` from one pass (tensors; see :func:`_to_floats`)."""
+    metrics = _token_metrics(delta, n)
+    S = torch.tensor(float(b.num_segments), dtype=_F64, device=m.device)
+    metrics["correction/clip_rate"] = _safe_mean(clip.abs().sum(), n)
+    metrics["correction/rho_mean"] = _safe_mean(rho.sum(), S)
+    metrics["correction/alpha_mean"] = _safe_mean(alpha.sum(), S)
+    metrics.update(_weight_metrics(w, m, n))
+    metrics["correction/segments"] = S
+    return metrics
+
+
 def interq_terms(
     old_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
@@ -372,17 +533,16 @@ def interq_terms(
     iters: int | None = None,
     mode: str = "interq",
 ) -> InterQTerms:
-    """All intermediate quantities of :func:`interq_weights` (for diagnostics, labs and tests)."""
-    _check_params(eps_low, eps_high, alpha_g, rho_eps, iters, mode)
-    pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
+    """All intermediate quantities of :func:`interq_weights` (for diagnostics, labs and tests).
+
+    Pass them to :func:`mismatch_metrics` (``terms=``) to get the mismatch fingerprints of the same
+    batch without a second InterQ pass.
+    """
+    params = dict(eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps, iters=iters)
     with torch.no_grad():
-        b = segment_bounds(pm)
-        delta, m = _prepare(old_logprobs, rollout_logprobs, pm)
-        w, d, clip, C, rho, alpha = _interq(
-            delta, m, b, eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps,
-            iters=iters, mode=mode,
-        )
-    return InterQTerms(w, d, clip > 0, clip < 0, C, rho, alpha, segments(pm))
+        _, b, _, _, (w, d, clip, C, rho, alpha) = _interq_pass(old_logprobs, rollout_logprobs, policy_mask,
+                                                                valid_mask, params, mode)
+    return InterQTerms(w, d, clip > 0, clip < 0, C, rho, alpha, segments_from_bounds(b), b)
 
 
 def interq_weights(
@@ -412,7 +572,8 @@ def interq_weights(
         iters: None (exact budget allocation) or a number of bisection steps, see
             :func:`allocate_budget`.
         mode: ``interq`` (support allocation), ``prefix`` (alpha = 1: the clipped prefix weight
-            itself) or ``global`` (alpha = alpha_g for every segment).
+            itself) or ``global`` (alpha = alpha_g for every segment). Each mode is also a registered
+            arm of the same name (:data:`CORRECTIONS`).
 
     Returns:
         ``weights`` ``(B, L)`` float32 (float64 for float64 inputs), 1 off policy tokens, exactly
@@ -426,24 +587,42 @@ def interq_weights(
     >>> w
     tensor([[1.0101, 1.0202, 1.0000, 1.0305]])
     """
-    _check_params(eps_low, eps_high, alpha_g, rho_eps, iters, mode)
-    pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
+    params = dict(eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps, iters=iters)
     with torch.no_grad():
-        b = segment_bounds(pm)
-        delta, m = _prepare(old_logprobs, rollout_logprobs, pm)
-        n = pm.sum()
-        metrics = _token_metrics(delta, n)
-        w, d, clip, C, rho, alpha = _interq(
-            delta, m, b, eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps,
-            iters=iters, mode=mode,
-        )
-        S = torch.tensor(float(b.num_segments), dtype=_F64, device=pm.device)
-        metrics["correction/clip_rate"] = _safe_mean(clip.abs().sum(), n)
-        metrics["correction/rho_mean"] = _safe_mean(rho.sum(), S)
-        metrics["correction/alpha_mean"] = _safe_mean(alpha.sum(), S)
-        metrics.update(_weight_metrics(w, m, n))
-        metrics["correction/segments"] = S
+        pm, b, delta, m, (w, _, clip, _, rho, alpha) = _interq_pass(old_logprobs, rollout_logprobs, policy_mask,
+                                                                     valid_mask, params, mode)
+        metrics = _interq_metrics(delta, m, pm.sum(), b, w, clip, rho, alpha)
     return w, _to_floats(metrics)
+
+
+def _arm_docstring(mode: str) -> str:
+    return (f"Registered arm ``{mode}``: :func:`interq_weights` with ``mode=\"{mode}\"`` (same parameters, "
+            "same result).")
+
+
+def _interq_arm(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, eps_low: float = 0.025,
+                eps_high: float = 0.05, alpha_g: float = 0.5, rho_eps: float = 1e-8, iters: int | None = None):
+    return interq_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask, eps_low=eps_low,
+                          eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps, iters=iters, mode="interq")
+
+
+def _prefix_arm(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, eps_low: float = 0.025,
+                eps_high: float = 0.05, alpha_g: float = 0.5, rho_eps: float = 1e-8, iters: int | None = None):
+    return interq_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask, eps_low=eps_low,
+                          eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps, iters=iters, mode="prefix")
+
+
+def _global_arm(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, eps_low: float = 0.025,
+                eps_high: float = 0.05, alpha_g: float = 0.5, rho_eps: float = 1e-8, iters: int | None = None):
+    return interq_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask, eps_low=eps_low,
+                          eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps, iters=iters, mode="global")
+
+
+for _mode, _fn in zip(INTERQ_MODES, (_interq_arm, _prefix_arm, _global_arm), strict=True):
+    _fn.__doc__ = _arm_docstring(_mode)
+    _fn.interq_mode = _mode  # correction_weights shares this arm's InterQ pass with mismatch_metrics
+    register_correction(_mode)(_fn)
+del _mode, _fn
 
 
 # --------------------------------------------------------------------------------------------
@@ -463,6 +642,7 @@ def _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh):
     return w, _to_floats(metrics)
 
 
+@register_correction("tis")
 def tis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, cap: float = 2.0):
     """Truncated token IS: ``min(exp(delta_t), cap)`` on policy tokens, 1 elsewhere.
 
@@ -479,6 +659,7 @@ def tis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *,
     return _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh)
 
 
+@register_correction("mis")
 def mis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, lo: float = 0.5,
                 hi: float = 2.0):
     """Masked token IS: ``r_t = exp(delta_t)`` if ``lo <= r_t <= hi`` else 0 (1 off policy tokens).
@@ -497,6 +678,7 @@ def mis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *,
     return _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh)
 
 
+@register_correction("seq_is")
 def seq_is_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, cap: float = 2.0):
     """Truncated sequence IS: ``min(exp(sum_t delta_t), cap)`` broadcast over the row's policy tokens.
 
@@ -514,6 +696,7 @@ def seq_is_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None,
     return _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh)
 
 
+@register_correction("geo")
 def geo_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None):
     """Geometric-mean sequence IS: ``exp(mean_t delta_t)`` over the row's policy tokens, broadcast.
 
@@ -527,6 +710,7 @@ def geo_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None):
     return _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh)
 
 
+@register_correction("none")
 def none_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None):
     """No correction: all-ones ``(B, L)`` (metrics still report the mismatch)."""
     return _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask,
@@ -550,6 +734,7 @@ def mismatch_metrics(
     iters: int | None = None,
     max_turns: int = 8,
     quantiles: tuple[float, ...] = (0.1, 0.5, 0.9),
+    terms: InterQTerms | None = None,
 ) -> dict[str, float]:
     """Fingerprints of rollout/learner mismatch, as a dict of floats.
 
@@ -565,7 +750,12 @@ def mismatch_metrics(
       flat ``current`` with a growing ``prefix`` is the fingerprint of compounding mismatch.
     - ``correction/clip_rate`` (``_high`` / ``_low``): share of policy tokens whose prefix left the
       InterQ envelope; ``correction/rho_q{q}``, ``correction/alpha_q{q}`` quantiles over segments
-      (q in percent), ``correction/C_mean``, ``correction/segments``.
+      (q in percent), ``correction/C_mean``, ``correction/segments``. ``alpha`` is always the
+      ``interq`` allocation of the budget ``alpha_g``.
+
+    ``terms``: the :func:`interq_terms` of the same inputs with the same ``eps_low``, ``eps_high`` and
+    ``rho_eps`` (any ``mode``): their segments, clip flags, ``C`` and ``rho`` are used instead of a
+    second InterQ pass (only the ``(S,)``-sized budget allocation is redone). Same numbers.
     """
     _check_params(eps_low, eps_high, alpha_g, rho_eps, iters, "interq")
     if isinstance(max_turns, bool) or int(max_turns) != max_turns or max_turns < 0:
@@ -574,66 +764,139 @@ def mismatch_metrics(
         check_scalar("quantiles", q, low=0.0, high=1.0)
     pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
     with torch.no_grad():
-        b = segment_bounds(pm)
         delta, m = _prepare(old_logprobs, rollout_logprobs, pm)
-        delta64 = delta.to(_F64)
-        n = m.sum(dtype=_F64)
-        r1 = torch.expm1(delta64)
-        out: dict[str, torch.Tensor] = {
-            "mismatch/k1": _safe_mean(0.0 - delta64.sum(), n),
-            "mismatch/k2": _safe_mean((delta64.square() / 2).sum(), n),
-            "mismatch/k3": _safe_mean((r1 - delta64).sum(), n),
-            "mismatch/chi2": _safe_mean(r1.square().sum(), n),
-            "mismatch/mean_abs_delta": _safe_mean(delta64.abs().sum(), n),
-        }
-        del r1
-        rows = (m.sum(dim=1) > 0).to(_F64)
-        n_rows = rows.sum()
-        total = delta64.sum(dim=1)
-        capped = total.clamp(max=80.0)
-        r1s = torch.expm1(capped)
-        out.update({
-            "mismatch/seq_k1": _safe_mean((rows * -total).sum(), n_rows),
-            "mismatch/seq_k2": _safe_mean((rows * total.square() / 2).sum(), n_rows),
-            "mismatch/seq_k3": _safe_mean((rows * (r1s - capped)).sum(), n_rows),
-            "mismatch/seq_chi2": _safe_mean((rows * r1s.square()).sum(), n_rows),
-        })
-        # by turn: per-segment sums of delta and of the prefix E, then summed over segments by turn
-        T = int(max_turns)
-        if T > 0 and b.num_segments:
-            E = torch.cumsum(delta64, 1)
-            seg_delta = _segment_sums(delta64, b)
-            seg_prefix = _segment_sums(E.mul_(m.to(_F64)), b)
-            del E
-            seg_len = (b.end - b.start + 1).to(_F64)
-            bucket = b.turn.clamp(max=T)  # turns >= T go to a dropped bucket
-            count = torch.zeros(T + 1, dtype=_F64, device=pm.device).index_add_(0, bucket, seg_len)
-            cur = torch.zeros_like(count).index_add_(0, bucket, seg_delta)
-            pre = torch.zeros_like(count).index_add_(0, bucket, seg_prefix)
-            present = (count[:T] > 0).tolist()
-            for k in range(T):
-                if present[k]:
-                    out[f"mismatch/turn{k}/current"] = cur[k] / count[k]
-                    out[f"mismatch/turn{k}/prefix"] = pre[k] / count[k]
-                    out[f"mismatch/turn{k}/tokens"] = count[k]
-        _, _, clip, C, rho, alpha = _interq(
-            delta, m, b, eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps,
-            iters=iters, mode="interq",
-        )
+        if terms is None:
+            b = segment_bounds(pm)
+            _, _, clip, C, rho, _ = _interq(
+                delta, m, b, eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps,
+                iters=iters, mode="interq",
+            )
+            high = clip.clamp(min=0.0).sum(dtype=_F64)
+            low = (-clip).clamp(min=0.0).sum(dtype=_F64)
+        else:
+            if not isinstance(terms, InterQTerms):
+                raise InputError(f"terms: expected the InterQTerms of interq_terms, got {type(terms).__name__}")
+            if terms.weights.shape != pm.shape or terms.bounds.policy.shape != pm.shape:
+                raise InputError(f"terms: computed for shape {tuple(terms.weights.shape)}, the inputs are "
+                                 f"{tuple(pm.shape)}")
+            b, C, rho = terms.bounds, terms.C, terms.rho
+            high = terms.clipped_high.sum(dtype=_F64)
+            low = terms.clipped_low.sum(dtype=_F64)
+        alpha = _allocate(C, rho, alpha_g, iters)
+        out = _mismatch(delta, m, b, high, low, C, rho, alpha, int(max_turns), quantiles)
+    return _to_floats(out)
+
+
+def _mismatch(delta, m, b: SegmentBounds, high, low, C, rho, alpha, T: int, quantiles) -> dict[str, torch.Tensor]:
+    """Body of :func:`mismatch_metrics` once the InterQ quantities are known."""
+    dev = m.device
+    delta64 = delta.to(_F64)
+    n = m.sum(dtype=_F64)
+    r1 = torch.expm1(delta64)
+    out: dict[str, torch.Tensor] = {
+        "mismatch/k1": _safe_mean(0.0 - delta64.sum(), n),
+        "mismatch/k2": _safe_mean((delta64.square() / 2).sum(), n),
+        "mismatch/k3": _safe_mean((r1 - delta64).sum(), n),
+        "mismatch/chi2": _safe_mean(r1.square().sum(), n),
+        "mismatch/mean_abs_delta": _safe_mean(delta64.abs().sum(), n),
+    }
+    del r1
+    rows = (m.sum(dim=1) > 0).to(_F64)
+    n_rows = rows.sum()
+    total = delta64.sum(dim=1)
+    capped = total.clamp(max=80.0)
+    r1s = torch.expm1(capped)
+    out.update({
+        "mismatch/seq_k1": _safe_mean((rows * -total).sum(), n_rows),
+        "mismatch/seq_k2": _safe_mean((rows * total.square() / 2).sum(), n_rows),
+        "mismatch/seq_k3": _safe_mean((rows * (r1s - capped)).sum(), n_rows),
+        "mismatch/seq_chi2": _safe_mean((rows * r1s.square()).sum(), n_rows),
+    })
+    # by turn: per-segment sums of delta and of the prefix E, then summed over segments by turn
+    if T > 0 and b.num_segments:
+        E = torch.cumsum(delta64, 1)
+        seg_delta = _segment_sums(delta64, b)
+        seg_prefix = _segment_sums(E.mul_(m.to(_F64)), b)
+        del E
+        seg_len = (b.end - b.start + 1).to(_F64)
+        bucket = b.turn.clamp(max=T)  # turns >= T go to a dropped bucket
+        count = torch.zeros(T + 1, dtype=_F64, device=dev).index_add_(0, bucket, seg_len)
+        cur = torch.zeros_like(count).index_add_(0, bucket, seg_delta)
+        pre = torch.zeros_like(count).index_add_(0, bucket, seg_prefix)
+        present = (count[:T] > 0).tolist()
+        for k in range(T):
+            if present[k]:
+                out[f"mismatch/turn{k}/current"] = cur[k] / count[k]
+                out[f"mismatch/turn{k}/prefix"] = pre[k] / count[k]
+                out[f"mismatch/turn{k}/tokens"] = count[k]
+    out.update({
+        "correction/clip_rate": _safe_mean(high + low, n),
+        "correction/clip_rate_high": _safe_mean(high, n),
+        "correction/clip_rate_low": _safe_mean(low, n),
+        "correction/segments": torch.tensor(float(b.num_segments), dtype=_F64, device=dev),
+    })
+    if b.num_segments:
+        out["correction/C_mean"] = C.mean()
+        if quantiles:
+            qs = torch.tensor(list(quantiles), dtype=_F64, device=dev)
+            rq, aq = torch.quantile(rho, qs), torch.quantile(alpha, qs)
+            for i, q in enumerate(quantiles):
+                out[f"correction/rho_q{round(100 * q)}"] = rq[i]
+                out[f"correction/alpha_q{round(100 * q)}"] = aq[i]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# an arm and its diagnostics in one call
+
+
+def correction_weights(
+    name: str,
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    policy_mask: torch.Tensor,
+    valid_mask: torch.Tensor | None = None,
+    params: Mapping[str, Any] | None = None,
+    *,
+    diagnostics: bool = True,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weights ``(B, L)`` of the registered arm ``name`` and its metrics merged with
+    :func:`mismatch_metrics` (the arm's own keys win), computing the InterQ pass once per batch.
+
+    This is what the trainer integrations call once per batch. ``params`` are the arm's keyword
+    parameters (:func:`correction_params`; an unknown key raises :class:`ConfigError` naming the
+    valid ones). For the ``interq`` / ``prefix`` / ``global`` arms, ``mismatch_metrics`` gets the
+    same InterQ parameters and reuses the arm's pass (:func:`interq_terms`); for every other arm it
+    runs with its defaults, as a separate diagnostic. The numbers equal those of calling the arm and
+    then ``mismatch_metrics``. ``diagnostics=False`` returns the arm's own metrics only.
+
+    >>> old = torch.tensor([[-1.0, -1.0, 0.0, -1.0]]); pm = torch.tensor([[True, True, False, True]])
+    >>> w, m = correction_weights("prefix", old, old - 0.01, pm)
+    >>> w
+    tensor([[1.0101, 1.0202, 1.0000, 1.0305]])
+    >>> round(m["mismatch/turn1/prefix"], 4), m["correction/segments"]
+    (0.03, 2.0)
+    """
+    fn = get_correction(name)
+    params = dict(params or {})
+    valid = _arm_parameters(fn, "correction")
+    unknown = sorted(set(params) - set(valid))
+    if unknown:
+        raise ConfigError("correction_params",
+                          f"unknown {unknown} for arm {name!r}; valid: {', '.join(valid) or 'none'}")
+    mode = getattr(fn, "interq_mode", None)
+    if mode is None or not diagnostics:
+        w, metrics = fn(old_logprobs, rollout_logprobs, policy_mask, valid_mask, **params)
+        if diagnostics:
+            metrics = {**mismatch_metrics(old_logprobs, rollout_logprobs, policy_mask, valid_mask), **metrics}
+        return w, metrics
+    full = _with_defaults(params)
+    with torch.no_grad():
+        pm, b, delta, m, (w, _, clip, C, rho, alpha) = _interq_pass(old_logprobs, rollout_logprobs, policy_mask,
+                                                                     valid_mask, full, mode)
+        arm = _interq_metrics(delta, m, pm.sum(), b, w, clip, rho, alpha)
         high = clip.clamp(min=0.0).sum(dtype=_F64)
         low = (-clip).clamp(min=0.0).sum(dtype=_F64)
-        out.update({
-            "correction/clip_rate": _safe_mean(high + low, n),
-            "correction/clip_rate_high": _safe_mean(high, n),
-            "correction/clip_rate_low": _safe_mean(low, n),
-            "correction/segments": torch.tensor(float(b.num_segments), dtype=_F64, device=pm.device),
-        })
-        if b.num_segments:
-            out["correction/C_mean"] = C.mean()
-            if quantiles:
-                qs = torch.tensor(list(quantiles), dtype=_F64, device=pm.device)
-                rq, aq = torch.quantile(rho, qs), torch.quantile(alpha, qs)
-                for i, q in enumerate(quantiles):
-                    out[f"correction/rho_q{round(100 * q)}"] = rq[i]
-                    out[f"correction/alpha_q{round(100 * q)}"] = aq[i]
-    return _to_floats(out)
+        alloc = alpha if mode == "interq" else _allocate(C, rho, full["alpha_g"], full["iters"])
+        diag = _mismatch(delta, m, b, high, low, C, rho, alloc, 8, (0.1, 0.5, 0.9))
+    return w, _to_floats({**diag, **arm})

@@ -8,36 +8,70 @@ With ``conserve=True`` each rollout's credit satisfies ``sum_t |a[i,t]| = |A_i|`
 same total credit, so comparisons between shapes are at equal budget); with ``conserve=False`` the
 unnormalised shape is returned (e.g. plain GRPO broadcast, ``A_i`` on every step).
 
-Shapes follow DESIGN.md section 1:
+Shapes follow docs/design.md section 1:
 
 * uniform: ``a[i,t] = A_i / T_i``  (``conserve=False``: ``A_i``)
 * per_turn: ``a[i,t] = A_i dS[i,t] / sum_u dS[i,u]``, uniform fallback when ``sum dS = 0``
 * concentrated(selected): ``a[i,t] = A_i / k_i`` on the ``k_i`` selected steps (uniform fallback
   when none is selected)
+* random_k: concentrated on ``k`` steps per rollout chosen at random (the ``k`` smallest of uniform
+  random keys) — the same concentration as a budget-``k`` verifier, with no information
+* targeted(local, exposed): a local per-step signal ``s``, normalised per step over the rollouts of
+  the group, ``loc[i,t] = (s[i,t] - mean_g s[:,t]) / (std_g s[:,t] + eps)`` on exposed steps (0
+  elsewhere), spread so that ``sum_t |a[i,t]| = |A_i|``: ``a = loc |A_i| / sum_t |loc|`` (0 when
+  the row's ``sum_t |loc| = 0``). Its sign is the local signal's, not ``A_i``'s.
 * shuffled: a row's credit permuted to random real steps of the same row (same concentration, no
   targeting information) — the control for any "targeted credit aims well" claim
 * binary / discretized: outcome rounded to {0,1} / to a few levels, then GRPO, then uniform
 * reward_to_go: ``a[i,t] = (sum_{u>=t} r[i,u] - mean_g R) / (std_g R + eps)`` with
   ``R_i = sum_u r[i,u]``; with terminal-only reward it is constant over t, i.e. uniform.
+* prm: ``a[i,t] = A_i + lam A_proc[i,t]`` (:func:`creditlab.core.advantages.prm_mixed_advantages`).
+
+Registry
+--------
+Every geometry is also registered by name in :data:`GEOMETRIES` with one common signature,
+``fn(batch: StepBatch, *, conserve: bool = True, **params) -> (B, T) credit``, where
+:class:`StepBatch` carries every per-batch input a geometry may read. Trainers and labs look
+geometries up there (:func:`get_geometry`, :func:`geometry_params`, :func:`geometry_needs`), so a
+geometry added with :func:`register_geometry` is usable everywhere without touching them. The
+registered functions are thin adapters over the public functions of this module.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple, TypeVar
+
 import torch
 
-from creditlab.core._checks import check_scalar, check_tensor
-from creditlab.core.advantages import group_stats, grpo_advantages
-from creditlab.errors import InputError
+from creditlab.core._checks import any_true, check_scalar, check_tensor
+from creditlab.core.advantages import group_stats, grpo_advantages, prm_mixed_advantages
+from creditlab.errors import ConfigError, InputError
 
 __all__ = [
+    "GEOMETRIES",
+    "GeometryFn",
+    "StepBatch",
     "binary",
     "concentrated",
     "conserve_credit",
     "discretized",
+    "geometry_needs",
+    "geometry_params",
+    "get_geometry",
     "per_turn",
+    "random_k",
+    "random_k_mask",
+    "register_geometry",
+    "registered_geometry",
     "reward_to_go",
     "shuffled",
+    "targeted",
     "uniform",
+    "unregister_geometry",
 ]
 
 
@@ -86,7 +120,7 @@ def per_turn(advantages: torch.Tensor, progress_deltas: torch.Tensor, step_mask:
     check_tensor("progress_deltas", progress_deltas, shape=("B", "T"), floating=True, finite=True,
                  finite_where=step_mask, dims=dims)
     dS = torch.where(step_mask, progress_deltas, torch.zeros_like(progress_deltas)).to(advantages.dtype)
-    if bool((dS < 0).any()):
+    if any_true(dS < 0):
         raise InputError("progress_deltas: must be >= 0 on real steps (take the positive part of the progress)")
     if conserve:
         return _spread(advantages, dS, step_mask)
@@ -189,3 +223,377 @@ def conserve_credit(credit: torch.Tensor, advantages: torch.Tensor, step_mask: t
     mass = c.abs().sum(-1, keepdim=True)
     scaled = c * (advantages.abs().unsqueeze(-1) / torch.where(mass > 0, mass, torch.ones_like(mass)))
     return torch.where(mass > 0, scaled, uniform(advantages, step_mask, conserve=True))
+
+
+def random_k_mask(keys: torch.Tensor, k: int | torch.Tensor, step_mask: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` bool: the ``k`` real steps of each row with the smallest ``keys``.
+
+    ``rank = keys.argsort(-1).argsort(-1)`` (masked steps are ranked last by giving them key +inf),
+    ``selected = (rank < k) & step_mask``. ``k``: an int >= 0 or a ``(B,)`` integer tensor (one budget
+    per rollout; its values are not read on the host). A row with fewer than ``k`` real steps has
+    all of them selected.
+
+    >>> random_k_mask(torch.tensor([[0.3, 0.1, 0.9, 0.2]]), 2, torch.tensor([[True, True, True, False]]))
+    tensor([[ True,  True, False, False]])
+    """
+    dims: dict[str, int] = {}
+    check_tensor("step_mask", step_mask, shape=("B", "T"), boolean=True, dims=dims)
+    check_tensor("keys", keys, shape=("B", "T"), floating=True, finite=True, finite_where=step_mask, dims=dims,
+                 device=step_mask.device)
+    if isinstance(k, torch.Tensor):
+        check_tensor("k", k, shape=("B",), integer=True, dims=dims, device=step_mask.device)
+        budget = k.unsqueeze(-1)
+    else:
+        if isinstance(k, bool) or int(k) != k or k < 0:
+            raise ConfigError("k", f"must be a non-negative integer, got {k!r}")
+        budget = int(k)
+    key = torch.where(step_mask, keys, torch.full_like(keys, float("inf")))
+    rank = key.argsort(-1).argsort(-1)
+    return (rank < budget) & step_mask
+
+
+def random_k(advantages: torch.Tensor, keys: torch.Tensor, k: int | torch.Tensor, step_mask: torch.Tensor, *,
+             conserve: bool = True) -> torch.Tensor:
+    """:func:`concentrated` on :func:`random_k_mask` ``(keys, k)``: ``A_i / k`` on ``k`` random real steps.
+
+    ``keys`` ``(B, T)`` uniform random keys (one stream per seed is the caller's: draw them from a
+    ``torch.Generator``). The chain lab's ``random_k`` arm.
+
+    >>> random_k(torch.tensor([2.0]), torch.tensor([[0.3, 0.1, 0.9, 0.2]]), 2, torch.ones(1, 4, dtype=torch.bool))
+    tensor([[0., 1., 0., 1.]])
+    """
+    return concentrated(advantages, random_k_mask(keys, k, step_mask), step_mask, conserve=conserve)
+
+
+def _equal_blocks(group_ids: torch.Tensor, step_mask: torch.Tensor) -> int | None:
+    """``G`` when the groups are contiguous blocks of ``G >= 2`` rows with distinct labels and every
+    step is real (the layout of a lab's ``(M, G, T)`` batch), else None. Two host reads."""
+    B = group_ids.shape[0]
+    if B < 2:
+        return None
+    G = int((group_ids == group_ids[0]).sum())
+    if G < 2 or B % G:
+        return None
+    blocks = group_ids.view(B // G, G)
+    heads = blocks[:, 0].sort().values
+    ok = (blocks == blocks[:, :1]).all() & (heads[1:] != heads[:-1]).all() & step_mask.all()
+    return G if bool(ok) else None
+
+
+def _group_step_z(s: torch.Tensor, step_mask: torch.Tensor, group_ids: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(s - mean_g s[:,t]) / (std_g s[:,t] + eps)`` over the rows of each group that have step ``t``
+    (unbiased std, 0 for fewer than two), float64, by scatter sums; 0 on masked steps."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1
+    f64 = torch.float64
+    zero = torch.zeros((), dtype=f64, device=s.device)
+    v = torch.where(step_mask, s.to(f64), zero)
+    shape = (n_groups, s.shape[1])
+    count = torch.zeros(shape, dtype=f64, device=s.device).index_add_(0, inverse, step_mask.to(f64))
+    mean = torch.zeros(shape, dtype=f64, device=s.device).index_add_(0, inverse, v) / count.clamp_min(1)
+    centred = torch.where(step_mask, v - mean[inverse], zero)
+    sq = torch.zeros(shape, dtype=f64, device=s.device).index_add_(0, inverse, centred.square())
+    std = torch.where(count > 1, (sq / (count - 1).clamp_min(1)).sqrt(), zero)
+    return centred / (std[inverse] + eps)
+
+
+def targeted(advantages: torch.Tensor, local: torch.Tensor, exposed: torch.Tensor, group_ids: torch.Tensor,
+             step_mask: torch.Tensor, *, eps: float = 1e-6, conserve: bool = True) -> torch.Tensor:
+    """Credit from a local per-step signal, group-normalised per step, on the exposed steps.
+
+    ``loc[i,t] = (s[i,t] - mean_g s[:,t]) / (std_g s[:,t] + eps)`` where ``exposed & step_mask``,
+    0 elsewhere (mean and unbiased std over the rollouts of ``i``'s group that have step ``t``; a
+    step seen by one rollout only gets 0); then ``a[i,t] = loc[i,t] |A_i| / sum_u |loc[i,u]|``, so
+    ``sum_t |a[i,t]| = |A_i|``, and 0 for a row whose ``sum_u |loc[i,u]|`` is 0 (no uniform
+    fallback: nothing local was seen). ``conserve=False``: ``loc[i,t] |A_i|``.
+
+    Args:
+        advantages: ``(B,)`` outcome advantage ``A_i`` (only its magnitude is used).
+        local: ``(B, T)`` float local signal (e.g. per-step correctness a verifier can see).
+        exposed: ``(B, T)`` bool, steps the local signal is observed on.
+        group_ids: ``(B,)`` integer group labels.
+        step_mask: ``(B, T)`` bool real steps.
+        eps: added to the per-step group std.
+
+    Arithmetic: computed in ``promote_types(local, advantages)``. When the groups are contiguous
+    blocks of equal size ``G >= 2`` and every step is real (a lab's ``(M, G, T)`` batch), the group
+    statistics are ``.mean(1)`` / ``.std(1)`` over the ``(B // G, G, T)`` view, in that dtype (the
+    chain lab's arithmetic, bit for bit); otherwise float64 scatter sums.
+
+    >>> targeted(torch.tensor([2.0, -1.0]), torch.tensor([[1.0, 0.0], [0.0, 0.0]]),
+    ...          torch.tensor([[True, False], [True, False]]), torch.tensor([0, 0]), torch.ones(2, 2, dtype=torch.bool))
+    tensor([[ 2.,  0.],
+            [-1.,  0.]])
+    """
+    dims = _check_adv_mask(advantages, step_mask)
+    check_tensor("local", local, shape=("B", "T"), floating=True, finite=True, finite_where=step_mask, dims=dims)
+    check_tensor("exposed", exposed, shape=("B", "T"), boolean=True, dims=dims)
+    check_tensor("group_ids", group_ids, shape=("B",), integer=True, dims=dims)
+    check_scalar("eps", eps, low=0.0, low_open=True)
+    dt = torch.promote_types(local.dtype, advantages.dtype)
+    s = local.to(dt)
+    B, T = s.shape
+    if B == 0:
+        return torch.zeros_like(s)
+    G = _equal_blocks(group_ids, step_mask)
+    if G is not None:
+        x = s.view(B // G, G, T)
+        mu, sd = x.mean(1, keepdim=True), x.std(1, keepdim=True)
+        z = ((x - mu) / (sd + eps)).view(B, T)
+    else:
+        z = _group_step_z(s, step_mask, group_ids, eps).to(dt)
+    loc = torch.where(exposed & step_mask, z, torch.zeros_like(z))
+    magnitude = advantages.to(dt).abs().unsqueeze(-1)
+    if not conserve:
+        return loc * magnitude
+    mass = loc.abs().sum(-1, keepdim=True)
+    return torch.where(mass > 0, loc * magnitude / mass.clamp_min(1e-12), torch.zeros_like(loc))
+
+
+# --------------------------------------------------------------------------------------------
+# the registry of geometries
+
+
+class StepBatch(NamedTuple):
+    """Everything a credit geometry may read about one batch of ``B`` rollouts of ``T`` steps.
+
+    Attributes:
+        step_mask: ``(B, T)`` bool, real steps.
+        group_ids: ``(B,)`` integer group labels (rollouts of one prompt share one).
+        advantages: ``(B,)`` outcome advantage ``A_i``, or None (then the GRPO advantage of
+            ``rewards`` is used, with the geometry's ``eps``).
+        rewards: ``(B,)`` outcome reward ``R_i``, or None (``binary`` / ``discretized`` need it).
+        step_scores: ``(B, T)`` per-step score, or None: progress ``dS >= 0`` for ``per_turn`` and
+            ``shuffled``, selection ``score > 0`` for ``concentrated``, step reward for
+            ``reward_to_go``, process score for ``prm``, local signal for ``targeted``.
+        selected: ``(B, T)`` bool, or None: the selection of ``concentrated`` (instead of
+            ``step_scores > 0``) and the exposed steps of ``targeted`` (None: every real step).
+        keys: ``(B, T)`` uniform random keys, or None (``shuffled`` / ``random_k`` then draw them from
+            their ``generator``).
+    """
+
+    step_mask: torch.Tensor
+    group_ids: torch.Tensor
+    advantages: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+    step_scores: torch.Tensor | None = None
+    selected: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+
+
+#: A geometry: ``fn(batch: StepBatch, *, conserve: bool = True, **params) -> (B, T)`` credit.
+GeometryFn = Callable[..., torch.Tensor]
+
+#: Every registered geometry by name (read it; register with :func:`register_geometry`).
+GEOMETRIES: dict[str, GeometryFn] = {}
+_NEEDS: dict[str, frozenset[str]] = {}
+_NEED_FIELDS = frozenset({"advantages", "rewards", "step_scores", "selected", "keys"})
+_F = TypeVar("_F", bound=Callable[..., Any])
+_NAME = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+def _geometry_parameters(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """Keyword parameters of a geometry other than ``conserve``; :class:`ConfigError` if ``fn`` is not one."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise ConfigError("geometry", f"{fn!r} has no inspectable signature") from None
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keyword = {p.name: p for p in params if p.kind is p.KEYWORD_ONLY}
+    if len(positional) != 1 or "conserve" not in keyword:
+        raise ConfigError("geometry", f"a geometry is fn(batch, *, conserve=True, params...), got {fn.__name__}{sig}")
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        raise ConfigError("geometry", f"{fn.__name__}{sig}: declare the geometry's parameters by name "
+                                      "(no *args / **kwargs): trainer configs are validated against them")
+    missing = [n for n, p in keyword.items() if p.default is p.empty]
+    if missing:
+        raise ConfigError("geometry", f"{fn.__name__}: parameter(s) {missing} need a default")
+    return tuple(n for n in keyword if n != "conserve")
+
+
+def register_geometry(name: str, *, needs: Iterable[str] = ("advantages",)) -> Callable[[_F], _F]:
+    """Decorator registering a geometry under ``name`` in :data:`GEOMETRIES`.
+
+    The geometry is ``fn(batch: StepBatch, *, conserve: bool = True, param=default, ...) -> (B, T)``;
+    its parameters are named, with defaults. ``needs``: the :class:`StepBatch` fields it must be
+    given when ``selected`` / ``keys`` are not (``"advantages"`` is satisfied by ``rewards`` too):
+    the trainer integrations check them before a run and fill ``keys`` themselves. Registering the
+    same function again is a no-op; another function under a taken name raises
+    :class:`ConfigError`. Use a module-level function (not a lambda) so that it pickles.
+    """
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ConfigError("geometry", f"geometry names are letters, digits and '_', got {name!r}")
+    wanted = frozenset(needs)
+    if not wanted <= _NEED_FIELDS:
+        raise ConfigError("needs", f"unknown field(s) {sorted(wanted - _NEED_FIELDS)}; valid: "
+                                   f"{', '.join(sorted(_NEED_FIELDS))}")
+
+    def register(fn: _F) -> _F:
+        taken = GEOMETRIES.get(name)
+        if taken is fn:
+            return fn
+        if taken is not None:
+            raise ConfigError("geometry", f"{name!r} is already registered to {taken.__module__}.{taken.__qualname__}")
+        _geometry_parameters(fn)
+        GEOMETRIES[name] = fn
+        _NEEDS[name] = wanted
+        return fn
+
+    return register
+
+
+def unregister_geometry(name: str) -> GeometryFn:
+    """Remove the geometry ``name`` from :data:`GEOMETRIES` and return it (tests, notebooks)."""
+    fn = get_geometry(name)
+    del GEOMETRIES[name]
+    _NEEDS.pop(name, None)
+    return fn
+
+
+@contextlib.contextmanager
+def registered_geometry(name: str, fn: GeometryFn, *, needs: Iterable[str] = ("advantages",)
+                        ) -> Iterator[GeometryFn]:
+    """``with registered_geometry("mine", fn):`` registers ``fn`` for the block, then removes it."""
+    register_geometry(name, needs=needs)(fn)
+    try:
+        yield fn
+    finally:
+        if GEOMETRIES.get(name) is fn:
+            del GEOMETRIES[name]
+            _NEEDS.pop(name, None)
+
+
+def get_geometry(name: str) -> GeometryFn:
+    """The geometry registered as ``name``; :class:`ConfigError` listing every registered name otherwise.
+
+    >>> batch = StepBatch(torch.ones(1, 2, dtype=torch.bool), torch.tensor([0]), advantages=torch.tensor([3.0]))
+    >>> get_geometry("uniform")(batch)
+    tensor([[1.5000, 1.5000]])
+    """
+    fn = GEOMETRIES.get(name) if isinstance(name, str) else None
+    if fn is None:
+        raise ConfigError("geometry", f"unknown {name!r}; valid: {', '.join(GEOMETRIES)}")
+    return fn
+
+
+def geometry_params(name: str) -> tuple[str, ...]:
+    """The keyword parameters (besides ``conserve``) the geometry ``name`` accepts, from its signature.
+
+    >>> geometry_params("prm"), geometry_params("random_k")
+    (('lam', 'eps'), ('k', 'eps', 'generator'))
+    """
+    return _geometry_parameters(get_geometry(name))
+
+
+def geometry_needs(name: str) -> frozenset[str]:
+    """The :class:`StepBatch` fields the geometry ``name`` must be given (see :func:`register_geometry`)."""
+    get_geometry(name)
+    return _NEEDS[name]
+
+
+def _field(batch: StepBatch, field: str, geometry: str) -> torch.Tensor:
+    x = getattr(batch, field)
+    if x is None:
+        what = {"step_scores": "a per-turn score", "rewards": "the outcome rewards"}[field]
+        raise InputError(f"{field}: geometry {geometry!r} needs {what}")
+    return x
+
+
+def _advantages(batch: StepBatch, eps: float) -> torch.Tensor:
+    """``A_i``: ``batch.advantages``, else the GRPO advantage of ``batch.rewards``."""
+    if batch.advantages is not None:
+        return batch.advantages
+    if batch.rewards is None:
+        raise InputError("advantages: pass the outcome advantages or the outcome rewards")
+    return grpo_advantages(batch.rewards, batch.group_ids, eps)
+
+
+def _draw_keys(step_mask: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    device = step_mask.device if generator is None else generator.device
+    return torch.rand(step_mask.shape, generator=generator, device=device).to(step_mask.device)
+
+
+@register_geometry("uniform")
+def _uniform(batch: StepBatch, *, conserve: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Registered ``uniform``: :func:`uniform` of ``A_i``."""
+    return uniform(_advantages(batch, eps), batch.step_mask, conserve=conserve)
+
+
+@register_geometry("per_turn", needs=("advantages", "step_scores"))
+def _per_turn(batch: StepBatch, *, conserve: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Registered ``per_turn``: :func:`per_turn` with ``step_scores`` as the progress ``dS``."""
+    dS = _field(batch, "step_scores", "per_turn")
+    return per_turn(_advantages(batch, eps), dS, batch.step_mask, conserve=conserve)
+
+
+@register_geometry("concentrated", needs=("advantages", "step_scores"))
+def _concentrated(batch: StepBatch, *, conserve: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Registered ``concentrated``: :func:`concentrated` on ``selected`` (else ``step_scores > 0``)."""
+    sel = batch.selected if batch.selected is not None else _field(batch, "step_scores", "concentrated") > 0
+    return concentrated(_advantages(batch, eps), sel, batch.step_mask, conserve=conserve)
+
+
+@register_geometry("shuffled", needs=("advantages", "step_scores"))
+def _shuffled(batch: StepBatch, *, conserve: bool = True, eps: float = 1e-6,
+              generator: torch.Generator | None = None) -> torch.Tensor:
+    """Registered ``shuffled``: the ``per_turn`` credit permuted by :func:`shuffled` (``keys``, else drawn
+    from ``generator``)."""
+    dS = _field(batch, "step_scores", "shuffled")
+    base = per_turn(_advantages(batch, eps), dS, batch.step_mask, conserve=conserve)
+    if batch.keys is None:
+        return shuffled(base, batch.step_mask, generator)
+    return shuffled(base, batch.step_mask, keys=batch.keys.to(base.dtype))
+
+
+@register_geometry("binary", needs=("rewards",))
+def _binary(batch: StepBatch, *, conserve: bool = True, threshold: float = 1.0, eps: float = 1e-6) -> torch.Tensor:
+    """Registered ``binary``: :func:`binary` of ``rewards``."""
+    rewards = _field(batch, "rewards", "binary")
+    return binary(rewards, batch.group_ids, batch.step_mask, threshold=threshold, eps=eps, conserve=conserve)
+
+
+@register_geometry("discretized", needs=("rewards",))
+def _discretized(batch: StepBatch, *, conserve: bool = True, levels: tuple[float, ...] = (0.0, 0.5, 1.0),
+                 eps: float = 1e-6) -> torch.Tensor:
+    """Registered ``discretized``: :func:`discretized` of ``rewards``."""
+    rewards = _field(batch, "rewards", "discretized")
+    return discretized(rewards, batch.group_ids, batch.step_mask, levels=levels, eps=eps, conserve=conserve)
+
+
+@register_geometry("reward_to_go", needs=("step_scores",))
+def _reward_to_go(batch: StepBatch, *, conserve: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Registered ``reward_to_go``: :func:`reward_to_go` with ``step_scores`` as the step rewards."""
+    r = _field(batch, "step_scores", "reward_to_go")
+    return reward_to_go(r, batch.group_ids, batch.step_mask, eps=eps, conserve=conserve)
+
+
+@register_geometry("prm", needs=("advantages", "step_scores"))
+def _prm(batch: StepBatch, *, conserve: bool = True, lam: float = 0.5, eps: float = 1e-6) -> torch.Tensor:
+    """Registered ``prm``: ``A_i + lam A_proc[i,t]`` with ``A_proc`` the group-normalised process score
+    ``step_scores`` (:func:`~creditlab.core.advantages.prm_mixed_advantages` of zero outcomes, added to
+    ``A_i``); ``conserve`` rescales each row to ``sum_t |a| = |A_i|``."""
+    scores = _field(batch, "step_scores", "prm")
+    A = _advantages(batch, eps)
+    proc = prm_mixed_advantages(torch.zeros_like(A), scores, batch.step_mask, batch.group_ids, lam, eps=eps)
+    out = A.to(proc.dtype)[:, None] + proc
+    out = torch.where(batch.step_mask, out, torch.zeros_like(out)).to(A.dtype)
+    return conserve_credit(out, A, batch.step_mask) if conserve else out
+
+
+@register_geometry("random_k")
+def _random_k(batch: StepBatch, *, conserve: bool = True, k: int | torch.Tensor = 1, eps: float = 1e-6,
+              generator: torch.Generator | None = None) -> torch.Tensor:
+    """Registered ``random_k``: :func:`random_k` with ``keys`` (else drawn from ``generator``)."""
+    keys = batch.keys if batch.keys is not None else _draw_keys(batch.step_mask, generator)
+    return random_k(_advantages(batch, eps), keys, k, batch.step_mask, conserve=conserve)
+
+
+@register_geometry("targeted", needs=("advantages", "step_scores"))
+def _targeted(batch: StepBatch, *, conserve: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Registered ``targeted``: :func:`targeted` of the local signal ``step_scores`` on the exposed steps
+    ``selected`` (None: every real step)."""
+    local = _field(batch, "step_scores", "targeted")
+    exposed = batch.selected if batch.selected is not None else batch.step_mask
+    return targeted(_advantages(batch, eps), local, exposed, batch.group_ids, batch.step_mask, eps=eps,
+                    conserve=conserve)

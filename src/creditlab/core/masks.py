@@ -17,7 +17,15 @@ import torch
 from creditlab.core._checks import check_tensor
 from creditlab.errors import InputError
 
-__all__ = ["SegmentBounds", "Segments", "effective_policy_mask", "segment_bounds", "segment_sum", "segments"]
+__all__ = [
+    "SegmentBounds",
+    "Segments",
+    "effective_policy_mask",
+    "segment_bounds",
+    "segment_sum",
+    "segments",
+    "segments_from_bounds",
+]
 
 
 class SegmentBounds(NamedTuple):
@@ -134,7 +142,12 @@ def segments(policy_mask: torch.Tensor, valid_mask: torch.Tensor | None = None) 
     >>> seg.lengths.tolist(), seg.row.tolist(), seg.turn.tolist(), seg.n_segments.tolist()
     ([2, 1, 1, 2], [0, 0, 2, 2], [0, 1, 0, 1], [2, 0, 2])
     """
-    b = segment_bounds(policy_mask, valid_mask)
+    return segments_from_bounds(segment_bounds(policy_mask, valid_mask))
+
+
+def segments_from_bounds(b: SegmentBounds) -> Segments:
+    """The :class:`Segments` of a batch whose :class:`SegmentBounds` are already known (no second
+    ``nonzero`` / host synchronisation)."""
     B, L = b.policy.shape
     on = b.policy.view(torch.uint8).to(torch.int64)  # (B, L) 1 on policy tokens
     st = b.starts.view(torch.uint8)
