@@ -113,3 +113,24 @@ def test_impossible_configurations_name_the_parameter(spec, param):
 def test_bad_train_config():
     with pytest.raises(ConfigError, match="K"):
         train_chain([ModelSpec(seed=0, C=2, arm="uniform")], ChainTrainConfig(K=1))
+
+
+def _first_step(batch, *, conserve: bool = True):
+    """All of A_i on each rollout's first step (a geometry registered by this test module)."""
+    out = torch.zeros(batch.step_mask.shape, dtype=batch.advantages.dtype)
+    out[:, 0] = batch.advantages
+    return out
+
+
+def test_a_geometry_registered_elsewhere_is_an_arm_of_the_chain_trainer():
+    from creditlab.core.credit import registered_geometry
+
+    cfg = ChainTrainConfig(T=4, K=3, hidden=8, group=4, updates=20, eval_points=2)
+    specs = [ModelSpec(seed=0, C=2, arm="first_step"), ModelSpec(seed=0, C=2, arm="uniform")]
+    with registered_geometry("first_step", _first_step):
+        out = train_chain(specs, cfg)["final_score"]
+    assert torch.isfinite(out).all() and ((out >= 0) & (out <= 1)).all()
+    assert out[0] != out[1]  # the arm really was the new geometry, not a fallback to uniform
+    with pytest.raises(ConfigError, match="first_step|valid") as err:
+        train_chain([ModelSpec(seed=0, C=1, arm="first_step")], cfg)
+    assert err.value.parameter == "arm" and "uniform" in str(err.value)

@@ -23,14 +23,15 @@ from creditlab.envs.chain import ChainTasks, chain_outcome, exact_score, make_ta
 from creditlab.errors import ConfigError
 from creditlab.models.batched_mlp import BatchedAdam, BatchedMLP
 
-__all__ = ["ARMS", "ChainTrainConfig", "ModelSpec", "train_chain"]
+__all__ = ["ChainTrainConfig", "ModelSpec", "chain_step_batch", "train_chain"]
 
-ARMS = ("uniform", "concentrated", "targeted", "per_turn", "shuffled", "random_k")
-"""Credit arms: ``uniform`` (A_i/T on every step); ``concentrated`` (on the first k causal steps);
-``targeted`` (independent local signal on the exposed causal steps only); ``per_turn`` (on the steps
-where the verifier saw progress, among the exposed steps; uniform when it saw none); ``shuffled``
-(per_turn credit permuted to random steps);
-``random_k`` (on k steps drawn at random per rollout)."""
+# A model's credit arm is any geometry registered in creditlab.core.credit.GEOMETRIES. The chain
+# world feeds every geometry the same StepBatch: the GRPO advantage A_i, the outcome reward, the
+# progress the verifier can see as ``step_scores`` (dS on exposed causal steps), the exposed steps
+# as ``selected`` and one stream of random keys; three arms read the world differently:
+#   concentrated: ``selected`` = the first k causal steps;
+#   targeted:     ``step_scores`` = local correctness of each step (seen on the exposed steps);
+#   random_k:     ``keys`` from their own stream and ``k`` from the model spec.
 
 EXPOSURES = ("independent", "prefix")
 
@@ -88,8 +89,9 @@ class ModelSpec:
     """``independent``: each causal step exposed with probability vd; ``prefix``: the first round(vd*C)."""
 
     def validate(self, T: int, K: int) -> None:
-        if self.arm not in ARMS:
-            raise ConfigError("arm", f"unknown arm {self.arm!r}; valid arms: {', '.join(ARMS)}")
+        if self.arm not in cr.GEOMETRIES:
+            raise ConfigError("arm", f"unknown arm {self.arm!r}; valid (the registered credit geometries): "
+                                     f"{', '.join(cr.GEOMETRIES)}")
         validate(T, self.C, K)
         if self.arm in ("concentrated", "random_k"):
             if self.k < 1:
@@ -161,11 +163,10 @@ def _train_chain(specs: list[ModelSpec], cfg: ChainTrainConfig) -> dict[str, tor
     opt = BatchedAdam(policy, cfg.lr, cfg.max_grad_norm, eps=cfg.adam_eps)
 
     arms = [s.arm for s in specs]
-    arm_rows = {a: torch.tensor([i for i, x in enumerate(arms) if x == a]) for a in ARMS if a in arms}
+    arm_rows = {a: torch.tensor([i for i, x in enumerate(arms) if x == a]) for a in dict.fromkeys(arms)}
     k_col = torch.tensor([s.k for s in specs]).view(M, 1, 1)
     first_k = tasks.is_causal & (tasks.order < k_col.view(M, 1))  # concentrated selection
     exposed = _exposed_steps(tasks, specs)
-    step_mask = torch.ones(M * G, T, dtype=torch.bool)
     group_ids = torch.arange(M).repeat_interleave(G)
     t_idx = torch.arange(T)
     eval_at = torch.unique(torch.linspace(0, cfg.updates, cfg.eval_points + 1).round().long()[1:])
@@ -222,27 +223,11 @@ def _train_chain(specs: list[ModelSpec], cfg: ChainTrainConfig) -> dict[str, tor
         A = grpo_advantages(reward.reshape(-1), group_ids)
         credit = torch.zeros(M, G, T)
         for arm, rows in arm_rows.items():
-            a_r = A.view(M, G)[rows].reshape(-1)
-            mask_r = step_mask[: len(rows) * G]
-            if arm == "uniform":
-                c = cr.uniform(a_r, mask_r)
-            elif arm == "concentrated":
-                c = cr.concentrated(a_r, first_k[rows].repeat_interleave(G, 0), mask_r)
-            elif arm == "random_k":
-                rank = step_keys[rows].argsort(-1).argsort(-1)
-                c = cr.concentrated(a_r, (rank < k_col[rows]).reshape(-1, T), mask_r)
-            elif arm in ("per_turn", "shuffled"):
-                seen = progress[rows] * exposed[rows].unsqueeze(1)  # progress the verifier can see
-                c = cr.per_turn(a_r, seen.reshape(-1, T), mask_r)
-                if arm == "shuffled":
-                    c = cr.shuffled(c, mask_r, keys=shuffle_keys[rows].reshape(-1, T))
-            else:  # targeted: group-normalised local correctness on exposed steps, total |A_i|
-                loc = step_correct[rows].float()
-                mu, sd = loc.mean(1, keepdim=True), loc.std(1, keepdim=True)
-                loc = torch.where(exposed[rows].unsqueeze(1), (loc - mu) / (sd + 1e-6), torch.zeros_like(loc))
-                loc = loc.reshape(-1, T)
-                mass = loc.abs().sum(-1, keepdim=True)
-                c = torch.where(mass > 0, loc * a_r.abs().unsqueeze(-1) / mass.clamp_min(1e-12), torch.zeros_like(loc))
+            batch, params = chain_step_batch(arm, rows, G, A.view(M, G)[rows].reshape(-1), reward=reward,
+                                             progress=progress, step_correct=step_correct, exposed=exposed,
+                                             first_k=first_k, k_col=k_col, shuffle_keys=shuffle_keys,
+                                             step_keys=step_keys)
+            c = cr.get_geometry(arm)(batch, **params)
             credit[rows] = c.view(len(rows), G, T)
         # --- policy gradient of L = -(1/G) sum_{g,t} a[g,t] log pi(a_gt | s_gt)
         onehot = torch.nn.functional.one_hot(actions, K).to(probs.dtype)  # (M, G, T, K)
@@ -256,3 +241,32 @@ def _train_chain(specs: list[ModelSpec], cfg: ChainTrainConfig) -> dict[str, tor
             curve[:, e] = evaluate()
             e += 1
     return {"final_score": curve[:, -1].clone(), "curve": curve, "eval_at": eval_at, "train_reward": train_reward}
+
+
+def chain_step_batch(arm: str, rows: torch.Tensor, G: int, advantages: torch.Tensor, *, reward: torch.Tensor,
+                     progress: torch.Tensor, step_correct: torch.Tensor, exposed: torch.Tensor,
+                     first_k: torch.Tensor, k_col: torch.Tensor, shuffle_keys: torch.Tensor,
+                     step_keys: torch.Tensor) -> tuple[cr.StepBatch, dict]:
+    """The :class:`~creditlab.core.credit.StepBatch` (and geometry parameters) of the models ``rows``
+    that share credit arm ``arm``: ``R = len(rows)`` models x ``G`` rollouts, flattened to ``R*G`` rows
+    in contiguous groups of ``G`` (see the comment at the top of this module for what each arm reads).
+
+    World tensors: ``reward`` ``(M, G)``, ``progress`` / ``step_correct`` / keys ``(M, G, T)``,
+    ``exposed`` / ``first_k`` ``(M, T)``, ``k_col`` ``(M, 1, 1)``.
+    """
+    R, T = len(rows), exposed.shape[1]
+    n = R * G
+    step_mask = torch.ones(n, T, dtype=torch.bool)
+    group_ids = torch.arange(R).repeat_interleave(G)
+    seen = progress[rows] * exposed[rows].unsqueeze(1)  # (R, G, T) progress the verifier can see
+    fields = {"advantages": advantages, "rewards": reward[rows].reshape(n), "step_scores": seen.reshape(n, T),
+              "selected": exposed[rows].repeat_interleave(G, 0), "keys": shuffle_keys[rows].reshape(n, T)}
+    params: dict = {}
+    if arm == "concentrated":
+        fields["selected"] = first_k[rows].repeat_interleave(G, 0)
+    elif arm == "targeted":
+        fields["step_scores"] = step_correct[rows].float().reshape(n, T)
+    elif arm == "random_k":
+        fields["keys"] = step_keys[rows].reshape(n, T)
+        params["k"] = k_col[rows].reshape(R).repeat_interleave(G)
+    return cr.StepBatch(step_mask, group_ids, **fields), params
