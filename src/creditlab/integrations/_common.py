@@ -3,8 +3,9 @@
 * :class:`TurnLayout`: the turns of a ``(B, L)`` token batch (a turn is a maximal run of policy
   tokens, i.e. of 1s in verl's ``response_mask`` or in TRL's ``completion_mask * tool_mask``),
   and the two ways a per-token reward tensor maps onto turns (span sums, first-token values).
-* :func:`turn_credit`: the credit geometries of :mod:`creditlab.core.credit` and PRM mixing
-  (:func:`creditlab.core.advantages.prm_mixed_advantages`) on a ``(B, T)`` turn tensor.
+* :func:`turn_credit`: any credit geometry registered in :data:`creditlab.core.credit.GEOMETRIES`
+  (uniform, per_turn, ..., PRM mixing) on a ``(B, T)`` turn tensor, with its parameters taken from
+  :class:`CreditSettings`.
 * :func:`fork_reward`: one cached :class:`~creditlab.rewards.fork.FORKReward` per judge config, and
   :class:`MicroBatcher`, which coalesces concurrent single-sample calls into one batched
   ``FORKReward.score`` call (verl calls its reward function once per sample, concurrently).
@@ -21,14 +22,11 @@ import torch
 
 from creditlab.core import credit
 from creditlab.core._checks import check_scalar, check_tensor
-from creditlab.core.advantages import grpo_advantages, prm_mixed_advantages
 from creditlab.core.masks import Segments, segments
 from creditlab.core.schedules import constant, decay
 from creditlab.errors import ConfigError, InputError
 
 __all__ = [
-    "ADVANTAGE_GEOMETRIES",
-    "REWARD_GEOMETRIES",
     "CreditSettings",
     "MicroBatcher",
     "TurnLayout",
@@ -36,12 +34,6 @@ __all__ = [
     "turn_credit",
     "turn_layout",
 ]
-
-#: Geometries that only need the outcome advantage ``A_i`` (and per-turn scores for some).
-ADVANTAGE_GEOMETRIES = ("uniform", "per_turn", "concentrated", "shuffled", "prm")
-#: Geometries that need the raw outcome reward ``R_i`` (or the per-turn rewards) themselves.
-REWARD_GEOMETRIES = ("binary", "discretized", "reward_to_go")
-
 
 # --------------------------------------------------------------------------------------------
 # turns
@@ -131,7 +123,9 @@ class CreditSettings:
     levels: tuple[float, ...] = (0.0, 0.5, 1.0)
     """``discretized``: the outcome is rounded to the nearest level."""
     seed: int = 0
-    """``shuffled``: seed of the permutation (combined with the training step)."""
+    """``shuffled`` / ``random_k``: seed of the random keys (combined with the training step)."""
+    k: int = 1
+    """``random_k``: steps credited per rollout."""
     prm_lambda: float = 0.5
     """``prm``: the mixing weight ``lambda`` (``l0`` of the schedule)."""
     prm_schedule: str = "constant"
@@ -181,58 +175,52 @@ def turn_credit(
     step: int | None = None,
     settings: CreditSettings = CreditSettings(),
 ) -> torch.Tensor:
-    """Per-turn credit ``(B, T)`` of one geometry.
+    """Per-turn credit ``(B, T)`` of the geometry registered as ``geometry``.
 
     Args:
-        geometry: one of :data:`ADVANTAGE_GEOMETRIES` + :data:`REWARD_GEOMETRIES`.
+        geometry: a name in :data:`creditlab.core.credit.GEOMETRIES` (looked up at call time;
+            unknown: :class:`ConfigError` listing the registered ones).
         step_mask: ``(B, T)`` bool real turns.
         group_ids: ``(B,)`` integer group labels.
-        advantages: ``(B,)`` outcome advantage ``A_i``; computed as GRPO of ``rewards`` when None.
+        advantages: ``(B,)`` outcome advantage ``A_i``; the GRPO advantage of ``rewards`` when None.
         rewards: ``(B,)`` outcome reward ``R_i`` (needed by ``binary`` / ``discretized``, and when
             ``advantages`` is None).
         step_scores: ``(B, T)`` per-turn score: progress ``dS`` for ``per_turn`` (must be >= 0),
             selection ``score > 0`` for ``concentrated`` and ``shuffled`` (which permutes the
-            ``per_turn`` credit), process score for ``prm``, step reward for ``reward_to_go``.
-        step: the trainer's update index (``prm`` schedule, ``shuffled`` seed).
-        settings: :class:`CreditSettings`.
+            ``per_turn`` credit), process score for ``prm``, step reward for ``reward_to_go``, local
+            signal for ``targeted`` (every turn exposed).
+        step: the trainer's update index (``prm`` schedule, seed of the random keys).
+        settings: :class:`CreditSettings`: ``conserve``, and each geometry parameter
+            (:func:`~creditlab.core.credit.geometry_params`) that is a field of the settings;
+            ``lam`` is ``settings.schedule()`` at ``step``. The random keys of ``shuffled`` /
+            ``random_k`` come from ``seed * 1_000_003 + step``.
     """
     s = settings
-    if geometry not in ADVANTAGE_GEOMETRIES + REWARD_GEOMETRIES:
-        raise ConfigError("geometry", f"unknown {geometry!r}; valid: "
-                                      f"{', '.join(ADVANTAGE_GEOMETRIES + REWARD_GEOMETRIES)}")
-    needs_scores = geometry in ("per_turn", "concentrated", "shuffled", "prm", "reward_to_go")
-    if needs_scores and step_scores is None:
+    fn = credit.get_geometry(geometry)
+    needs = credit.geometry_needs(geometry)
+    if "step_scores" in needs and step_scores is None:
         raise InputError(f"step_scores: geometry {geometry!r} needs a per-turn score")
-    if geometry in REWARD_GEOMETRIES and geometry != "reward_to_go" and rewards is None:
+    if "rewards" in needs and rewards is None:
         raise InputError(f"rewards: geometry {geometry!r} needs the outcome rewards")
-    if geometry == "binary":
-        return credit.binary(rewards, group_ids, step_mask, threshold=s.threshold, eps=s.eps, conserve=s.conserve)
-    if geometry == "discretized":
-        return credit.discretized(rewards, group_ids, step_mask, levels=s.levels, eps=s.eps, conserve=s.conserve)
-    if geometry == "reward_to_go":
-        return credit.reward_to_go(step_scores, group_ids, step_mask, eps=s.eps, conserve=s.conserve)
-    if advantages is None:
-        if rewards is None:
-            raise InputError("advantages: pass the outcome advantages or the outcome rewards")
-        advantages = grpo_advantages(rewards, group_ids, s.eps)
-    if geometry == "uniform":
-        return credit.uniform(advantages, step_mask, conserve=s.conserve)
-    if geometry == "per_turn":
-        return credit.per_turn(advantages, step_scores, step_mask, conserve=s.conserve)
-    if geometry == "concentrated":
-        return credit.concentrated(advantages, step_scores > 0, step_mask, conserve=s.conserve)
-    if geometry == "shuffled":
-        gen = torch.Generator().manual_seed(int(s.seed) * 1_000_003 + max(int(step or 0), 0))
-        base = credit.per_turn(advantages, step_scores, step_mask, conserve=s.conserve)
-        keys = torch.rand(step_mask.shape, generator=gen, dtype=torch.float64).to(step_mask.device)
-        return credit.shuffled(base, step_mask, keys=keys.to(base.dtype))
-    # prm: A[i,t] = A_i + lambda(k) * A_proc[i,t]; prm_mixed_advantages of zero outcomes is lambda * A_proc
-    if s.prm_schedule == "decay" and (step is None or step < 0):
-        raise ConfigError("prm_schedule", "the decay schedule needs the trainer's global step, which is not set")
-    lam = s.schedule()(max(int(step or 0), 0))
-    proc = prm_mixed_advantages(torch.zeros_like(advantages), step_scores, step_mask, group_ids, lam, eps=s.eps)
-    out = advantages.to(proc.dtype)[:, None] + proc
-    return torch.where(step_mask, out, torch.zeros_like(out)).to(advantages.dtype)
+    if "advantages" in needs and advantages is None and rewards is None:
+        raise InputError("advantages: pass the outcome advantages or the outcome rewards")
+    params: dict[str, Any] = {}
+    for name in credit.geometry_params(geometry):
+        if name == "lam":
+            if s.prm_schedule == "decay" and (step is None or step < 0):
+                raise ConfigError("prm_schedule",
+                                  "the decay schedule needs the trainer's global step, which is not set")
+            params["lam"] = s.schedule()(max(int(step or 0), 0))
+        elif name in _SETTING_PARAMS:
+            params[name] = getattr(s, name)
+    gen = torch.Generator().manual_seed(int(s.seed) * 1_000_003 + max(int(step or 0), 0))
+    keys = torch.rand(step_mask.shape, generator=gen, dtype=torch.float64).to(step_mask.device)
+    batch = credit.StepBatch(step_mask, group_ids, advantages=advantages, rewards=rewards, step_scores=step_scores,
+                             keys=keys)
+    return fn(batch, conserve=s.conserve, **params)
+
+
+_SETTING_PARAMS = frozenset(f for f in CreditSettings.__dataclass_fields__ if f not in ("conserve", "seed"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,7 +16,12 @@
     from the sample field ``turn_scores`` (one number per turn, e.g. returned by a ``rollout_func``),
     given to TRL as ``(B, T)`` per-token advantages (which TRL accepts).
 
-  Metrics are logged as ``creditlab/...``.
+  Metrics are logged as ``creditlab/...``. Arms and geometries are looked up in creditlab's registries
+  (:data:`creditlab.core.correction.CORRECTIONS`, :data:`creditlab.core.credit.GEOMETRIES`) when the
+  trainer is built, so ones registered after import work.
+
+The trainer refuses a TRL version it was not tested with (:data:`TESTED_TRL_VERSIONS`);
+``CREDITLAB_ALLOW_UNTESTED_TRL=1`` lets another version through.
 * :func:`fork_reward_func`: FORK as an async, batched GRPO reward function (``None`` where the judge
   failed, which TRL skips); precision and recall are logged as ``reward/fork/precision|recall``.
 """
@@ -24,6 +29,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,31 +37,55 @@ import torch
 import trl
 from trl import GRPOTrainer
 
-from creditlab.core import correction
+from creditlab.core import correction as _correction
+from creditlab.core import credit as _credit
 from creditlab.errors import ConfigError, CreditlabError, InputError
-from creditlab.integrations._common import ADVANTAGE_GEOMETRIES, CreditSettings, fork_reward, turn_credit, turn_layout
+from creditlab.integrations._common import CreditSettings, fork_reward, turn_credit, turn_layout
 
-__all__ = ["CORRECTIONS", "CREDITS", "TESTED_TRL_VERSIONS", "CreditlabGRPOTrainer", "fork_reward_func"]
+__all__ = ["CORRECTIONS", "CREDITS", "TESTED_TRL_VERSIONS", "CreditlabGRPOTrainer", "check_trl_version",  # noqa: F822
+           "fork_reward_func"]
 
-#: TRL versions this module was tested against.
+#: TRL versions this module was tested against (``CREDITLAB_ALLOW_UNTESTED_TRL=1`` lets another through).
 TESTED_TRL_VERSIONS = ("1.16.0",)
-#: Values of ``correction`` (``None``: leave TRL's ratio alone).
-CORRECTIONS = correction.ARMS
-#: Values of ``credit`` (``None``: TRL's sequence advantage).
-CREDITS = ADVANTAGE_GEOMETRIES
-_ARM_FUNCS = {"tis": correction.tis_weights, "mis": correction.mis_weights, "seq_is": correction.seq_is_weights,
-              "geo": correction.geo_weights, "none": correction.none_weights}
+#: Values of ``correction`` (``None``: leave TRL's ratio alone): the live registry of arms.
+CORRECTIONS = _correction.CORRECTIONS
+#: What TRL gives a credit geometry: its outcome advantages, per-turn scores from the samples, and
+#: random keys (drawn from ``credit_settings.seed``).
+_TRL_INPUTS = frozenset({"advantages", "step_scores", "keys"})
+
+
+def _credits() -> tuple[str, ...]:
+    """Registered geometries TRL can feed (not those that need the raw outcome rewards)."""
+    return tuple(g for g in _credit.GEOMETRIES if _credit.geometry_needs(g) <= _TRL_INPUTS)
+
+
+def __getattr__(name: str):
+    if name == "CREDITS":  # values of ``credit`` (``None``: TRL's sequence advantage), a live view
+        return _credits()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def check_trl_version(version: str | None = None) -> None:
+    """Raise :class:`CreditlabError` unless ``version`` (default: the installed TRL's) was tested, or
+    ``CREDITLAB_ALLOW_UNTESTED_TRL=1`` is set."""
+    version = trl.__version__ if version is None else version
+    if version not in TESTED_TRL_VERSIONS and os.environ.get("CREDITLAB_ALLOW_UNTESTED_TRL") != "1":
+        raise CreditlabError(f"CreditlabGRPOTrainer was tested with TRL {', '.join(TESTED_TRL_VERSIONS)}, "
+                             f"found {version}: install a tested version, or set CREDITLAB_ALLOW_UNTESTED_TRL=1 "
+                             "to try anyway")
 
 
 class CreditlabGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` with InterQ-RL rollout correction and per-turn credit (see the module docstring).
 
     Args (keyword-only, everything else goes to ``GRPOTrainer``):
-        correction: one of :data:`CORRECTIONS` (``interq``, ``prefix``, ``global``, ``tis``, ``mis``,
-            ``seq_is``, ``geo``, ``none``) or None. Needs rollout log-probs (vLLM, or ``rollout_func``).
+        correction: a registered arm (:data:`CORRECTIONS`: ``interq``, ``prefix``, ``global``, ``tis``,
+            ``mis``, ``seq_is``, ``geo``, ``none``, or one added with ``register_correction``) or None.
+            Needs rollout log-probs (vLLM, or ``rollout_func``).
         correction_params: keyword parameters of the arm (e.g. ``{"alpha_g": 0.5, "eps_low": 0.025}``).
-        credit: one of :data:`CREDITS` (``uniform``, ``per_turn``, ``concentrated``, ``shuffled``, ``prm``)
-            or None.
+        credit: a registered geometry TRL can feed (:data:`CREDITS`: ``uniform``, ``per_turn``,
+            ``concentrated``, ``shuffled``, ``prm``, ``random_k``, ``targeted``, or one added with
+            ``register_geometry`` that does not need the raw outcome rewards) or None.
         credit_settings: :class:`~creditlab.integrations._common.CreditSettings` or a dict of its
             fields (``conserve``, ``prm_lambda``, ``prm_schedule``...; the schedule runs on
             ``state.global_step``).
@@ -65,13 +95,14 @@ class CreditlabGRPOTrainer(GRPOTrainer):
     def __init__(self, *args: Any, correction: str | None = "interq", correction_params: dict | None = None,
                  credit: str | None = None, credit_settings: CreditSettings | dict | None = None,
                  turn_scores_key: str = "turn_scores", **kwargs: Any):
-        if trl.__version__ not in TESTED_TRL_VERSIONS:
-            raise CreditlabError(f"CreditlabGRPOTrainer was tested with TRL {', '.join(TESTED_TRL_VERSIONS)}, "
-                                 f"found {trl.__version__}")
-        if correction is not None and correction not in CORRECTIONS:
-            raise ConfigError("correction", f"unknown {correction!r}; valid: {', '.join(CORRECTIONS)} or None")
-        if credit is not None and credit not in CREDITS:
-            raise ConfigError("credit", f"unknown {credit!r}; valid: {', '.join(CREDITS)} or None")
+        check_trl_version()
+        if correction is not None:
+            _correction.get_correction(correction)
+        if credit is not None:
+            _credit.get_geometry(credit)
+            if not _credit.geometry_needs(credit) <= _TRL_INPUTS:
+                raise ConfigError("credit", f"{credit!r} needs {sorted(_credit.geometry_needs(credit) - _TRL_INPUTS)}, "
+                                            f"which TRL does not pass; valid: {', '.join(_credits())} or None")
         self.creditlab_correction = correction
         self.creditlab_correction_params = dict(correction_params or {})
         self.creditlab_credit = credit
@@ -81,7 +112,11 @@ class CreditlabGRPOTrainer(GRPOTrainer):
             self.creditlab_credit_settings = CreditSettings.from_mapping(credit_settings, "credit_settings")
         self.creditlab_turn_scores_key = turn_scores_key
         if correction is not None:  # fail before the (slow) trainer construction on a bad parameter
-            self._weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool))
+            try:
+                self._weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
+                              diagnostics=False)
+            except InputError as err:
+                raise ConfigError("correction_params", f"{err} (arm {correction!r})") from None
         super().__init__(*args, **kwargs)
         if correction is not None and self.loss_type == "vespo":
             raise ConfigError("correction", "the 'vespo' loss computes its own importance weights")
@@ -111,9 +146,8 @@ class CreditlabGRPOTrainer(GRPOTrainer):
                 out["old_per_token_logps"] = old
             # tokens the engine could not score (NaN) get no correction, as in TRL
             rollout = torch.where(torch.isnan(rollout), old, rollout)
-            w, m = self._weights(old, rollout, pm)
-            diag = correction.mismatch_metrics(old, rollout, pm, **self._interq_params())
-            metrics.update({f"creditlab/{k}": v for k, v in {**diag, **m}.items()})
+            w, m = self._weights(old, rollout, pm)  # the arm's and mismatch_metrics', one InterQ pass
+            metrics.update({f"creditlab/{k}": v for k, v in m.items()})
             w = w.to(out["advantages"].dtype)
             if "importance_sampling_ratio" in out:
                 out["importance_sampling_ratio"] = w
@@ -128,19 +162,11 @@ class CreditlabGRPOTrainer(GRPOTrainer):
         return out
 
     # -- helpers -------------------------------------------------------------------------------
-    def _interq_params(self) -> dict[str, Any]:
-        if self.creditlab_correction in correction.INTERQ_MODES:
-            return self.creditlab_correction_params
-        return {}
-
-    def _weights(self, old: torch.Tensor, rollout: torch.Tensor, pm: torch.Tensor):
-        arm, params = self.creditlab_correction, self.creditlab_correction_params
-        try:
-            if arm in correction.INTERQ_MODES:
-                return correction.interq_weights(old, rollout, pm, mode=arm, **params)
-            return _ARM_FUNCS[arm](old, rollout, pm, **params)
-        except TypeError as err:
-            raise ConfigError("correction_params", f"{err} (arm {arm!r})") from None
+    def _weights(self, old: torch.Tensor, rollout: torch.Tensor, pm: torch.Tensor, *, diagnostics: bool = True):
+        """The arm's weights and metrics (with :func:`~creditlab.core.correction.mismatch_metrics` when
+        ``diagnostics``), from the registry at call time."""
+        return _correction.correction_weights(self.creditlab_correction, old, rollout, pm,
+                                              params=self.creditlab_correction_params, diagnostics=diagnostics)
 
     def _old_logps(self, out: dict[str, Any], mode: str) -> torch.Tensor:
         """Learner log-probs of the sampling checkpoint (TRL skips them when it can use the detached
@@ -159,7 +185,7 @@ class CreditlabGRPOTrainer(GRPOTrainer):
         B, T = lay.step_mask.shape
         key = self.creditlab_turn_scores_key
         scores = None
-        if self.creditlab_credit != "uniform":
+        if "step_scores" in _credit.geometry_needs(self.creditlab_credit):
             scores = torch.zeros(B, T, dtype=torch.float64)
             n_turns = lay.seg.n_segments.tolist()
             for i, example in enumerate(inputs):

@@ -8,8 +8,10 @@ Importing the module registers everything (idempotently; importing or calling :f
 changes nothing):
 
 * **Rollout correction** (InterQ-RL and the baselines of :mod:`creditlab.core.correction`):
-  ``algorithm.rollout_correction.rollout_is: creditlab_<arm>[:key=value,...]`` with ``<arm>`` one of
-  ``interq``, ``prefix``, ``global``, ``tis``, ``mis``, ``seq_is``, ``geo``, ``none``. verl computes
+  ``algorithm.rollout_correction.rollout_is: creditlab_<arm>[:key=value,...]`` with ``<arm>`` any arm
+  registered in :data:`creditlab.core.correction.CORRECTIONS` (``interq``, ``prefix``, ``global``,
+  ``tis``, ``mis``, ``seq_is``, ``geo``, ``none``, and any added with ``register_correction``: the
+  registry is read when verl calls, and the keys are the arm's parameters). verl computes
   ``rollout_is_weights`` on the driver from ``old_log_probs - rollout_log_probs`` and
   ``response_mask`` (0 on tool/observation tokens, whose rollout log-probs are 0.0) in
   ``rollout_corr_helper.compute_rollout_correction_weights``; verl has no registry for that step,
@@ -19,15 +21,19 @@ changes nothing):
   or whose function signature changed (:class:`~creditlab.errors.CreditlabError` at import).
   Metrics arrive in verl's logs as ``rollout_corr/creditlab/...`` (K3, per-turn prefix vs
   current log ratio, clip rates, rho and alpha quantiles).
-* **Advantage estimators** in verl's registry (``algorithm.adv_estimator``): ``creditlab_uniform``,
-  ``creditlab_per_turn``, ``creditlab_concentrated``, ``creditlab_shuffled``, ``creditlab_binary``,
-  ``creditlab_discretized``, ``creditlab_reward_to_go`` and ``creditlab_prm`` (PRM mixing with a
-  schedule of verl's global step). Their knobs live in ``algorithm.creditlab``
+* **Advantage estimators** in verl's registry (``algorithm.adv_estimator``): ``creditlab_<geometry>``
+  for every geometry registered in :data:`creditlab.core.credit.GEOMETRIES` when :func:`install` runs
+  (``creditlab_uniform``, ``creditlab_per_turn``, ``creditlab_concentrated``, ``creditlab_shuffled``,
+  ``creditlab_binary``, ``creditlab_discretized``, ``creditlab_reward_to_go``, ``creditlab_prm`` (PRM
+  mixing with a schedule of verl's global step), ``creditlab_random_k``, ``creditlab_targeted``; call
+  :func:`install` again after registering another). Their knobs live in ``algorithm.creditlab``
   (:class:`~creditlab.integrations._common.CreditSettings`).
 * **Policy loss** ``creditlab_ppo`` in verl's loss registry (``actor_rollout_ref.actor.policy_loss.loss_mode``):
   :func:`creditlab.core.losses.policy_loss` (clipped PPO/GRPO surrogate times ``rollout_is_weights``)
   with verl's four aggregation modes, its dual clip (``clip_ratio_c``) and its data-parallel
-  normalisation: the same loss as verl's ``vanilla`` (tested), from creditlab's implementation.
+  normalisation: the same loss as verl's ``vanilla`` (tested), from creditlab's implementation. It
+  reads no tensor value on the host (verl calls it once per micro-batch): metrics are 0-dim tensors
+  and non-finite inputs are counted in ``actor/creditlab_nonfinite_tokens`` instead of raising.
 * **FORK reward function** :func:`fork_compute_score` (async, micro-batched).
 
 Convention for per-turn scores in ``token_level_rewards``
@@ -55,6 +61,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -63,12 +70,10 @@ import verl
 from verl.trainer.ppo import core_algos, rollout_corr_helper
 from verl.utils.skip.skip_manager import SkipManager
 
-from creditlab.core import correction
+from creditlab.core import correction, credit
 from creditlab.core._checks import check_tensor
 from creditlab.errors import ConfigError, CreditlabError, InputError
 from creditlab.integrations._common import (
-    ADVANTAGE_GEOMETRIES,
-    REWARD_GEOMETRIES,
     CreditSettings,
     MicroBatcher,
     fork_reward,
@@ -78,12 +83,14 @@ from creditlab.integrations._common import (
 
 __all__ = [
     "AGG_MODES",
-    "ESTIMATORS",
-    "ROLLOUT_ARMS",
+    "ESTIMATORS",  # noqa: F822  (module __getattr__: a live view of the geometry registry)
+    "ROLLOUT_PREFIX",
     "TESTED_VERL_VERSIONS",
     "compute_policy_loss_creditlab",
     "fork_compute_score",
     "install",
+    "install_estimators",
+    "install_policy_loss",
     "install_rollout_correction",
     "pack_turn_rewards",
     "parse_rollout_is",
@@ -93,37 +100,39 @@ __all__ = [
 #: verl versions this module was tested against (``CREDITLAB_ALLOW_UNTESTED_VERL=1`` lets another
 #: version through when the wrapped function's signature is unchanged).
 TESTED_VERL_VERSIONS = ("0.9.1",)
-#: Values of ``algorithm.rollout_correction.rollout_is`` handled by creditlab (``creditlab_<arm>``).
-ROLLOUT_ARMS = correction.ARMS
+#: ``algorithm.rollout_correction.rollout_is`` values starting with this go to creditlab:
+#: ``creditlab_<arm>`` for every arm of :data:`creditlab.core.correction.CORRECTIONS`.
 ROLLOUT_PREFIX = "creditlab_"
-#: Registered advantage estimators (``creditlab_<geometry>``).
-ESTIMATORS = tuple(ROLLOUT_PREFIX + g for g in ADVANTAGE_GEOMETRIES + REWARD_GEOMETRIES)
 
 _WRAPPED_SIGNATURE = ("log_ratio", "response_mask", "rollout_is", "rollout_is_threshold",
                       "rollout_is_batch_normalize")
-_ARM_FUNCS = {
-    "tis": correction.tis_weights,
-    "mis": correction.mis_weights,
-    "seq_is": correction.seq_is_weights,
-    "geo": correction.geo_weights,
-    "none": correction.none_weights,
-}
-_INTERQ_PARAMS = ("eps_low", "eps_high", "alpha_g", "rho_eps", "iters")
+
+
+def __getattr__(name: str):
+    if name == "ESTIMATORS":  # a live view: the geometries registered now
+        return tuple(ROLLOUT_PREFIX + g for g in credit.GEOMETRIES)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------------------------
 # rollout correction
 
 
-def _arm_params(arm: str) -> tuple[str, ...]:
-    if arm in correction.INTERQ_MODES:
-        return _INTERQ_PARAMS
-    sig = inspect.signature(_ARM_FUNCS[arm])
-    return tuple(n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY)
+def _number_type(param: inspect.Parameter) -> type:
+    """``int`` for a parameter declared or defaulting to an int (e.g. ``iters: int | None``), else ``float``."""
+    if isinstance(param.default, int) and not isinstance(param.default, bool):
+        return int
+    ann = param.annotation
+    text = ann if isinstance(ann, str) else getattr(ann, "__name__", str(ann))
+    return int if re.search(r"\bint\b", text) and "float" not in text else float
 
 
 def parse_rollout_is(spec: str) -> tuple[str, dict[str, float]]:
     """Parse ``creditlab_<arm>[:key=value,...]`` into the arm and its keyword parameters.
+
+    ``<arm>`` is looked up in :data:`creditlab.core.correction.CORRECTIONS` now, so an arm registered
+    after import is accepted, and the keys are its parameters (:func:`~creditlab.core.correction.correction_params`).
+    The values are checked by running the arm on a one-token batch.
 
     >>> parse_rollout_is("creditlab_interq:alpha_g=0.3,eps_high=0.05")
     ('interq', {'alpha_g': 0.3, 'eps_high': 0.05})
@@ -135,9 +144,11 @@ def parse_rollout_is(spec: str) -> tuple[str, dict[str, float]]:
         raise ConfigError(where, f"expected '{ROLLOUT_PREFIX}<arm>[:key=value,...]', got {spec!r}")
     head, _, tail = spec[len(ROLLOUT_PREFIX):].partition(":")
     arm = head.strip()
-    if arm not in ROLLOUT_ARMS:
-        raise ConfigError(where, f"unknown arm {arm!r}; valid: {', '.join(ROLLOUT_PREFIX + a for a in ROLLOUT_ARMS)}")
-    valid = _arm_params(arm)
+    if arm not in correction.CORRECTIONS:
+        raise ConfigError(where, f"unknown arm {arm!r}; valid: "
+                                 f"{', '.join(ROLLOUT_PREFIX + a for a in correction.CORRECTIONS)}")
+    valid = correction.correction_params(arm)
+    signature = inspect.signature(correction.CORRECTIONS[arm]).parameters
     params: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in tail.split(","))):
         key, eq, value = part.partition("=")
@@ -145,21 +156,15 @@ def parse_rollout_is(spec: str) -> tuple[str, dict[str, float]]:
         if not eq or key not in valid:
             raise ConfigError(where, f"bad parameter {part!r} for {arm}; valid keys: {', '.join(valid) or 'none'}")
         try:
-            params[key] = int(value) if key == "iters" else float(value)
+            params[key] = _number_type(signature[key])(value)
         except ValueError:
             raise ConfigError(f"{where}:{key}", f"expected a number, got {value.strip()!r}") from None
     try:  # validate the values now, with the config path in the message
         one = torch.zeros(1, 1)
-        _arm_call(arm, one, one, one.bool(), params)
+        correction.correction_weights(arm, one, one, one.bool(), params=params, diagnostics=False)
     except InputError as err:
         raise ConfigError(where, f"{spec!r}: {err}") from None
     return arm, params
-
-
-def _arm_call(arm: str, old: torch.Tensor, rollout: torch.Tensor, pm: torch.Tensor, params: dict[str, float]):
-    if arm in correction.INTERQ_MODES:
-        return correction.interq_weights(old, rollout, pm, mode=arm, **params)
-    return _ARM_FUNCS[arm](old, rollout, pm, **params)
 
 
 def rollout_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, spec: str
@@ -169,7 +174,9 @@ def rollout_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, spec: 
     ``log_ratio`` is verl's ``old_log_probs - rollout_log_probs`` (junk on tool tokens, where the
     rollout log-prob is 0.0: it is never read); ``response_mask`` is the policy mask. Weights are
     detached, in the dtype of ``log_ratio`` and 0 where ``response_mask`` is 0 (verl's convention for
-    its own weights). Metric keys start with ``creditlab/`` (verl adds ``rollout_corr/``).
+    its own weights). Metric keys start with ``creditlab/`` (verl adds ``rollout_corr/``): the arm's and
+    :func:`~creditlab.core.correction.mismatch_metrics`', from one InterQ pass
+    (:func:`~creditlab.core.correction.correction_weights`). Runs once per step, on the driver.
     """
     arm, params = parse_rollout_is(spec)
     dims: dict[str, int] = {}
@@ -177,9 +184,8 @@ def rollout_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, spec: 
     check_tensor("log_ratio", log_ratio, shape=("B", "L"), floating=True, dims=dims)
     pm = response_mask.bool()
     zeros = torch.zeros_like(log_ratio)
-    w, m = _arm_call(arm, log_ratio, zeros, pm, params)
-    diag = correction.mismatch_metrics(log_ratio, zeros, pm, **(params if arm in correction.INTERQ_MODES else {}))
-    metrics = {f"creditlab/{k}": float(v) for k, v in {**diag, **m}.items()}
+    w, m = correction.correction_weights(arm, log_ratio, zeros, pm, params=params)  # one InterQ pass
+    metrics = {f"creditlab/{k}": float(v) for k, v in m.items()}
     weights = (w.to(log_ratio.dtype) * response_mask.to(log_ratio.dtype)).detach()
     return weights, metrics
 
@@ -321,12 +327,17 @@ def _estimator(geometry: str):
     return estimator
 
 
-_ESTIMATOR_FNS = {ROLLOUT_PREFIX + g: _estimator(g) for g in ADVANTAGE_GEOMETRIES + REWARD_GEOMETRIES}
+_ESTIMATOR_FNS: dict[str, Any] = {}  # verl name -> estimator, one per geometry (stable identity)
 
 
 def install_estimators() -> None:
-    """Register the ``creditlab_*`` estimators in verl's ``ADV_ESTIMATOR_REGISTRY`` (once)."""
-    for name, fn in _ESTIMATOR_FNS.items():
+    """Register ``creditlab_<geometry>`` in verl's ``ADV_ESTIMATOR_REGISTRY`` for every geometry registered
+    in :data:`creditlab.core.credit.GEOMETRIES` now (idempotent: call again after registering one)."""
+    for geometry in credit.GEOMETRIES:
+        name = ROLLOUT_PREFIX + geometry
+        fn = _ESTIMATOR_FNS.get(name)
+        if fn is None:
+            fn = _ESTIMATOR_FNS[name] = _estimator(geometry)
         registered = core_algos.ADV_ESTIMATOR_REGISTRY.get(name)
         if registered is fn:
             continue
