@@ -6,11 +6,18 @@ import pytest
 import torch
 
 from creditlab.core.diagnostics import chain_length
-from creditlab.envs.toolshop import VOCAB, ToolshopEnv
+from creditlab.envs.toolshop import VOCAB, ToolshopEnv, encode, make_task
 from creditlab.errors import ConfigError
 from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir, train_base
-from creditlab.lab.toolshop_grpo import GRPOConfig, make_advantage, make_weights, train_grpo
-from creditlab.lab.toolshop_rollout import make_tasks, rollout, sequence_logprobs, turns_to_tokens
+from creditlab.lab.toolshop_grpo import GRPOConfig, advantage_names, make_advantage, make_weights, train_grpo
+from creditlab.lab.toolshop_rollout import (
+    RolloutBatch,
+    make_tasks,
+    rollout,
+    sequence_logprobs,
+    turn_progress_deltas,
+    turns_to_tokens,
+)
 from creditlab.models.tiny_lm import TinyLM, TinyLMConfig
 
 TINY_BASE = BaseConfig(n_demos=64, steps=30, batch_size=16, d_model=32, n_layer=1, max_len=96)
@@ -169,6 +176,84 @@ def test_correction_arms_resolve_and_unknown_arm_raises():
         GRPOConfig(group_size=1)
 
 
+def test_weights_and_advantages_come_from_the_core_registries(model):
+    from creditlab.core.correction import registered_correction, tis_weights
+    from creditlab.core.credit import registered_geometry, uniform
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(2, 6, generator=g)
+    roll = old + 0.3 * torch.randn(2, 6, generator=g)
+    pm = torch.tensor([[False, True, True, True, False, False], [False, True, True, True, True, True]])
+    w, m = make_weights("tis", cap=1.1)(old, roll, pm, None)
+    want_w, want_m = tis_weights(old, roll, pm, None, cap=1.1)
+    assert torch.equal(w, want_w) and m == want_m
+    with pytest.raises(ConfigError, match="correction: tis takes cap"):
+        make_weights("tis", eps_low=0.1)
+
+    def half(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, scale: float = 0.5):
+        return torch.full_like(old_logprobs, scale), {"correction/half": scale}
+
+    with registered_correction("half", half):  # an arm registered in core works in the trainer at once
+        w, m = make_weights("half", scale=0.25)(old, roll, pm)
+        assert bool((w == 0.25).all()) and m == {"correction/half": 0.25}
+    with pytest.raises(ConfigError, match="half"):
+        make_weights("half")
+
+    batch = _rollout(model, n=8, group_ids=[0, 0, 0, 0, 1, 1, 1, 1])
+    rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 1])
+
+    def doubled(batch, *, conserve: bool = True):
+        return 2 * uniform(batch.advantages, batch.step_mask, conserve=conserve)
+
+    with registered_geometry("doubled", doubled):
+        assert "doubled" in advantage_names()
+        got = make_advantage("doubled")(batch, rewards, 0)
+        assert torch.allclose(got, 2 * make_advantage("uniform")(batch, rewards, 0))
+    assert "doubled" not in advantage_names()
+    broadcast = make_advantage("uniform", conserve=False)(batch, rewards, 0)  # A_i on every turn's tokens
+    want = make_advantage("grpo")(batch, rewards, 0)[:, None].expand_as(broadcast)
+    assert torch.allclose(broadcast[batch.policy_mask], want[batch.policy_mask])
+    a = make_advantage("shuffled", generator=torch.Generator().manual_seed(1))(batch, rewards, 0)
+    b = make_advantage("shuffled", generator=torch.Generator().manual_seed(1))(batch, rewards, 0)
+    assert torch.equal(a, b)
+    with pytest.raises(ConfigError, match="advantage: uniform takes eps"):
+        make_advantage("uniform", lam=0.3)
+    with pytest.raises(ConfigError, match="advantage: grpo takes no parameters"):
+        make_advantage("grpo", eps=0.1)
+
+
+def _one_turn_batch(task, actions):
+    """A RolloutBatch of one-turn episodes of ``task``, one per action (tokens are placeholders)."""
+    envs = []
+    for a in actions:
+        env = ToolshopEnv(task)
+        env.step(encode([*a.split(), "EOA"]))
+        envs.append(env)
+    B = len(envs)
+    return RolloutBatch(
+        tokens=torch.zeros(B, 3, dtype=torch.long), policy_mask=torch.tensor([[False, True, True]] * B),
+        valid_mask=torch.ones(B, 3, dtype=torch.bool), rollout_logprobs=torch.zeros(B, 3),
+        turn_ids=torch.tensor([[-1, 0, 0]] * B), records=[e.records for e in envs],
+        success=torch.tensor([float(e.result()[0]) for e in envs]),
+        progress=torch.tensor([e.result()[1] for e in envs]), truncated=torch.tensor([not e.wrote for e in envs]),
+        n_calls=torch.ones(B, dtype=torch.long), tasks=[task] * B, group_ids=torch.zeros(B, dtype=torch.long))
+
+
+def test_per_turn_credit_survives_a_write_that_undoes_progress():
+    t = make_task(0, 2)
+    other = next(i for i in t.store.orders[t.order]["items"] if i != t.item)
+    other_variant = next(v for v in t.store.products[t.store.items[other]["product"]]["variants"]
+                         if v != t.store.items[other]["variant"])
+    batch = _one_turn_batch(t, [f"exchange {t.order} {t.item} {t.variant}",
+                                f"exchange {t.order} {other} {other_variant}"])  # progress 1/3 -> 1 and -> 0
+    deltas = turn_progress_deltas(batch)
+    assert torch.allclose(deltas[:, 0], torch.tensor([2 / 3, -1 / 3]))  # the signed change
+    for name in ("per_turn", "shuffled"):  # the geometries get its positive part (a negative one is refused)
+        adv = make_advantage(name, generator=torch.Generator().manual_seed(0))(batch, batch.progress, 0)
+        grpo = make_advantage("grpo")(batch, batch.progress, 0)
+        assert torch.allclose(adv[:, 1:], grpo[:, None].expand(2, 2)), name  # one turn: all of A_i
+
+
 def test_grpo_trainer_runs_logs_and_uses_pluggable_weights(model):
     m = TinyLM(model.cfg)
     m.load_state_dict(model.state_dict())
@@ -198,32 +283,6 @@ def test_grpo_trainer_runs_logs_and_uses_pluggable_weights(model):
     assert "eval/success" in rows[0] and "eval/success" not in rows[1]
     assert any(not torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
     assert rows[0]["mismatch/k3"] >= 0
-
-
-def test_toolshop_lab_smoke_resumes_and_cli_errors(tmp_path, monkeypatch):
-    from dataclasses import replace
-
-    from creditlab.cli.main import main
-    from creditlab.lab.toolshop import ToolshopLabConfig, run_toolshop
-
-    monkeypatch.setenv("CREDITLAB_CACHE", str(tmp_path / "cache"))
-    cfg = ToolshopLabConfig(base=replace(TINY_BASE, chain_lengths=(2,)),
-                            grpo=GRPOConfig(updates=2, tasks_per_update=2, group_size=2, chain_lengths=(2,),
-                                            max_len=48, eval_every=1, eval_tasks=4),
-                            seeds=(0,), mismatch_tasks=4)
-    res = run_toolshop(cfg, tmp_path / "out", progress=False)
-    for name in ("updates.parquet", "summary.md", "mismatch.md", "toolshop_success_k3.png", "report.md"):
-        assert (tmp_path / "out" / name).exists(), name
-    assert set(res["mismatch"]["engine"]) == {"fp32", "bf16", "fp8", "int8"}
-    assert len(res["updates"]) == 3  # two updates + the final evaluation row
-    again = run_toolshop(cfg, tmp_path / "out", progress=False)  # resumed: same rows from the store
-    assert again["updates"].equals(res["updates"])
-    with pytest.raises(SystemExit) as exc:
-        main(["lab", "toolshop", "--quick", "--rollout-precision", "fp4", "--out", str(tmp_path / "x")])
-    assert exc.value.code == 2
-    with pytest.raises(SystemExit) as exc:
-        main(["lab", "toolshop", "--quick", "--correction", "magic", "--out", str(tmp_path / "x")])
-    assert exc.value.code == 2
 
 
 def test_prm_advantage_with_a_schedule_matches_core(model):

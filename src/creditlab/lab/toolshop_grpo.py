@@ -39,10 +39,10 @@ from creditlab.models.quant import check_precision
 from creditlab.models.tiny_lm import TinyLM
 
 __all__ = [
-    "ADVANTAGES",
     "AdvantageFn",
     "GRPOConfig",
     "WeightFn",
+    "advantage_names",
     "make_advantage",
     "make_prm_advantage",
     "make_weights",
@@ -52,34 +52,61 @@ __all__ = [
 
 AdvantageFn = Callable[["RolloutBatch", torch.Tensor, int], torch.Tensor]
 WeightFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
-ADVANTAGES = ("grpo", "uniform", "per_turn", "shuffled")
 
 
-def make_advantage(name: str, *, generator: torch.Generator | None = None) -> AdvantageFn:
+def advantage_names() -> tuple[str, ...]:
+    """The names :func:`make_advantage` accepts now: ``grpo`` and every geometry registered in
+    :data:`creditlab.core.credit.GEOMETRIES` (``uniform``, ``per_turn``, ``shuffled``, ...)."""
+    from creditlab.core.credit import GEOMETRIES
+
+    return ("grpo", *GEOMETRIES)
+
+
+def make_advantage(name: str, *, generator: torch.Generator | None = None, conserve: bool = True,
+                   **params) -> AdvantageFn:
     """A built-in advantage by name: ``grpo`` (outcome GRPO on every policy token, the plain
-    broadcast), or a credit geometry of :mod:`creditlab.core.credit` over turns (equal total credit
-    per rollout): ``uniform``, ``per_turn`` (credit where the verifier's progress changed),
-    ``shuffled`` (the per-turn credit moved to random turns)."""
-    from creditlab.core import credit
+    broadcast), or a credit geometry of :data:`creditlab.core.credit.GEOMETRIES` over turns,
+    looked up with :func:`~creditlab.core.credit.get_geometry`: ``uniform`` (equal credit per
+    turn), ``per_turn`` (credit where the verifier's progress rose), ``shuffled`` (the per-turn
+    credit moved to random turns), or any other registered geometry.
+
+    The geometry sees a :class:`~creditlab.core.credit.StepBatch` of turns: ``step_mask`` the turns
+    taken (:func:`turn_mask_of`), ``advantages`` the GRPO advantage of the rewards, ``rewards``, and
+    ``step_scores`` the progress the verifier gained at each turn (the positive part of
+    :func:`turn_progress_deltas`: a write that undoes progress gets no credit, not negative credit).
+    ``conserve`` (equal total credit per rollout) and ``params`` go to the geometry (checked
+    against :func:`~creditlab.core.credit.geometry_params`); ``generator`` too when it takes one
+    (``shuffled``, ``random_k``). The per-turn credit is spread on each turn's policy tokens.
+    """
     from creditlab.core.advantages import grpo_advantages
+    from creditlab.core.credit import StepBatch, geometry_params, get_geometry
 
-    if name not in ADVANTAGES:
-        raise ConfigError("advantage", f"unknown advantage {name!r}; valid: {', '.join(ADVANTAGES)}")
+    if name == "grpo":
+        if params:
+            raise ConfigError("advantage", f"grpo takes no parameters, got {sorted(params)}")
 
-    def fn(batch: RolloutBatch, rewards: torch.Tensor, update: int) -> torch.Tensor:
-        adv = grpo_advantages(rewards, batch.group_ids)
-        if name == "grpo":
-            return adv
-        tm = turn_mask_of(batch)
-        if name == "uniform":
-            a = credit.uniform(adv, tm)
-        else:
-            a = credit.per_turn(adv, turn_progress_deltas(batch), tm)
-            if name == "shuffled":
-                a = credit.shuffled(a, tm, generator)
-        return turns_to_tokens(a, batch)
+        def outcome(batch: RolloutBatch, rewards: torch.Tensor, update: int) -> torch.Tensor:
+            return grpo_advantages(rewards, batch.group_ids)
 
-    return fn
+        return outcome
+    try:
+        geometry = get_geometry(name)
+    except ConfigError:
+        raise ConfigError("advantage", f"unknown advantage {name!r}; valid: {', '.join(advantage_names())}"
+                          ) from None
+    accepted = geometry_params(name)
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ConfigError("advantage", f"{name} takes {', '.join(accepted) or 'no parameters'}, got {unknown}")
+    if "generator" in accepted:
+        params = {**params, "generator": generator}
+
+    def credit(batch: RolloutBatch, rewards: torch.Tensor, update: int) -> torch.Tensor:
+        steps = StepBatch(turn_mask_of(batch), batch.group_ids, advantages=grpo_advantages(rewards, batch.group_ids),
+                          rewards=rewards, step_scores=turn_progress_deltas(batch).clamp(min=0))
+        return turns_to_tokens(geometry(steps, conserve=conserve, **params), batch)
+
+    return credit
 
 
 def make_prm_advantage(process_scores: Callable[[RolloutBatch], torch.Tensor] = evidence_scores,
@@ -99,22 +126,24 @@ def make_prm_advantage(process_scores: Callable[[RolloutBatch], torch.Tensor] = 
 
 
 def make_weights(arm: str, **params) -> WeightFn:
-    """Per-token correction weights of an arm of :data:`creditlab.core.correction.ARMS`
-    (``interq``, ``prefix``, ``global`` are modes of ``interq_weights``; ``tis``, ``mis``, ``seq_is``,
-    ``geo``, ``none`` the baselines), with its parameters bound."""
-    from creditlab.core import correction
+    """Per-token correction weights of the arm registered as ``arm`` in
+    :data:`creditlab.core.correction.CORRECTIONS` (looked up with
+    :func:`~creditlab.core.correction.get_correction`: ``interq``, ``prefix``, ``global``, ``tis``,
+    ``mis``, ``seq_is``, ``geo``, ``none``, or any registered arm), with ``params`` bound (checked
+    against :func:`~creditlab.core.correction.correction_params`). An unknown name or parameter
+    raises :class:`ConfigError`."""
+    from creditlab.core.correction import correction_params, get_correction
 
-    if arm not in correction.ARMS:
-        raise ConfigError("correction", f"unknown arm {arm!r}; valid: {', '.join(correction.ARMS)}")
-    if arm in correction.INTERQ_MODES:
-        def fn(old, rollout_lp, pm, vm=None):
-            return correction.interq_weights(old, rollout_lp, pm, vm, mode=arm, **params)
-        return fn
-    base = getattr(correction, f"{arm}_weights")
+    fn = get_correction(arm)
+    unknown = sorted(set(params) - set(correction_params(arm)))
+    if unknown:
+        accepted = ", ".join(correction_params(arm)) or "no parameters"
+        raise ConfigError("correction", f"{arm} takes {accepted}, got {unknown}")
 
-    def fn2(old, rollout_lp, pm, vm=None):
-        return base(old, rollout_lp, pm, vm, **params)
-    return fn2
+    def weights(old, rollout_lp, pm, vm=None):
+        return fn(old, rollout_lp, pm, vm, **params)
+
+    return weights
 
 
 @dataclass(frozen=True)
@@ -134,11 +163,12 @@ class GRPOConfig:
     learner_precision: str = "fp32"
     """Learner precision: fp32, or the rollout's for a quantization-aware (QAT) learner."""
     advantage: str = "grpo"
-    """Built-in advantage (see make_advantage); a callable can be passed to train_grpo instead."""
+    """Advantage by name: grpo or a registered credit geometry (see make_advantage); a callable can be
+    passed to train_grpo instead."""
     reward: str = "success"
     """Outcome reward: "success" (binary) or "progress" (field-level score)."""
     correction: str = "none"
-    """Per-token weights arm (creditlab.core.correction.ARMS); a callable can be passed instead."""
+    """Per-token weights: an arm of creditlab.core.correction.CORRECTIONS; a callable can be passed instead."""
     lr: float = 3e-4
     """AdamW learning rate."""
     minibatches: int = 2
