@@ -547,7 +547,7 @@ def test_bad_parameters():
 
 
 def test_registry_holds_every_arm_with_its_parameters():
-    assert list(CORRECTIONS) == ["interq", "prefix", "global", "tis", "mis", "seq_is", "geo", "none"]
+    assert list(CORRECTIONS)[:8] == ["interq", "prefix", "global", "tis", "mis", "seq_is", "geo", "none"]
     assert not hasattr(correction, "ARMS")
     for mode in correction.INTERQ_MODES:
         assert correction_params(mode) == ("eps_low", "eps_high", "alpha_g", "rho_eps", "iters")
@@ -574,7 +574,7 @@ def test_registered_arms_pickle():
 
 def test_unknown_arm_lists_every_registered_name():
     with pytest.raises(ConfigError, match="correction: unknown 'bogus'; valid: interq, prefix, global, tis, mis, "
-                                          "seq_is, geo, none"):
+                                          "seq_is, geo, none"):  # and any registered after them
         get_correction("bogus")
     with pytest.raises(ConfigError, match="unknown"):
         correction_params("bogus")
