@@ -170,8 +170,10 @@ def test_correction_arms_resolve_and_unknown_arm_raises():
         assert torch.allclose(w, torch.ones_like(w)), arm  # no mismatch -> weights 1
     with pytest.raises(ConfigError, match="correction"):
         make_weights("magic")
-    with pytest.raises(ConfigError, match="precision"):
+    with pytest.raises(ConfigError, match="^rollout_precision: unknown precision 'fp4'"):
         GRPOConfig(rollout_precision="fp4")
+    with pytest.raises(ConfigError, match="^learner_precision: "):
+        GRPOConfig(learner_precision="fp16")
     with pytest.raises(ConfigError, match="group_size"):
         GRPOConfig(group_size=1)
 

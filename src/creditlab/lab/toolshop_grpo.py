@@ -199,8 +199,11 @@ class GRPOConfig:
     """Seed of the task stream and the sampling."""
 
     def __post_init__(self) -> None:
-        check_precision(self.rollout_precision)
-        check_precision(self.learner_precision)
+        for name in ("rollout_precision", "learner_precision"):  # the error names the field
+            try:
+                check_precision(getattr(self, name))
+            except ConfigError as err:
+                raise ConfigError(name, str(err).removeprefix(f"{err.parameter}: ")) from None
         if self.reward not in ("success", "progress"):
             raise ConfigError("reward", f"must be 'success' or 'progress', got {self.reward!r}")
         for name in ("updates", "tasks_per_update", "group_size", "minibatches", "epochs"):
