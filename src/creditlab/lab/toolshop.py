@@ -8,62 +8,83 @@ Reads top to bottom:
    FP8 W8A8-KV8, INT8 W8A8) and the learner (fp32, or quantization-aware with the engine's rules);
 3. train with multi-turn outcome GRPO, one cell per seed, persisted as it finishes (resumable);
 4. write tables (parquet + markdown) and plots of success and K3 over updates.
+
+The base policy is built once in the driver (:meth:`ToolshopLab.prepare`, with a progress bar) and
+every cell loads it from the cache directory.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pandas as pd
 import torch
 
 from creditlab.errors import ConfigError
-from creditlab.lab.report import mean_ci, to_markdown, write_table
-from creditlab.lab.runner import Cell, run_cells
-from creditlab.lab.store import ResultStore
+from creditlab.lab.plotting import new_figure, save
+from creditlab.lab.protocol import LabConfig, Table, register_lab
+from creditlab.lab.report import mean_ci
+from creditlab.lab.runner import Cell
 from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir
 from creditlab.lab.toolshop_grpo import GRPOConfig, train_grpo
 from creditlab.lab.toolshop_rollout import EVAL_SEED_OFFSET, evaluate, make_tasks, rollout, sequence_logprobs
 
-__all__ = ["MISMATCH_PAIRS", "ToolshopLabConfig", "measure_mismatch", "run_seed", "run_toolshop"]
+__all__ = ["LAB", "MISMATCH_PAIRS", "ToolshopLab", "ToolshopLabConfig", "measure_mismatch", "run_base_cell",
+           "run_mismatch_cell", "run_seed"]
 
 #: (engine precision, learner precision) pairs of the mismatch table; equal names = QAT learner.
 MISMATCH_PAIRS = (("fp32", "fp32"), ("bf16", "fp32"), ("fp8", "fp32"), ("fp8", "fp8"),
                   ("int8", "fp32"), ("int8", "int8"))
+EXPERIMENTS = ("mismatch", "grpo")
+#: K3 below this is float noise of identical fp32 arithmetic (no mismatch to plot).
+K3_NOISE = 1e-12
 
 
 @dataclass(frozen=True)
-class ToolshopLabConfig:
+class ToolshopLabConfig(LabConfig):
     """Configuration of the toolshop lab."""
+
+    OPTIONS: ClassVar[dict[str, str]] = {
+        "updates": "grpo.updates", "rollout_precision": "grpo.rollout_precision",
+        "learner_precision": "grpo.learner_precision", "correction": "grpo.correction"}
+    EXPERIMENTS: ClassVar[tuple[str, ...]] = EXPERIMENTS
+    SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir")
 
     base: BaseConfig = field(default_factory=BaseConfig)
     """Supervised warm start of the base policy (cached)."""
     grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(updates=100, eval_every=10))
     """Outcome GRPO from the base policy."""
-    seeds: tuple[int, ...] = (0, 1)
-    """Training seeds (task stream and sampling); the base policy is shared."""
+    seeds: int = 2
+    """Training seeds 0..seeds-1 (task stream and sampling); the base policy is shared."""
     mismatch_tasks: int = 256
     """Trajectories of the base policy used for the mismatch table."""
+    experiments: tuple[str, ...] = EXPERIMENTS
+    """``mismatch`` (engine/learner mismatch of the base policy) and ``grpo`` (outcome GRPO)."""
+    cache_dir: str | None = None
+    """Where the base policy is cached (None: the user cache directory); never changes a number."""
 
-    @staticmethod
-    def quick() -> ToolshopLabConfig:
-        return ToolshopLabConfig(grpo=GRPOConfig(updates=12, tasks_per_update=16, group_size=8,
-                                                 eval_every=4, eval_tasks=128),
-                                 seeds=(0,), mismatch_tasks=64)
+    @classmethod
+    def quick(cls) -> ToolshopLabConfig:
+        return cls(grpo=GRPOConfig(updates=12, tasks_per_update=16, group_size=8, eval_every=4, eval_tasks=128),
+                   seeds=1, mismatch_tasks=64)
 
     def validate(self) -> None:
-        if not self.seeds:
-            raise ConfigError("seeds", "needs at least one seed")
+        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
+            raise ConfigError("--seeds", f"must be an integer >= 1, got {self.seeds!r}")
         if self.mismatch_tasks < 1:
             raise ConfigError("mismatch_tasks", f"must be >= 1, got {self.mismatch_tasks}")
         if self.grpo.max_len > self.base.max_len:
             raise ConfigError("grpo.max_len", f"{self.grpo.max_len} exceeds the model's {self.base.max_len}")
         if tuple(self.grpo.chain_lengths) != tuple(self.base.chain_lengths):
             raise ConfigError("grpo.chain_lengths", "must equal base.chain_lengths (the base policy's tasks)")
+        if not self.experiments or any(e not in EXPERIMENTS for e in self.experiments):
+            raise ConfigError("--experiment", f"got {list(self.experiments)}; valid: {', '.join(EXPERIMENTS)}")
+
+    def cache(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else default_cache_dir(None)
 
 
 @torch.no_grad()
@@ -85,12 +106,32 @@ def measure_mismatch(model, n_tasks: int, chain_lengths, *, seed: int = 0, max_l
     return pd.DataFrame(rows)
 
 
-def run_seed(base: dict, grpo: dict, seed: int) -> list[dict]:
+def _base(config: dict, cache_dir: str) -> tuple[ToolshopLabConfig, torch.nn.Module]:
+    cfg = ToolshopLabConfig.from_dict(config)
+    return cfg, base_policy(cfg.base, cache_dir=cache_dir)
+
+
+def run_base_cell(config: dict, cache_dir: str) -> list[dict]:
+    """Held-out success of the base policy (one row)."""
+    cfg, model = _base(config, cache_dir)
+    g = cfg.grpo
+    res = evaluate(model, range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + g.eval_tasks), g.chain_lengths,
+                   precision=g.rollout_precision, seed=1, max_len=g.max_len, max_turns=g.max_turns,
+                   max_action_len=g.max_action_len)
+    return [{f"eval/{k}": v for k, v in res.items()}]
+
+
+def run_mismatch_cell(config: dict, cache_dir: str) -> list[dict]:
+    """The mismatch table of the base policy (one row per engine/learner pair)."""
+    cfg, model = _base(config, cache_dir)
+    return measure_mismatch(model, cfg.mismatch_tasks, cfg.grpo.chain_lengths, max_len=cfg.grpo.max_len
+                            ).to_dict("records")
+
+
+def run_seed(config: dict, seed: int, cache_dir: str) -> list[dict]:
     """One training run (a cell): GRPO from the cached base policy; one row per update."""
-    bcfg = BaseConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in base.items()})
-    gcfg = GRPOConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in grpo.items()})
-    gcfg = replace(gcfg, seed=seed)
-    model = base_policy(bcfg, cache_dir=default_cache_dir(os.environ.get("CREDITLAB_CACHE")))
+    cfg, model = _base(config, cache_dir)
+    gcfg = replace(cfg.grpo, seed=seed)
     rows = train_grpo(model, gcfg)
     final = evaluate(model, range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + gcfg.eval_tasks), gcfg.chain_lengths,
                      precision=gcfg.rollout_precision, seed=gcfg.seed + 1, max_len=gcfg.max_len,
@@ -99,14 +140,115 @@ def run_seed(base: dict, grpo: dict, seed: int) -> list[dict]:
     return [{"seed": seed, **{k: v for k, v in r.items() if not k.startswith("mismatch/turn")}} for r in rows]
 
 
-def _plot(df: pd.DataFrame, out: Path, base_success: float, engines: str) -> list[Path]:
-    import matplotlib
+def _ci_row(what: str, values, bounds: tuple[float, float] | None = (0.0, 1.0)) -> dict:
+    v = pd.Series(values, dtype=float).dropna().to_numpy()
+    m, lo, hi = mean_ci(v, bounds)
+    return {"what": what, "mean": m, "lo": lo, "hi": hi, "n": len(v)}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    paths = []
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+class ToolshopLab:
+    """Outcome GRPO of the tiny tool-use agent from its supervised base policy (module docstring)."""
+
+    name = "toolshop"
+    summary = "Multi-turn outcome GRPO of a tiny transformer tool agent; engine/learner mismatch table."
+    config_type = ToolshopLabConfig
+
+    def describe(self, cfg: ToolshopLabConfig) -> str:
+        g = cfg.grpo
+        return (f"A tiny causal transformer agent (base policy: supervised warm start on {cfg.base.n_demos} noisy "
+                f"scripted demonstrations, chains of length {list(cfg.base.chain_lengths)}) trained with multi-turn "
+                f"outcome GRPO: rollout engine {g.rollout_precision}, learner {g.learner_precision}, correction "
+                f"{g.correction}, {g.tasks_per_update} tasks x {g.group_size} rollouts per update, {g.updates} "
+                f"updates, {cfg.seeds} seed(s). Held-out success is measured on {g.eval_tasks} fixed evaluation "
+                "tasks with sampled actions.")
+
+    def prepare(self, cfg: ToolshopLabConfig, progress: bool = True) -> None:
+        """Build the base policy once in the driver (cached), with a progress bar."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        path = cfg.cache() / f"toolshop-base-{cfg.base.key()}.safetensors"
+        if path.exists():
+            return
+        with Progress(TextColumn("[bold]toolshop base policy"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), disable=not progress) as bar:
+            task = bar.add_task("base", total=cfg.base.steps, loss=float("nan"))
+            base_policy(cfg.base, cache_dir=cfg.cache(),
+                        progress=lambda k, loss: bar.update(task, completed=k + 1, loss=loss))
+
+    def cells(self, cfg: ToolshopLabConfig) -> list[Cell]:
+        ident, ctx = cfg.identity(), {"cache_dir": str(cfg.cache())}
+        cells = [Cell("base", "base", run_base_cell, {"config": ident}, ctx)]
+        if "mismatch" in cfg.experiments:
+            cells.append(Cell("mismatch", "mismatch", run_mismatch_cell, {"config": ident}, ctx))
+        if "grpo" in cfg.experiments:
+            cells += [Cell("grpo", f"seed={s}", run_seed, {"config": ident, "seed": s}, ctx)
+                      for s in range(cfg.seeds)]
+        return cells
+
+    def tables(self, rows: dict[str, pd.DataFrame], cfg: ToolshopLabConfig) -> dict[str, Table]:
+        tabs: dict[str, Table] = {}
+        g = cfg.grpo
+        if "mismatch" in rows:
+            tabs["mismatch"] = Table(rows["mismatch"], "Execution mismatch of the base policy", ".3g", console=True)
+        if "grpo" in rows:
+            df = rows["grpo"].sort_values(["seed", "update"]).reset_index(drop=True)
+            tabs["updates"] = Table(df, "Every update of every seed", ".3g", report=False)
+            final = df[df["update"] == g.updates]
+            first = df[df["update"] == 0]
+            last_k = df[(df["update"] >= g.updates - max(1, g.updates // 10)) & (df["update"] < g.updates)]
+            base = rows["base"]["eval/success"]
+            summary = pd.DataFrame([
+                _ci_row("base policy, held-out success", base),
+                _ci_row("training-batch success, first update", first["reward/success"]),
+                _ci_row("training-batch success, last 10% of updates",
+                        last_k.groupby("seed")["reward/success"].mean()),
+                _ci_row("held-out success after training", final["eval/success"]),
+                _ci_row("held-out truncation rate after training", final["eval/truncated"]),
+                _ci_row("held-out tool calls after training", final["eval/n_calls"], (0.0, np.inf)),
+                _ci_row("K3 engine||learner, mean over updates", df.groupby("seed")["mismatch/k3"].mean(),
+                        (0.0, np.inf)),
+            ])
+            tabs["summary"] = Table(summary, "Summary (mean and 95% interval over seeds)", ".3g", console=True)
+        return tabs
+
+    def plots(self, tabs: dict[str, Table], cfg: ToolshopLabConfig, out: Path) -> list[Path]:
+        if "updates" not in tabs:
+            return []
+        base = float(tabs["summary"].frame["mean"].iloc[0])
+        g = cfg.grpo
+        return [_plot(tabs["updates"].frame, out, base, f"{g.rollout_precision} engine, {g.learner_precision} learner")]
+
+    def interpret(self, tabs: dict[str, Table], cfg: ToolshopLabConfig) -> dict[str, str]:
+        text: dict[str, str] = {}
+        one = " One seed: no interval; the run is too small to tell a change from noise." if cfg.seeds < 2 else ""
+        if "mismatch" in tabs:
+            m = tabs["mismatch"].frame
+            naive = m[~m["learner"].str.contains("QAT") & (m["engine"] != "fp32")]
+            qat = m[m["learner"].str.contains("QAT")]
+            text["mismatch"] = (
+                f"K3(engine || learner) per policy token on {cfg.mismatch_tasks} trajectories of the base policy, "
+                "for each rollout engine against an fp32 learner and against a quantization-aware (QAT) learner "
+                "that runs the engine's rounding. "
+                + ("; ".join(f"{r.engine}: {r.k3:.3g}" for r in naive.itertuples()) + " with an fp32 learner; "
+                   if len(naive) else "")
+                + ("; ".join(f"{r.engine}: {r.k3:.3g}" for r in qat.itertuples()) + " with a QAT learner. "
+                   if len(qat) else "")
+                + "fp32 against fp32 is zero up to float noise (the same arithmetic).")
+        if "summary" in tabs:
+            s = tabs["summary"].frame.set_index("what")["mean"]
+            text["summary"] = (
+                f"Held-out success goes from {s['base policy, held-out success']:.3g} (base policy) to "
+                f"{s['held-out success after training']:.3g} after {cfg.grpo.updates} updates; truncation rate "
+                f"{s['held-out truncation rate after training']:.3g}, tool calls per episode "
+                f"{s['held-out tool calls after training']:.3g}." + one)
+        return text
+
+
+LAB = register_lab(ToolshopLab())
+
+
+def _plot(df: pd.DataFrame, out: Path, base_success: float, engines: str) -> Path:
+    fig, axes = new_figure(1, 2, figsize=(11, 4))
     ax = axes[0]
     tr = df.dropna(subset=["reward/success"]).groupby("update")["reward/success"]
     x = tr.mean().index.values
@@ -121,70 +263,15 @@ def _plot(df: pd.DataFrame, out: Path, base_success: float, engines: str) -> lis
     ax.legend(loc="lower right")
     ax = axes[1]
     k3 = df.dropna(subset=["mismatch/k3"]).groupby("update")["mismatch/k3"].mean()
-    ax.plot(k3.index.values, np.maximum(k3.values, 1e-16), color="tab:purple")
-    ax.set_yscale("log")
+    if len(k3) and float(np.abs(k3.values).max()) < K3_NOISE:
+        ax.plot(k3.index.values, np.zeros(len(k3)), color="tab:purple")
+        ax.set_ylim(-1, 1)
+        ax.text(0.5, 0.6, f"K3 = 0 up to float noise (|K3| < {K3_NOISE:g}):\nno engine/learner mismatch",
+                transform=ax.transAxes, ha="center", color="tab:purple")
+    else:
+        ax.plot(k3.index.values, np.maximum(k3.values, K3_NOISE), color="tab:purple")
+        ax.set_yscale("log")
     ax.set_xlabel("update")
     ax.set_ylabel("K3(engine || learner) per policy token")
     ax.set_title(f"execution mismatch over training\n({engines})")
-    fig.tight_layout()
-    p = out / "toolshop_success_k3.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
-    return paths
-
-
-def run_toolshop(cfg: ToolshopLabConfig, out: str | Path, *, workers: int = 1,
-                 progress: bool = True) -> dict[str, pd.DataFrame]:
-    """Run the lab into ``out``: results store, tables, plots and ``report.md``. Resumable."""
-    cfg.validate()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    g = cfg.grpo
-    # 1. the base policy (trained once, cached) and its held-out success
-    model = base_policy(cfg.base, cache_dir=default_cache_dir(os.environ.get("CREDITLAB_CACHE")))
-    eval_seeds = range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + g.eval_tasks)
-    base_eval = evaluate(model, eval_seeds, g.chain_lengths, precision=g.rollout_precision, seed=1,
-                         max_len=g.max_len, max_turns=g.max_turns, max_action_len=g.max_action_len)
-    # 2. execution mismatch of the base policy
-    mism = measure_mismatch(model, cfg.mismatch_tasks, g.chain_lengths, max_len=g.max_len)
-    write_table(mism, out, "mismatch")
-    (out / "mismatch.md").write_text(to_markdown(mism, ".3g"))  # K3 spans orders of magnitude
-    # 3. GRPO, one resumable cell per seed
-    store = ResultStore(out / "store")
-    cells = [Cell(key=f"seed={s}|{json.dumps(asdict(g), sort_keys=True)}|{cfg.base.key()}", fn=run_seed,
-                  kwargs={"base": asdict(cfg.base), "grpo": asdict(g), "seed": s}) for s in cfg.seeds]
-    df = run_cells(cells, store, workers=workers, desc="toolshop GRPO", progress=progress)
-    df = df.sort_values(["seed", "update"]).reset_index(drop=True)
-    write_table(df, out, "updates")
-    # 4. summary and plots
-    final = df[df["update"] == g.updates]
-    first = df[df["update"] == 0]
-    last_k = df[(df["update"] >= g.updates - max(1, g.updates // 10)) & (df["update"] < g.updates)]
-    rows = [{"what": "base policy, held-out success", "mean": base_eval["success"], "lo": np.nan,
-             "hi": np.nan, "n": 1}]
-    for name, vals in (("training-batch success, first update", first["reward/success"]),
-                       ("training-batch success, last 10% of updates",
-                        last_k.groupby("seed")["reward/success"].mean()),
-                       ("held-out success after training", final["eval/success"]),
-                       ("held-out truncation rate after training", final["eval/truncated"]),
-                       ("held-out tool calls after training", final["eval/n_calls"]),
-                       ("K3 engine||learner, mean over updates", df.groupby("seed")["mismatch/k3"].mean())):
-        v = vals.dropna().to_numpy(dtype=float)
-        m, lo, hi = mean_ci(v) if len(v) > 1 else (float(v.mean()) if len(v) else np.nan, np.nan, np.nan)
-        rows.append({"what": name, "mean": m, "lo": lo, "hi": hi, "n": len(v)})
-    summary = pd.DataFrame(rows)
-    write_table(summary, out, "summary")
-    (out / "summary.md").write_text(to_markdown(summary, ".3g"))
-    engines = f"{g.rollout_precision} engine, {g.learner_precision} learner"
-    plots = _plot(df, out, base_eval["success"], engines)
-    (out / "report.md").write_text(
-        "# toolshop lab\n\n"
-        f"Outcome GRPO (rollout {g.rollout_precision}, learner {g.learner_precision}, "
-        f"{g.tasks_per_update} tasks x {g.group_size} rollouts, {g.updates} updates, "
-        f"seeds {list(cfg.seeds)}).\n\n"
-        "## Summary\n\n" + to_markdown(summary, ".3g")
-        + "\n\n## Execution mismatch of the base policy\n\n" + to_markdown(mism, ".3g") + "\n\n"
-        + "".join(f"![{p.stem}]({p.name})\n" for p in plots))
-    return {"updates": df, "summary": summary, "mismatch": mism}
+    return save(fig, out / "toolshop_success_k3.png")

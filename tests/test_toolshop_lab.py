@@ -1,0 +1,62 @@
+"""The toolshop lab on the lab protocol: golden rows, resume, outputs, CLI errors."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from creditlab.lab.protocol import run_lab
+from creditlab.lab.store import ResultStore
+from creditlab.lab.toolshop import LAB, ToolshopLabConfig
+from creditlab.lab.toolshop_base import BaseConfig
+from creditlab.lab.toolshop_grpo import GRPOConfig
+
+GOLDEN = Path(__file__).parent / "golden"
+TINY_BASE = BaseConfig(n_demos=64, steps=30, batch_size=16, d_model=32, n_layer=1, max_len=96)
+
+
+def _tiny(cache, seeds=2):
+    return ToolshopLabConfig(base=replace(TINY_BASE, chain_lengths=(2,)),
+                             grpo=GRPOConfig(updates=2, tasks_per_update=2, group_size=2, chain_lengths=(2,),
+                                             max_len=48, eval_every=1, eval_tasks=4),
+                             seeds=seeds, mismatch_tasks=4, cache_dir=str(cache))
+
+
+def test_rows_unchanged_outputs_and_resume(tmp_path):
+    cfg = _tiny(tmp_path / "cache")
+    res = run_lab(LAB, cfg, tmp_path / "out", progress=False)
+    out = tmp_path / "out"
+    for name in ("updates.parquet", "summary.md", "mismatch.md", "toolshop_success_k3.png", "report.md"):
+        assert (out / name).exists(), name
+    stored = ResultStore(out / "store").frame()
+    want = pd.read_parquet(GOLDEN / "toolshop_rows.parquet")
+    cols = [c for c in want.columns if not c.startswith("time/")]
+    got = stored[stored["cell_key"].str.startswith("grpo/")][cols].sort_values(["seed", "update"])
+    pd.testing.assert_frame_equal(got.reset_index(drop=True), want[cols].sort_values(["seed", "update"])
+                                  .reset_index(drop=True), check_dtype=False, rtol=1e-6, atol=1e-7)
+    pd.testing.assert_frame_equal(res.tables["mismatch"].frame, pd.read_parquet(GOLDEN / "toolshop_mismatch.parquet"),
+                                  check_dtype=False, rtol=1e-6, atol=1e-7)
+    assert len(res.tables["updates"].frame) == 2 * 3  # seeds x (two updates + the final evaluation row)
+    again = run_lab(LAB, cfg, out, progress=False)
+    assert again.computed == 0
+    pd.testing.assert_frame_equal(again.tables["updates"].frame, res.tables["updates"].frame)
+    # the cache directory is not part of the run's identity: another cache, same run, nothing recomputed
+    moved = run_lab(LAB, replace(cfg, cache_dir=str(tmp_path / "cache2")), out, progress=False)
+    assert moved.computed == 0
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--rollout-precision", "fp4"], "--rollout-precision"),
+    (["--correction", "magic"], "--correction"),
+    (["--seeds", "0"], "--seeds"),
+])
+def test_cli_errors_name_the_flag(tmp_path, args, flag, capsys):
+    from creditlab.cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["lab", "toolshop", "--quick", "--out", str(tmp_path / "x"), *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()
