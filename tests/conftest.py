@@ -1,7 +1,46 @@
 import os
 
 import hypothesis
+import pytest
 
 hypothesis.settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True)
 hypothesis.settings.register_profile("dev", max_examples=30, deadline=None)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+class HostReads:
+    """Counts device-to-host reads of tensor values (``item``, ``tolist``, ``bool``, ``float``, ``int``,
+    ``numpy``...) made while ``with reads:`` is active; ``reads.calls`` lists them."""
+
+    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "__array__")
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def __enter__(self):
+        import torch
+
+        self._saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+        self.calls.clear()
+
+        def wrap(name, f):
+            def counted(t, *args, **kwargs):
+                self.calls.append(name)
+                return f(t, *args, **kwargs)
+            return counted
+
+        for name, f in self._saved.items():
+            setattr(torch.Tensor, name, wrap(name, f))
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        for name, f in self._saved.items():
+            setattr(torch.Tensor, name, f)
+
+
+@pytest.fixture
+def host_reads():
+    """A :class:`HostReads` counter: ``with host_reads: fn()`` then ``host_reads.calls``."""
+    return HostReads()

@@ -33,6 +33,10 @@ def _tokens(seed, B, L, p=0.7, dtype=F64):
     return lp, old, adv, mask
 
 
+def _floats(metrics):
+    return {k: float(v) for k, v in metrics.items()}
+
+
 shapes = st.tuples(st.integers(1, 5), st.integers(1, 20), st.sampled_from([0.0, 0.3, 0.8, 1.0]),
                    st.integers(0, 2**31 - 1))
 
@@ -180,7 +184,7 @@ def test_policy_loss_junk_at_masked_positions():
     loss_j, m_j = policy_loss(lp_j, old_j, adv_tok, mask, weights=w_j)
     loss, m = policy_loss(lp, old, adv, mask)
     assert float(loss_j.detach()) == pytest.approx(float(loss), rel=1e-15)
-    assert m_j == pytest.approx(m)
+    assert _floats(m_j) == pytest.approx(_floats(m))
     loss_j.backward()
     assert bool(torch.isfinite(lp_j.grad).all()) and bool((lp_j.grad[~mask] == 0).all())
 
@@ -294,3 +298,113 @@ def test_opsd_sampled_variant():
     # d/d student of -adv * student (adv detached) is -adv / n_tokens
     torch.testing.assert_close(student.grad, -adv / mask.sum())
     assert m["opsd/reverse_kl"] == pytest.approx(float((student - teacher).detach()[mask].mean()))
+
+
+# --------------------------------------------------------------------------------------------
+# the trainer hot path: no host reads, tensors out
+
+
+def _meta_inputs(B=4, L=7, V=None):
+    meta = {"device": "meta"}
+    lp = torch.empty(B, L, **meta, requires_grad=True)
+    old, adv, w = torch.empty(B, L, **meta), torch.empty(B, L, **meta), torch.empty(B, L, **meta)
+    mask = torch.empty(B, L, dtype=torch.bool, **meta)
+    return lp, old, adv, w, mask
+
+
+@pytest.mark.parametrize("check_finite", [False, True])
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_policy_loss_runs_on_meta_tensors_and_returns_tensors(agg, check_finite):
+    """Any host read raises on ``meta`` tensors, so running to the end proves there is none."""
+    lp, old, adv, w, mask = _meta_inputs()
+    loss, m = policy_loss(lp, old, adv, mask, weights=w, agg=agg, clip_ratio_c=3.0, check_finite=check_finite)
+    assert loss.device.type == "meta" and loss.shape == () and loss.requires_grad
+    assert all(isinstance(v, torch.Tensor) and v.shape == () and v.device.type == "meta" and not v.requires_grad
+               for v in m.values())
+    assert ("loss/nonfinite_tokens" in m) is not check_finite
+    loss, _ = policy_loss(lp, old, adv[:, 0], mask, agg=agg, check_finite=check_finite)  # (B,) advantages
+    assert loss.device.type == "meta"
+    assert aggregate(lp, mask, agg, check_finite=check_finite).device.type == "meta"
+
+
+def test_opsd_losses_run_on_meta_tensors():
+    B, L, V = 3, 5, 11
+    s = torch.empty(B, L, V, device="meta", requires_grad=True)
+    t = torch.empty(B, L, V, device="meta")
+    mask = torch.empty(B, L, dtype=torch.bool, device="meta")
+    for beta in (0.0, 0.5, 1.0):
+        loss, m = opsd_loss(s, t, mask, beta, check_finite=False)
+        assert loss.device.type == "meta" and all(v.device.type == "meta" for v in m.values())
+        assert "opsd/nonfinite_tokens" in m
+    lp = torch.empty(B, L, device="meta", requires_grad=True)
+    loss, m = opsd_sampled_loss(lp, torch.empty(B, L, device="meta"), mask, check_finite=False)
+    assert loss.device.type == "meta" and all(v.device.type == "meta" for v in m.values())
+
+
+def test_policy_loss_reads_nothing_on_the_host_with_check_finite_false(host_reads):
+    lp, old, adv, mask = _tokens(3, 6, 30, dtype=torch.float32)
+    w = torch.rand(6, 30)
+    with host_reads:
+        loss, m = policy_loss(lp.requires_grad_(True), old, adv, mask, weights=w, agg="seq_mean_token_mean",
+                              check_finite=False)
+        opsd_sampled_loss(lp, old, mask, check_finite=False)
+        aggregate(old, mask, check_finite=False)
+    assert host_reads.calls == []
+    with host_reads:
+        policy_loss(lp, old, adv, mask, weights=w)
+    assert host_reads.calls == ["__bool__"] * 4  # one NaN/inf scan per input when asked (the default)
+
+
+@given(shapes, st.sampled_from(AGG_MODES), st.booleans())
+def test_metrics_are_the_same_numbers_either_way(shape, mode, weighted):
+    B, L, p, seed = shape
+    lp, old, adv, mask = _tokens(seed, B, L, p)
+    w = torch.rand(B, L, generator=torch.Generator().manual_seed(seed), dtype=F64) + 0.5 if weighted else None
+    loss_a, m_a = policy_loss(lp, old, adv, mask, weights=w, agg=mode)
+    loss_b, m_b = policy_loss(lp, old, adv, mask, weights=w, agg=mode, check_finite=False)
+    assert float(loss_a) == float(loss_b)
+    assert float(m_b.pop("loss/nonfinite_tokens")) == 0.0
+    assert _floats(m_a) == _floats(m_b)
+    assert all(v.dtype == F64 for v in m_a.values())
+
+
+def test_policy_loss_metrics_golden():
+    # two tokens, A = 1, log ratio (0.5, 0): ratio (e^0.5, 1); clip at 1.2 binds on token 0
+    lp = torch.tensor([[0.5, 0.0]], dtype=F64)
+    loss, m = policy_loss(lp, torch.zeros(1, 2, dtype=F64), torch.tensor([1.0], dtype=F64),
+                          torch.ones(1, 2, dtype=torch.bool), weights=torch.tensor([[2.0, 1.0]], dtype=F64))
+    # token losses w * max(-r, -clip(r)) = (2 * -1.2, 1 * -1): mean -1.7
+    assert float(loss) == pytest.approx(-1.7)
+    assert {k: round(float(v), 10) for k, v in m.items()} == {
+        "loss/policy": -1.7, "loss/clip_frac": 0.5, "loss/approx_kl": -0.25,
+        "loss/ratio_mean": round((math.exp(0.5) + 1) / 2, 10), "loss/weight_mean": 1.5}
+
+
+def test_nonfinite_inputs_are_counted_not_read_when_check_finite_is_false():
+    lp, old, adv, mask = _tokens(4, 3, 10, p=1.0)
+    mask[2, 5:] = False
+    lp = lp.clone()
+    lp[0, 1] = float("nan")  # a policy token
+    lp[2, 7] = float("nan")  # masked: junk, not counted
+    adv_tok = adv[:, None].expand(3, 10).clone()
+    adv_tok[1, 3] = float("inf")
+    w = torch.ones(3, 10, dtype=F64)
+    w[1, 3] = float("nan")  # the same token as the inf advantage: counted once
+    w[0, 4] = float("-inf")
+    loss, m = policy_loss(lp, old, adv_tok, mask, weights=w, check_finite=False)
+    assert float(m["loss/nonfinite_tokens"]) == 3.0 and not math.isfinite(float(loss))
+    with pytest.raises(InputError, match="logprobs"):
+        policy_loss(lp, old, adv_tok, mask, weights=w)
+    with pytest.raises(InputError, match="student_logits"):
+        opsd_loss(torch.full((1, 2, 3), float("nan")), torch.zeros(1, 2, 3), torch.ones(1, 2, dtype=torch.bool))
+    _, m = opsd_loss(torch.full((1, 2, 3), float("nan")), torch.zeros(1, 2, 3), torch.tensor([[True, False]]),
+                     check_finite=False)
+    assert float(m["opsd/nonfinite_tokens"]) == 1.0
+
+
+def test_inputs_on_another_device_are_refused():
+    lp, old, adv, mask = _tokens(5, 2, 4)
+    with pytest.raises(InputError, match="old_logprobs: is on device meta"):
+        policy_loss(lp, old.to("meta"), adv, mask)
+    with pytest.raises(InputError, match="weights: is on device meta"):
+        policy_loss(lp, old, adv, mask, weights=torch.empty(2, 4, device="meta"))

@@ -4,6 +4,14 @@ Every reduction goes through :func:`aggregate`. Token tensors are ``(B, L)``; ``
 ``(B, L)`` bool loss mask (policy tokens). Losses are computed in float32 (float64 for float64
 inputs) whatever the input precision, and junk (even NaN/inf) at masked positions neither changes
 the value nor produces NaN gradients.
+
+These functions run once per micro-batch inside a trainer, so they read no tensor value on the host
+when asked not to: metrics are returned as 0-dim detached float64 tensors on the inputs' device
+(``float(m["loss/clip_frac"])`` when logging), and ``check_finite=False`` replaces the NaN/inf
+check (one host read per argument) by a count of the offending tokens, returned as a metric
+(``loss/nonfinite_tokens``, ``opsd/nonfinite_tokens``). Shape, dtype and device checks always run.
+``check_finite=True`` is the default for direct calls (a bad value raises at once, naming the
+argument); the verl loss passes ``check_finite=False``.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ import math
 
 import torch
 
-from creditlab.core._checks import check_scalar, check_tensor
+from creditlab.core._checks import any_true, check_scalar, check_tensor
 from creditlab.errors import ConfigError, InputError
 
 __all__ = [
@@ -60,7 +68,7 @@ def _aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm: float | 
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", *,
-              norm: float | None = None) -> torch.Tensor:
+              norm: float | None = None, check_finite: bool = True) -> torch.Tensor:
     """Reduce a ``(B, L)`` token loss to a scalar over the True positions of ``mask``.
 
     Modes (verl's ``agg_loss`` semantics):
@@ -73,7 +81,8 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", 
       ``seq-mean-token-sum-norm`` and TRL's ``dr_grpo`` when every row is non-empty).
 
     A fully masked row contributes 0 and is not counted in the ``seq_mean`` denominators; a
-    fully masked batch gives 0, never NaN. ``loss`` may hold junk (NaN, inf) at masked positions.
+    fully masked batch gives 0, never NaN. ``loss`` may hold junk (NaN, inf) at masked positions;
+    NaN/inf at a masked-in position raises when ``check_finite`` (one host read), else it propagates.
 
     >>> loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0], [9.0, 9.0, 9.0]])
     >>> mask = torch.tensor([[True, True, True], [True, True, False], [False, False, False]])
@@ -82,7 +91,8 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", 
     """
     dims: dict[str, int] = {}
     check_tensor("mask", mask, shape=("B", "L"), boolean=True, dims=dims)
-    check_tensor("loss", loss, shape=("B", "L"), floating=True, finite=True, finite_where=mask, dims=dims)
+    check_tensor("loss", loss, shape=("B", "L"), floating=True, finite=check_finite, finite_where=mask, dims=dims,
+                 device=mask.device)
     _check_agg(mode)
     if norm is not None:
         check_scalar("norm", norm, low=0.0, low_open=True)
@@ -93,16 +103,19 @@ def _mean_metric(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x.detach().to(_F64), 0.0).sum() / mask.sum().clamp_min(1).to(_F64)
 
 
-def _to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
-    values = torch.stack([v.detach().to(_F64).reshape(()) for v in metrics.values()]).tolist()
-    return dict(zip(metrics.keys(), values, strict=True))
+def _metric_dict(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """0-dim detached float64 tensors (no host read; verl's ``Metric`` and ``float()`` accept them)."""
+    return {k: v.detach().to(_F64).reshape(()) for k, v in metrics.items()}
 
 
-def _broadcast_advantages(advantages: torch.Tensor, B: int, L: int) -> torch.Tensor:
+def _broadcast_advantages(advantages: torch.Tensor, mask: torch.Tensor, check_finite: bool) -> torch.Tensor:
+    """``(B, L)`` advantages; a ``(B,)`` input must be finite everywhere, a ``(B, L)`` one on the mask."""
+    B, L = mask.shape
     if advantages.dim() == 1:
-        check_tensor("advantages", advantages, shape=(B,), floating=True, finite=True)
+        check_tensor("advantages", advantages, shape=(B,), floating=True, finite=check_finite, device=mask.device)
         return advantages[:, None].expand(B, L)
-    check_tensor("advantages", advantages, shape=(B, L), floating=True)
+    check_tensor("advantages", advantages, shape=(B, L), floating=True, finite=check_finite, finite_where=mask,
+                 device=mask.device)
     return advantages
 
 
@@ -118,7 +131,8 @@ def policy_loss(
     agg: str = "token_mean",
     norm: float | None = None,
     clip_ratio_c: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO clipped surrogate, optionally reweighted per token.
 
     ``r_t = exp(logprobs_t - old_logprobs_t)`` (log ratio clamped to ``[-20, 20]`` as verl does),
@@ -136,29 +150,35 @@ def policy_loss(
         agg: one of :data:`AGG_MODES`; ``norm`` is the constant of ``seq_mean_token_sum_norm``.
         clip_ratio_c: dual clip (Ye et al., 2020; verl's ``clip_ratio_c``, usually 3): for negative
             advantages the token loss is capped at ``-A_t * clip_ratio_c``. None (default): off.
+        check_finite: True (default): NaN/inf in an input at a policy token raises
+            :class:`InputError` naming it (one host read per input). False (the verl loss, called
+            once per micro-batch): no host read at all; the number of policy tokens where an input is
+            NaN/inf is returned as ``loss/nonfinite_tokens`` (the loss is then NaN, which verl's
+            non-finite gradient-norm guard skips).
 
     Returns:
         scalar loss (float32, float64 for float64 ``logprobs``) and metrics ``loss/policy``,
         ``loss/clip_frac`` (share of tokens where the clipped branch is active), ``loss/approx_kl``
-        (mean ``old - new`` log-prob), ``loss/ratio_mean``, ``loss/weight_mean``.
+        (mean ``old - new`` log-prob), ``loss/ratio_mean``, ``loss/weight_mean`` (and
+        ``loss/nonfinite_tokens`` when ``check_finite=False``), as 0-dim detached float64 tensors on
+        the inputs' device: nothing is read on the host.
 
     >>> lp = torch.zeros(1, 2, requires_grad=True)
     >>> loss, m = policy_loss(lp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool))
-    >>> float(loss.detach()), m["loss/clip_frac"]
+    >>> float(loss.detach()), float(m["loss/clip_frac"])
     (-1.0, 0.0)
     """
     dims: dict[str, int] = {}
     check_tensor("mask", mask, shape=("B", "L"), boolean=True, dims=dims)
-    check_tensor("logprobs", logprobs, shape=("B", "L"), floating=True, finite=True, finite_where=mask,
-                 dims=dims)
-    check_tensor("old_logprobs", old_logprobs, shape=("B", "L"), floating=True, finite=True,
-                 finite_where=mask, dims=dims)
-    B, L = mask.shape
-    adv = _broadcast_advantages(advantages, B, L)
-    check_tensor("advantages", adv, finite=True, finite_where=mask)
+    dev = mask.device
+    check_tensor("logprobs", logprobs, shape=("B", "L"), floating=True, finite=check_finite, finite_where=mask,
+                 dims=dims, device=dev)
+    check_tensor("old_logprobs", old_logprobs, shape=("B", "L"), floating=True, finite=check_finite,
+                 finite_where=mask, dims=dims, device=dev)
+    adv = _broadcast_advantages(advantages, mask, check_finite)
     if weights is not None:
-        check_tensor("weights", weights, shape=("B", "L"), floating=True, finite=True, finite_where=mask,
-                     dims=dims)
+        check_tensor("weights", weights, shape=("B", "L"), floating=True, finite=check_finite, finite_where=mask,
+                     dims=dims, device=dev)
     check_scalar("clip_low", clip_low, low=0.0, high=1.0)
     check_scalar("clip_high", clip_high, low=0.0)
     if clip_ratio_c is not None:
@@ -192,7 +212,11 @@ def policy_loss(
             "loss/ratio_mean": _mean_metric(ratio, mask),
             "loss/weight_mean": _mean_metric(w, mask) if w is not None else loss.new_ones((), dtype=_F64),
         }
-    return loss, _to_floats(metrics)
+        if not check_finite:  # one fused pass: NaN/inf in any input makes this sum NaN/inf
+            probe = logprobs.detach().to(dt) - old_logprobs.detach().to(dt)
+            probe = probe + (adv.detach().to(dt) if weights is None else adv.detach().to(dt) * weights.detach().to(dt))
+            metrics["loss/nonfinite_tokens"] = (~torch.isfinite(probe) & mask).sum()
+    return loss, _metric_dict(metrics)
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,7 +237,8 @@ def opsd_loss(
     beta: float = 0.5,
     *,
     agg: str = "token_mean",
-) -> tuple[torch.Tensor, dict[str, float]]:
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level generalised Jensen-Shannon divergence between teacher and student.
 
     On-policy self-distillation: the student's own rollouts are scored by a frozen teacher that
@@ -228,18 +253,25 @@ def opsd_loss(
         teacher_logits: ``(B, L, V)`` (detached inside).
         mask: ``(B, L)`` bool, policy tokens.
         beta: interpolation in ``[0, 1]``.
+        check_finite: True (default): NaN/+inf logits at a policy token raise (one host read per
+            input); False: counted in the metric ``opsd/nonfinite_tokens`` instead (no host read).
 
     Returns:
-        scalar loss and metrics ``loss/opsd``, ``opsd/forward_kl``, ``opsd/reverse_kl``.
+        scalar loss and metrics ``loss/opsd``, ``opsd/forward_kl``, ``opsd/reverse_kl`` (0-dim float64
+        tensors, see the module docstring).
     """
     dims: dict[str, int] = {}
     check_tensor("mask", mask, shape=("B", "L"), boolean=True, dims=dims)
-    check_tensor("student_logits", student_logits, shape=("B", "L", "V"), floating=True, dims=dims)
-    check_tensor("teacher_logits", teacher_logits, shape=("B", "L", "V"), floating=True, dims=dims)
+    check_tensor("student_logits", student_logits, shape=("B", "L", "V"), floating=True, dims=dims,
+                 device=mask.device)
+    check_tensor("teacher_logits", teacher_logits, shape=("B", "L", "V"), floating=True, dims=dims,
+                 device=mask.device)
+    nonfinite = torch.zeros_like(mask)
     for name, x in (("student_logits", student_logits), ("teacher_logits", teacher_logits)):
-        bad = torch.isnan(x) | (x == math.inf)  # -inf is a legal masked vocabulary entry
-        if bool((bad & mask[..., None]).any()):
+        bad = (torch.isnan(x) | (x == math.inf)).any(-1) & mask  # -inf is a legal masked vocabulary entry
+        if check_finite and any_true(bad):
             raise InputError(f"{name}: contains NaN or +inf at a policy token")
+        nonfinite = nonfinite | bad
     check_scalar("beta", beta, low=0.0, high=1.0)
     _check_agg(agg)
 
@@ -264,22 +296,25 @@ def opsd_loss(
             "opsd/forward_kl": _mean_metric(_kl(log_t, log_s), mask),
             "opsd/reverse_kl": _mean_metric(_kl(log_s, log_t), mask),
         }
-    return loss, _to_floats(metrics)
+        if not check_finite:
+            metrics["opsd/nonfinite_tokens"] = nonfinite.sum()
+    return loss, _metric_dict(metrics)
 
 
 def opsd_sampled_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
-                            mask: torch.Tensor) -> torch.Tensor:
+                            mask: torch.Tensor, *, check_finite: bool = True) -> torch.Tensor:
     """Per-token distillation advantage ``teacher - student`` log-prob ``(B, L)``, detached, 0 off mask.
 
     The sampled-token form of OPSD: on the student's sampled token, ``log p_T - log p_S`` is a
     one-sample estimate of the negative reverse KL, usable as a dense token advantage.
+    ``check_finite=False``: no NaN/inf check (no host read).
     """
     dims: dict[str, int] = {}
     check_tensor("mask", mask, shape=("B", "L"), boolean=True, dims=dims)
-    check_tensor("student_logprobs", student_logprobs, shape=("B", "L"), floating=True, finite=True,
-                 finite_where=mask, dims=dims)
-    check_tensor("teacher_logprobs", teacher_logprobs, shape=("B", "L"), floating=True, finite=True,
-                 finite_where=mask, dims=dims)
+    check_tensor("student_logprobs", student_logprobs, shape=("B", "L"), floating=True, finite=check_finite,
+                 finite_where=mask, dims=dims, device=mask.device)
+    check_tensor("teacher_logprobs", teacher_logprobs, shape=("B", "L"), floating=True, finite=check_finite,
+                 finite_where=mask, dims=dims, device=mask.device)
     dt = _compute_dtype(student_logprobs)
     with torch.no_grad():
         return _masked(teacher_logprobs, mask, dt) - _masked(student_logprobs, mask, dt)
@@ -291,17 +326,22 @@ def opsd_sampled_loss(
     mask: torch.Tensor,
     *,
     agg: str = "token_mean",
-) -> tuple[torch.Tensor, dict[str, float]]:
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sampled-token OPSD: ``aggregate(-sg(log p_T - log p_S) * log p_S)``.
 
     Its gradient is the policy-gradient estimate of ``-grad KL(P_S || P_T)`` restricted to the
     sampled tokens (on-policy distillation with a per-token reverse-KL reward). Returns the
-    scalar loss and metrics ``loss/opsd_sampled``, ``opsd/reverse_kl`` (mean ``log p_S - log p_T``).
+    scalar loss and metrics ``loss/opsd_sampled``, ``opsd/reverse_kl`` (mean ``log p_S - log p_T``)
+    as 0-dim float64 tensors; ``check_finite=False`` adds ``opsd/nonfinite_tokens`` instead of the
+    NaN/inf check (no host read).
     """
-    adv = opsd_sampled_advantages(student_logprobs, teacher_logprobs, mask)
+    adv = opsd_sampled_advantages(student_logprobs, teacher_logprobs, mask, check_finite=check_finite)
     _check_agg(agg)
     dt = _compute_dtype(student_logprobs)
     lp = _masked(student_logprobs, mask, dt)
     loss = _aggregate(-adv * lp, mask, agg, None)
     metrics = {"loss/opsd_sampled": loss.detach(), "opsd/reverse_kl": _mean_metric(-adv, mask)}
-    return loss, _to_floats(metrics)
+    if not check_finite:
+        metrics["opsd/nonfinite_tokens"] = (~torch.isfinite(adv) & mask).sum()
+    return loss, _metric_dict(metrics)

@@ -365,6 +365,12 @@ def compute_policy_loss_creditlab(old_log_prob: torch.Tensor, log_prob: torch.Te
     micro-batch value is rescaled to verl's global normalisation (``config.global_batch_info``:
     ``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``) exactly as verl's
     ``agg_loss`` does, so gradients add up across micro-batches and data-parallel ranks.
+
+    No tensor value is read on the host (verl calls this once per micro-batch): the metrics are 0-dim
+    tensors (verl 0.9.1's ``Metric`` accepts them and aggregates once per step), and instead of a
+    NaN/inf check the number of response tokens with a non-finite input is reported as
+    ``actor/creditlab_nonfinite_tokens`` (:func:`~creditlab.core.losses.policy_loss` with
+    ``check_finite=False``; the loss is NaN then, and verl skips the step on a non-finite gradient norm).
     """
     from creditlab.core.losses import policy_loss
 
@@ -386,7 +392,7 @@ def compute_policy_loss_creditlab(old_log_prob: torch.Tensor, log_prob: torch.Te
     n_seq = pm.any(dim=1).sum()
     mode = AGG_MODES[loss_agg_mode]
     norm = None
-    scale = torch.ones((), dtype=torch.float64)
+    scale = None
     if mode == "token_mean":
         total = info.get("batch_num_tokens")
         if total is not None:
@@ -402,10 +408,12 @@ def compute_policy_loss_creditlab(old_log_prob: torch.Tensor, log_prob: torch.Te
         raise ConfigError("global_batch_info", f"dp_size={dp} needs the global token / sequence count")
     loss, metrics = policy_loss(log_prob, old_log_prob, advantages, pm, clip_low=clip_low, clip_high=clip_high,
                                 clip_ratio_c=config.get("clip_ratio_c", 3.0), weights=rollout_is_weights, agg=mode,
-                                norm=norm)
-    loss = loss * scale.to(loss.dtype)
+                                norm=norm, check_finite=False)
+    if scale is not None:
+        loss = loss * scale.to(loss.dtype)
     return loss, {"actor/pg_clipfrac": metrics["loss/clip_frac"], "actor/ppo_kl": metrics["loss/approx_kl"],
-                  "actor/creditlab_weight_mean": metrics["loss/weight_mean"]}
+                  "actor/creditlab_weight_mean": metrics["loss/weight_mean"],
+                  "actor/creditlab_nonfinite_tokens": metrics["loss/nonfinite_tokens"]}
 
 
 def install_policy_loss() -> None:
