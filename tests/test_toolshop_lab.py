@@ -60,3 +60,28 @@ def test_cli_errors_name_the_flag(tmp_path, args, flag, capsys):
     err = capsys.readouterr().err
     assert flag in err and "Traceback" not in err
     assert not (tmp_path / "x").exists()
+
+
+def half_tis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, cap: float = 2.0):
+    """A correction arm registered by this test module: truncated token IS shrunk halfway to 1."""
+    from creditlab.core.correction import tis_weights
+
+    w, metrics = tis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask, cap=cap)
+    return 1.0 + 0.5 * (w - 1.0), metrics
+
+
+def test_a_correction_registered_elsewhere_runs_in_the_toolshop_lab(tmp_path):
+    from creditlab.core.correction import registered_correction
+
+    def first_update(correction):
+        g = replace(_tiny(tmp_path / "cache", seeds=1).grpo, rollout_precision="fp8", correction=correction)
+        cfg = replace(_tiny(tmp_path / "cache", seeds=1), grpo=g, experiments=("grpo",))
+        res = run_lab(LAB, cfg, tmp_path / correction, progress=False)
+        return res.tables["updates"].frame.iloc[0]  # update 0: same base policy, same rollouts in both runs
+
+    tis = first_update("tis")
+    with registered_correction("half_tis", half_tis_weights):
+        half = first_update("half_tis")
+    assert tis["mismatch/k3"] == half["mismatch/k3"] > 0  # the same fp8 rollouts against the fp32 learner
+    assert half["loss/weight_mean"] - 1 == pytest.approx(0.5 * (tis["loss/weight_mean"] - 1), rel=1e-3)  # float32 near 1
+    assert tis["loss/weight_mean"] != 1.0
