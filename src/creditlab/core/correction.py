@@ -336,7 +336,8 @@ def _budget_log_scale_exact(C: torch.Tensor, rho: torch.Tensor, target: torch.Te
     log_c = 0.5 * (torch.log((target - capped).clamp_min(0.0)) - log_rest)
     ok = torch.isfinite(log_rest) & (log_c + log_rs <= 0.0)
     k = torch.argmax(ok.to(torch.int32))  # first True (argmax returns the first maximum)
-    return torch.where(ok.any(), log_c[k], torch.full_like(target, math.inf))
+    at_k = log_c.gather(0, k.reshape(1).to(torch.int64)).reshape(())  # not log_c[k]: a 0-dim index syncs
+    return torch.where(ok.any(), at_k, torch.full_like(target, math.inf))
 
 
 def _budget_log_scale_bisection(C, rho, target, pos, iters: int) -> torch.Tensor:

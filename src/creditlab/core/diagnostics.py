@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from creditlab.core._checks import check_scalar, check_tensor
+from creditlab.core._checks import any_true, check_scalar, check_tensor
 from creditlab.errors import InputError
 
 __all__ = [
@@ -38,8 +38,12 @@ __all__ = [
 ]
 
 
-def _as_tensor(x, dtype=torch.float64) -> torch.Tensor:
-    return x if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=dtype)
+def _as_tensor(x, dtype=torch.float64, like: tuple = ()) -> torch.Tensor:
+    """``x`` as a tensor; a Python value goes on the device of the first tensor in ``like`` (else CPU)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    device = next((v.device for v in like if isinstance(v, torch.Tensor)), None)
+    return torch.as_tensor(x, dtype=dtype, device=device)
 
 
 def p_cover(T, C, k) -> torch.Tensor:
@@ -50,12 +54,13 @@ def p_cover(T, C, k) -> torch.Tensor:
     >>> float(p_cover(12, 4, 3))
     0.0
     """
-    T, C, k = (_as_tensor(v).to(torch.float64) for v in (T, C, k))
-    if bool((C < 0).any()) or bool((k < 0).any()):
+    args = (T, C, k)
+    T, C, k = (_as_tensor(v, like=args).to(torch.float64) for v in args)
+    if any_true(C < 0) or any_true(k < 0):
         raise InputError("p_cover: C and k must be >= 0")
-    if bool((C > T).any()):
+    if any_true(C > T):
         raise InputError("p_cover: C must be <= T")
-    if bool((k > T).any()):
+    if any_true(k > T):
         raise InputError("p_cover: k must be <= T")
 
     def lcomb(n, r):
@@ -74,10 +79,10 @@ def expected_open_fraction(q, C) -> torch.Tensor:
     >>> round(float(expected_open_fraction(0.5, 2)), 4)  # (0.5 + 0.25) / 2
     0.375
     """
-    q, C = _as_tensor(q), _as_tensor(C)
-    if bool(((q < 0) | (q > 1)).any()):
+    q, C = _as_tensor(q, like=(q, C)), _as_tensor(C, like=(q, C))
+    if any_true((q < 0) | (q > 1)):
         raise InputError("expected_open_fraction: q must be in [0, 1]")
-    if bool((C < 1).any()):
+    if any_true(C < 1):
         raise InputError("expected_open_fraction: C must be >= 1")
     # closed form q (1 - q^C) / (C (1 - q)), with its limit 1 at q = 1
     near_one = (1 - q).abs() < 1e-12
@@ -88,10 +93,10 @@ def expected_open_fraction(q, C) -> torch.Tensor:
 
 def verifier_density(k, C) -> torch.Tensor:
     """``V_d = k / C`` (``C >= 1``)."""
-    k, C = _as_tensor(k), _as_tensor(C)
-    if bool((C < 1).any()):
+    k, C = _as_tensor(k, like=(k, C)), _as_tensor(C, like=(k, C))
+    if any_true(C < 1):
         raise InputError("verifier_density: C must be >= 1")
-    if bool((k < 0).any()):
+    if any_true(k < 0):
         raise InputError("verifier_density: k must be >= 0")
     return k / C
 
@@ -106,10 +111,10 @@ def mixing_score(n_pos, n_neg) -> tuple[torch.Tensor, torch.Tensor]:
     >>> s.tolist(), inc.tolist()
     ([1.0, 0.0, 0.0], [True, True, False])
     """
-    n_pos, n_neg = _as_tensor(n_pos), _as_tensor(n_neg)
+    n_pos, n_neg = _as_tensor(n_pos, like=(n_pos, n_neg)), _as_tensor(n_neg, like=(n_pos, n_neg))
     if n_pos.shape != n_neg.shape:
         raise InputError(f"mixing_score: n_pos shape {tuple(n_pos.shape)} != n_neg shape {tuple(n_neg.shape)}")
-    if bool((n_pos < 0).any()) or bool((n_neg < 0).any()):
+    if any_true(n_pos < 0) or any_true(n_neg < 0):
         raise InputError("mixing_score: counts must be >= 0")
     total = n_pos + n_neg
     included = total > 0

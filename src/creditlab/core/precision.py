@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from creditlab.core._checks import check_scalar, check_tensor
+from creditlab.core._checks import any_true, check_scalar, check_tensor
 from creditlab.errors import InputError
 
 __all__ = [
@@ -100,8 +100,8 @@ def necessity(credits: torch.Tensor, tau: torch.Tensor | float, unit_mask: torch
     check_tensor("unit_mask", unit_mask, shape=("B", "U"), boolean=True, dims=dims)
     check_tensor("credits", credits, shape=("B", "U"), floating=True, finite=True,
                  finite_where=unit_mask, dims=dims)
-    tau_t = _as_batch("tau", tau, credits.shape[0], dims)
-    if bool((tau_t <= 0).any()) or not bool(torch.isfinite(tau_t).all()):
+    tau_t = _as_batch("tau", tau, credits.shape[0], dims, credits.device)
+    if any_true((tau_t <= 0) | ~torch.isfinite(tau_t)):
         raise InputError(f"tau: must be finite and > 0, got {tau_t.tolist()}")
     # Credits are sums of 1/K fractions; a small tolerance keeps 1/3 + 1/3 + 1/3 >= 1.
     return (credits >= tau_t[:, None].to(credits.dtype) - 1e-6) & unit_mask
@@ -283,11 +283,12 @@ def deletion_curve(match: torch.Tensor, weights: torch.Tensor, rubric_mask: torc
     # Deletion order: real units by ascending score (stable), padding last.
     key = torch.where(unit_mask, scores.double(), torch.full_like(scores, float("inf"), dtype=torch.float64))
     order = torch.sort(key, dim=1, stable=True).indices  # (B, U)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(U).expand(B, U).contiguous())  # (B, U)
+    dev = match.device
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(U, device=dev).expand(B, U).contiguous())  # (B, U)
     m = match & rubric_mask[:, :, None] & unit_mask[:, None, :]
     # A rubric is met after k deletions iff its last-deleted matching unit has rank >= k.
     last = torch.where(m, rank[:, None, :], torch.full_like(rank[:, None, :], -1)).amax(dim=2)  # (B, J)
-    k = torch.arange(U + 1)
+    k = torch.arange(U + 1, device=dev)
     n = unit_mask.sum(dim=1)  # (B,)
     k_eff = torch.minimum(k[None, :], n[:, None])  # (B, U+1): no deletions past the real units
     met = k_eff[:, None, :] <= last[:, :, None]  # (B, J, U+1)
@@ -307,8 +308,9 @@ def deletion_curve(match: torch.Tensor, weights: torch.Tensor, rubric_mask: torc
     return curve, metrics
 
 
-def _as_batch(name: str, value: torch.Tensor | float, b: int, dims: dict[str, int]) -> torch.Tensor:
+def _as_batch(name: str, value: torch.Tensor | float, b: int, dims: dict[str, int],
+              device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
-        check_tensor(name, value, shape=("B",), floating=True, dims=dims)
+        check_tensor(name, value, shape=("B",), floating=True, dims=dims, device=device)
         return value
-    return torch.full((b,), check_scalar(name, value), dtype=torch.float32)
+    return torch.full((b,), check_scalar(name, value), dtype=torch.float32, device=device)

@@ -1,0 +1,170 @@
+"""Every public ``core`` function on ``meta`` tensors, which have shapes but no values.
+
+A ``meta`` run proves two things at once: the function reads no tensor value on the host (any read
+raises on ``meta``), and it creates no tensor on the CPU behind the caller's back (a CPU tensor
+mixed with ``meta`` inputs raises a device error). Functions whose output shapes depend on the data
+(segment counts from ``nonzero``, group counts from ``unique``) cannot run on ``meta``: they are
+listed in :data:`DATA_DEPENDENT` with the reason. Functions that return Python floats on purpose
+(once-per-step diagnostics) are run up to that read: they must fail there, never on a device
+mismatch (:data:`HOST_READ_BY_DESIGN`). A test checks that every public function is in one list.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from creditlab.core import correction, credit, losses, precision
+from creditlab.core import diagnostics as diag
+from creditlab.core import masks as mk
+from creditlab.core.credit import StepBatch
+
+B, L, T, S, V, J, U = 4, 9, 5, 6, 7, 3, 5
+META = torch.device("meta")
+
+
+def f(*shape, dtype=torch.float32):
+    return torch.empty(*shape, dtype=dtype, device=META)
+
+
+def b(*shape):
+    return f(*shape, dtype=torch.bool)
+
+
+def i(*shape):
+    return f(*shape, dtype=torch.int64)
+
+
+def _batch(**kw):
+    return StepBatch(b(B, T), i(B), **kw)
+
+
+#: name -> a call on meta inputs that must run to the end and return meta tensors
+RUNS = {
+    "_checks.check_tensor": lambda: correction.check_tensor("x", f(B, L), finite=True, finite_where=b(B, L)),
+    "masks.effective_policy_mask": lambda: mk.effective_policy_mask(b(B, L), b(B, L)),
+    "masks.segment_sum": lambda: mk.segment_sum(f(B, L), i(B, L), S),
+    "masks.segments_from_bounds": lambda: mk.segments_from_bounds(  # S known: bounds built by hand
+        mk.SegmentBounds(b(B, L), b(B, L), i(S), i(S), i(S), i(S), i(B), S)),
+    "correction.allocate_budget": lambda: (correction.allocate_budget(f(S), f(S), 0.5),
+                                           correction.allocate_budget(f(S), f(S), 0.5, iters=8)),
+    "credit.uniform": lambda: (credit.uniform(f(B), b(B, T)), credit.uniform(f(B), b(B, T), conserve=False)),
+    "credit.per_turn": lambda: (credit.per_turn(f(B), f(B, T), b(B, T)),
+                                credit.per_turn(f(B), f(B, T), b(B, T), conserve=False)),
+    "credit.concentrated": lambda: credit.concentrated(f(B), b(B, T), b(B, T)),
+    "credit.shuffled": lambda: (credit.shuffled(f(B, T), b(B, T), keys=f(B, T)), credit.shuffled(f(B, T), b(B, T))),
+    "credit.random_k_mask": lambda: (credit.random_k_mask(f(B, T), 2, b(B, T)), credit.random_k_mask(f(B, T), i(B),
+                                                                                                    b(B, T))),
+    "credit.random_k": lambda: credit.random_k(f(B), f(B, T), 2, b(B, T)),
+    "credit.conserve_credit": lambda: credit.conserve_credit(f(B, T), f(B), b(B, T)),
+    "credit.GEOMETRIES[uniform, per_turn, concentrated, shuffled, random_k]": lambda: [
+        credit.get_geometry(g)(_batch(advantages=f(B), step_scores=f(B, T), keys=f(B, T)))
+        for g in ("uniform", "per_turn", "concentrated", "shuffled", "random_k")],
+    "losses.aggregate": lambda: [losses.aggregate(f(B, L), b(B, L), m) for m in losses.AGG_MODES],
+    "losses.policy_loss": lambda: [losses.policy_loss(f(B, L), f(B, L), f(B), b(B, L), weights=f(B, L),
+                                                      clip_ratio_c=3.0, agg=m, check_finite=c)
+                                   for m in losses.AGG_MODES for c in (True, False)],
+    "losses.opsd_loss": lambda: [losses.opsd_loss(f(B, L, V), f(B, L, V), b(B, L), beta, check_finite=False)
+                                 for beta in (0.0, 0.3, 1.0)],
+    "losses.opsd_sampled_advantages": lambda: losses.opsd_sampled_advantages(f(B, L), f(B, L), b(B, L)),
+    "losses.opsd_sampled_loss": lambda: losses.opsd_sampled_loss(f(B, L), f(B, L), b(B, L), check_finite=False),
+    "precision.credit_split": lambda: precision.credit_split(b(B, J, U), b(B, J), b(B, U)),
+    "precision.unit_credit": lambda: precision.unit_credit(b(B, J, U), b(B, J), b(B, U)),
+    "precision.necessity": lambda: (precision.necessity(f(B, U), 0.5, b(B, U)),  # a float tau: built on META
+                                    precision.necessity(f(B, U), f(B), b(B, U))),
+    "precision.unit_precision": lambda: precision.unit_precision(b(B, U), b(B, U), b(B, U)),
+    "precision.signed_recall": lambda: precision.signed_recall(b(B, J), f(B, J), b(B, J)),
+    "precision.f_beta": lambda: precision.f_beta(f(B), f(B), 2.0),
+    "precision.combine_rewards": lambda: [precision.combine_rewards(f(B), f(B), m) for m in precision.COMBINE_MODES],
+    "diagnostics.p_cover": lambda: diag.p_cover(12, f(B), f(B)),  # a Python T goes on the tensors' device
+    "diagnostics.expected_open_fraction": lambda: diag.expected_open_fraction(f(B), 4),
+    "diagnostics.verifier_density": lambda: diag.verifier_density(f(B), 4),
+    "diagnostics.mixing_score": lambda: diag.mixing_score(f(B), f(B)),
+    "diagnostics.aulc": lambda: diag.aulc(f(B, T)),
+    "diagnostics.rollback": lambda: diag.rollback(f(B, T)),
+}
+
+#: name -> a call that must fail on meta with a host read (its metrics are Python floats on purpose:
+#: once-per-step diagnostics), not earlier with a device mismatch
+HOST_READ_BY_DESIGN = {
+    **{f"correction.{n}_weights": (lambda n=n: getattr(correction, f"{n}_weights")(f(B, L), f(B, L), b(B, L)))
+       for n in ("tis", "mis", "seq_is", "geo", "none")},
+    "precision.fork_scores": lambda: precision.fork_scores(b(B, J, U), b(B, J), f(B, J), b(B, U), b(B, J), b(B, U),
+                                                           0.5),
+    "precision.deletion_curve": lambda: precision.deletion_curve(b(B, J, U), f(B, J), b(B, J), b(B, U), f(B, U)),
+    "diagnostics.concentration": lambda: diag.concentration(f(B), 0.5),
+    "credit.targeted": lambda: credit.targeted(f(B), f(B, T), b(B, T), i(B), b(B, T)),  # reads the group layout
+}
+
+#: name -> why it cannot run on meta tensors
+DATA_DEPENDENT = {
+    "masks.segment_bounds": "the segment count S comes from nonzero (one documented host sync)",
+    "masks.segments": "segment_bounds: S from nonzero",
+    "correction.interq_weights": "segments (S from nonzero); metrics as Python floats, once per step",
+    "correction.interq_terms": "segments (S from nonzero)",
+    "correction.mismatch_metrics": "segments (S from nonzero); which turns exist is read to name the metrics",
+    "correction.correction_weights": "the arm's (segments for interq / prefix / global) and mismatch_metrics'",
+    "advantages.group_stats": "the group count comes from torch.unique",
+    "advantages.grpo_advantages": "group_stats: torch.unique",
+    "advantages.prm_mixed_advantages": "group counts from torch.unique",
+    "credit.binary": "GRPO of the outcome: torch.unique",
+    "credit.discretized": "GRPO of the outcome: torch.unique",
+    "credit.reward_to_go": "group_stats: torch.unique",
+    "diagnostics.chain_length": "works on Python call records, not tensors",
+}
+
+
+def _meta_leaves(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, dict):
+        for v in out.values():
+            yield from _meta_leaves(v)
+    elif isinstance(out, tuple | list):
+        for v in out:
+            yield from _meta_leaves(v)
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_runs_on_meta(name):
+    leaves = list(_meta_leaves(RUNS[name]()))
+    assert leaves and all(t.device == META for t in leaves), name
+
+
+@pytest.mark.parametrize("name", sorted(HOST_READ_BY_DESIGN))
+def test_host_reading_functions_fail_only_at_the_read(name):
+    with pytest.raises(RuntimeError, match="cannot be called on meta tensors"):
+        HOST_READ_BY_DESIGN[name]()
+
+
+@pytest.mark.parametrize("name", sorted(DATA_DEPENDENT))
+def test_data_dependent_shapes_are_listed_with_the_reason(name):
+    pytest.skip(f"{name}: {DATA_DEPENDENT[name]}")
+
+
+def test_every_public_core_function_is_listed():
+    listed = " ".join([*RUNS, *HOST_READ_BY_DESIGN, *DATA_DEPENDENT])
+    missing = []
+    for mod in ("advantages", "correction", "credit", "diagnostics", "losses", "masks", "precision"):
+        module = importlib.import_module(f"creditlab.core.{mod}")
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if not inspect.isfunction(obj) or name.startswith(("register", "unregister", "get_", "registered")):
+                continue  # constants, classes, and the registries' own bookkeeping
+            if name.endswith(("_params", "_needs")):
+                continue
+            if f"{mod}.{name}" not in listed:
+                missing.append(f"{mod}.{name}")
+    assert not missing, f"add these to RUNS, HOST_READ_BY_DESIGN or DATA_DEPENDENT: {missing}"
+
+
+def test_meta_value_checks_are_skipped_but_shape_and_device_checks_are_not():
+    from creditlab.errors import InputError
+
+    with pytest.raises(InputError, match=r"old_logprobs: dimension 1 \(L\) is 10"):
+        losses.policy_loss(f(B, L), f(B, L + 1), f(B), b(B, L))
+    with pytest.raises(InputError, match="old_logprobs: is on device cpu"):
+        losses.policy_loss(f(B, L), torch.zeros(B, L), f(B), b(B, L))
