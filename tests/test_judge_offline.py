@@ -71,3 +71,17 @@ def test_cli_offline_scoring_records_assume_correct(judge, tmp_path):
     row = json.loads(out.read_text())
     assert row["assume_correct"] is True and row["judge"].startswith("offline:")
     assert row["recall"] == pytest.approx(2 / 3) and row["precision"] == pytest.approx(0.25)
+
+
+def test_loading_the_model_leaves_the_environment_alone(monkeypatch):
+    import os
+
+    import creditlab.judge.offline as off
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(off, "_MODEL", None)  # force a fresh load
+    before = dict(os.environ)
+    vec = EmbeddingJudge()._embed(["take aspirin with water"])
+    assert vec.shape == (1, 384)
+    assert dict(os.environ) == before

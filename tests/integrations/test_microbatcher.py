@@ -48,3 +48,28 @@ def test_a_failing_batch_fails_every_waiter_and_later_calls_work():
 def test_bad_parameters():
     with pytest.raises(InputError, match="max_batch"):
         MicroBatcher(_double, max_batch=0)
+
+
+def test_batcher_cache_is_per_loop_and_forgets_dead_loops():
+    import gc
+
+    from creditlab.integrations._common import BatcherCache
+
+    cache = BatcherCache()
+
+    async def use(key):
+        loop = asyncio.get_running_loop()
+        a = cache.get(loop, key, lambda: MicroBatcher(_double, max_batch=2))
+        assert cache.get(loop, key, lambda: MicroBatcher(_double)) is a  # one batcher per (loop, key)
+        return await a.submit(3)
+
+    for _ in range(20):  # asyncio.run makes and closes a new loop each time
+        assert asyncio.run(use("k")) == 6
+    gc.collect()
+    assert len(cache) == 0  # nothing accumulates across loops
+
+    async def live():
+        await use("a"), await use("b")
+        return len(cache)
+
+    assert asyncio.run(live()) == 2

@@ -150,3 +150,53 @@ def test_trl_doc_block_runs(tmp_path, monkeypatch):
     tr = ns["trainer"]
     assert tr.state.global_step >= 1
     assert any("creditlab/mismatch/k3" in h for h in tr.state.log_history)
+
+
+def test_untested_trl_version_is_refused_unless_allowed(tmp_path, monkeypatch):
+    import trl
+
+    from creditlab.errors import CreditlabError
+    from creditlab.integrations.trl import check_trl_version
+
+    monkeypatch.setattr(trl, "__version__", "9.9.9")
+    monkeypatch.delenv("CREDITLAB_ALLOW_UNTESTED_TRL", raising=False)
+    with pytest.raises(CreditlabError, match="tested with TRL 1.16.0, found 9.9.9.*CREDITLAB_ALLOW_UNTESTED_TRL=1"):
+        CreditlabGRPOTrainer(model=tiny_model(), reward_funcs=_length_reward, args=_args(tmp_path),
+                             train_dataset=_dataset(), processing_class=tiny_tokenizer())
+    monkeypatch.setenv("CREDITLAB_ALLOW_UNTESTED_TRL", "1")
+    check_trl_version()  # allowed now
+    tr = CreditlabGRPOTrainer(model=tiny_model(), reward_funcs=_length_reward, args=_args(tmp_path),
+                              train_dataset=_dataset(), processing_class=tiny_tokenizer())
+    assert tr.creditlab_correction == "interq"
+
+
+def test_credit_values_come_from_the_geometry_registry(tmp_path):
+    import creditlab.integrations.trl as ct
+    from creditlab.core import credit
+
+    assert set(ct.CREDITS) == {"uniform", "per_turn", "concentrated", "shuffled", "prm", "random_k", "targeted"}
+    common = dict(model=tiny_model(), reward_funcs=_length_reward, train_dataset=_dataset(),
+                  processing_class=tiny_tokenizer())
+    for name in ("binary", "reward_to_go"):
+        with pytest.raises(ConfigError, match=f"credit: '{name}' needs .*TRL passes its outcome advantages"):
+            CreditlabGRPOTrainer(args=_args(tmp_path), credit=name, **common)
+    with pytest.raises(ConfigError, match="geometry: unknown 'bogus'"):
+        CreditlabGRPOTrainer(args=_args(tmp_path), credit="bogus", **common)
+
+    def doubled(batch, *, conserve=True):
+        return 2 * credit.uniform(batch.advantages, batch.step_mask, conserve=conserve)
+
+    with credit.registered_geometry("doubled_test", doubled):
+        assert "doubled_test" in ct.CREDITS
+        tok = tiny_tokenizer()
+        tr = CreditlabGRPOTrainer(args=_args(tmp_path), model=tiny_model(), reward_funcs=_length_reward,
+                                  train_dataset=_dataset(), processing_class=tok, rollout_func=make_rollout_func(tok),
+                                  correction=None, credit="doubled_test")
+        torch.manual_seed(0)
+        base = GRPOTrainer._generate_and_score_completions(tr, _inputs())
+        torch.manual_seed(0)
+        out = tr._generate_and_score_completions(_inputs())
+        pm = (out["completion_mask"] * out["tool_mask"]).bool()
+        expected = torch.where(pm, 2 * base["advantages"][:, None], torch.zeros_like(out["advantages"]))
+        torch.testing.assert_close(out["advantages"], expected)
+    assert "doubled_test" not in ct.CREDITS

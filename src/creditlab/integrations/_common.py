@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -27,6 +29,7 @@ from creditlab.core.schedules import constant, decay
 from creditlab.errors import ConfigError, InputError
 
 __all__ = [
+    "BatcherCache",
     "CreditSettings",
     "MicroBatcher",
     "TurnLayout",
@@ -325,3 +328,33 @@ class MicroBatcher:
         for (_, fut), res in zip(batch, results, strict=True):
             if not fut.done():
                 fut.set_result(res)
+
+
+class BatcherCache:
+    """One :class:`MicroBatcher` per event loop and key, forgotten when its event loop is garbage collected.
+
+    Keyed weakly by the loop: a process that runs many short-lived loops (``asyncio.run`` per batch)
+    does not accumulate batchers, and a batcher never outlives the loop its futures belong to.
+    """
+
+    def __init__(self) -> None:
+        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, MicroBatcher]] = (
+            weakref.WeakKeyDictionary())
+        self._lock = threading.Lock()
+
+    def get(self, loop: asyncio.AbstractEventLoop, key: Any, make: Callable[[], MicroBatcher]) -> MicroBatcher:
+        """The batcher of ``(loop, key)``, made with ``make()`` the first time."""
+        with self._lock:
+            per_loop = self._by_loop.setdefault(loop, {})
+            batcher = per_loop.get(key)
+            if batcher is None:
+                batcher = per_loop[key] = make()
+            return batcher
+
+    def values(self) -> list[MicroBatcher]:
+        """Every batcher of a live loop (for logs and tests)."""
+        with self._lock:
+            return [b for per_loop in list(self._by_loop.values()) for b in per_loop.values()]
+
+    def __len__(self) -> int:
+        return len(self.values())

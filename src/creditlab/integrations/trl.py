@@ -54,9 +54,16 @@ CORRECTIONS = _correction.CORRECTIONS
 _TRL_INPUTS = frozenset({"advantages", "step_scores", "keys"})
 
 
+def _trl_can_feed(geometry: str) -> bool:
+    """A geometry that spreads TRL's outcome advantage ``A_i`` and needs nothing TRL does not have (not
+    ``binary`` / ``discretized``, which need the raw rewards, nor ``reward_to_go``, which ignores ``A_i``)."""
+    needs = _credit.geometry_needs(geometry)
+    return "advantages" in needs and needs <= _TRL_INPUTS
+
+
 def _credits() -> tuple[str, ...]:
-    """Registered geometries TRL can feed (not those that need the raw outcome rewards)."""
-    return tuple(g for g in _credit.GEOMETRIES if _credit.geometry_needs(g) <= _TRL_INPUTS)
+    """Registered geometries TRL can feed."""
+    return tuple(g for g in _credit.GEOMETRIES if _trl_can_feed(g))
 
 
 def __getattr__(name: str):
@@ -100,9 +107,10 @@ class CreditlabGRPOTrainer(GRPOTrainer):
             _correction.get_correction(correction)
         if credit is not None:
             _credit.get_geometry(credit)
-            if not _credit.geometry_needs(credit) <= _TRL_INPUTS:
-                raise ConfigError("credit", f"{credit!r} needs {sorted(_credit.geometry_needs(credit) - _TRL_INPUTS)}, "
-                                            f"which TRL does not pass; valid: {', '.join(_credits())} or None")
+            if not _trl_can_feed(credit):
+                needs = sorted(_credit.geometry_needs(credit))
+                raise ConfigError("credit", f"{credit!r} needs {needs}: TRL passes its outcome advantages and per-turn "
+                                            f"scores; valid: {', '.join(_credits())} or None")
         self.creditlab_correction = correction
         self.creditlab_correction_params = dict(correction_params or {})
         self.creditlab_credit = credit

@@ -74,6 +74,7 @@ from creditlab.core import correction, credit
 from creditlab.core._checks import check_tensor
 from creditlab.errors import ConfigError, CreditlabError, InputError
 from creditlab.integrations._common import (
+    BatcherCache,
     CreditSettings,
     MicroBatcher,
     fork_reward,
@@ -430,7 +431,8 @@ def install_policy_loss() -> None:
 # FORK reward function
 
 
-_BATCHERS: dict[tuple, MicroBatcher] = {}
+#: One MicroBatcher per (event loop, reward, max_batch, max_wait_s), dropped with its loop.
+_BATCHERS = BatcherCache()
 
 
 async def fork_compute_score(data_source: Any = None, solution_str: str = "", ground_truth: Any = None,
@@ -467,10 +469,8 @@ async def fork_compute_score(data_source: Any = None, solution_str: str = "", gr
                          cache_path=cache_path)
     import asyncio
 
-    key = (id(reward), id(asyncio.get_running_loop()), int(max_batch), float(max_wait_s))
-    batcher = _BATCHERS.get(key)
-    if batcher is None:
-        batcher = _BATCHERS[key] = MicroBatcher(reward.score, max_batch=max_batch, max_wait_s=max_wait_s)
+    batcher = _BATCHERS.get(asyncio.get_running_loop(), (id(reward), int(max_batch), float(max_wait_s)),
+                            lambda: MicroBatcher(reward.score, max_batch=max_batch, max_wait_s=max_wait_s))
     res = await batcher.submit(item)
     if res.reward is None:
         raise CreditlabError(f"FORK reward of {where}: {res.error}")

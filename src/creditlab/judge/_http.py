@@ -14,6 +14,8 @@ import ssl
 from typing import Any
 from urllib.parse import urlsplit
 
+from creditlab.errors import ConfigError
+
 __all__ = ["HTTPError", "LeanClient", "LeanResponse"]
 
 
@@ -45,7 +47,7 @@ class LeanClient:
     def __init__(self, url: str, headers: dict[str, str], timeout: float, max_connections: int):
         u = urlsplit(url)
         if u.scheme not in ("http", "https"):
-            raise ValueError(f"unsupported scheme in {url!r}")
+            raise ConfigError("base_url", f"unsupported scheme in {url!r} (http or https)")
         self.host = u.hostname or "localhost"
         self.port = u.port or (443 if u.scheme == "https" else 80)
         self.path = (u.path or "/") + (f"?{u.query}" if u.query else "")

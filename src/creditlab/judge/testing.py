@@ -38,6 +38,8 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from typing import Any
 
+from creditlab.errors import ConfigError, CreditlabError, InputError
+
 __all__ = ["FAULTS", "ChatServer", "answer_stage", "serve_in_subprocess"]
 
 FAULTS = ("500", "429", "timeout", "malformed", "truncated", "wrong_ids")
@@ -76,7 +78,7 @@ def answer_stage(payload: dict[str, Any]) -> dict[str, Any]:
                           for u in payload["units"]]}
     if task == "threshold":
         return {"tau": 0.75}
-    raise ValueError(f"unknown task {task!r}")
+    raise InputError(f"task: unknown {task!r}")
 
 
 def _wrong_ids(reply: dict[str, Any]) -> dict[str, Any]:
@@ -111,7 +113,7 @@ class ChatServer:
         self.fault_kinds = tuple(fault_kinds)
         unknown = set(self.fault_kinds) - set(FAULTS)
         if unknown:
-            raise ValueError(f"fault_kinds: unknown {sorted(unknown)}; valid: {FAULTS}")
+            raise ConfigError("fault_kinds", f"unknown {sorted(unknown)}; valid: {FAULTS}")
         self.seed = seed
         self.hang = hang
         self.fence = fence
@@ -136,7 +138,7 @@ class ChatServer:
         faults = list(faults)
         bad = set(faults) - set(FAULTS)
         if bad:
-            raise ValueError(f"unknown faults {sorted(bad)}; valid: {FAULTS}")
+            raise ConfigError("faults", f"unknown {sorted(bad)}; valid: {FAULTS}")
         with self._lock:
             self._script.extend(faults)
 
@@ -149,7 +151,7 @@ class ChatServer:
             self._seen.clear()
             for k, v in settings.items():
                 if not hasattr(self, k):
-                    raise ValueError(f"unknown setting {k!r}")
+                    raise ConfigError(k, "unknown setting")
                 setattr(self, k, v)
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -312,7 +314,7 @@ class serve_in_subprocess:  # noqa: N801  (a context manager used like a functio
         url = self.proc.stdout.readline().strip()
         if not url.startswith("http"):
             self.proc.kill()
-            raise RuntimeError("the chat server did not start")
+            raise CreditlabError("the chat server did not start")
         return url
 
     def __exit__(self, *exc: object) -> None:
