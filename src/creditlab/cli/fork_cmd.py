@@ -46,17 +46,73 @@ def _compact(path: Path) -> list[dict]:
     return list(last.values())
 
 
+def _check_input(inp: Path) -> None:
+    """``--in``: an existing, non-empty UTF-8 file (one line naming the path otherwise)."""
+    if not inp.exists():
+        raise ConfigError("--in", f"no such file: {inp}")
+    if inp.is_dir():
+        raise ConfigError("--in", f"{inp} is a directory, not a JSONL file")
+    try:
+        data = inp.read_bytes()
+    except OSError as err:
+        raise ConfigError("--in", f"cannot read {inp}: {err.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ConfigError("--in", f"{inp} is not UTF-8 text (invalid byte at offset {err.start}, line {line})"
+                          ) from None
+    if not text.strip():
+        raise ConfigError("--in", f"{inp} is empty: no JSON lines to score")
+
+
+def _check_output(out: Path, inp: Path) -> None:
+    """``--out``: a JSONL file in an existing, writable directory, not the input itself."""
+    if out.is_dir():
+        raise ConfigError("--out", f"{out} is a directory; --out names the results file (JSONL)")
+    if out.exists() and inp.exists() and out.resolve() == inp.resolve():
+        raise ConfigError("--out", f"{out} is the input file; choose another --out")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError("--out", f"directory {parent} does not exist (create it first)")
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ConfigError("--out", f"{out} is not writable")
+
+
+def _settings(**values) -> dict:
+    """What produced a row; a resumed run reuses a row only when every value matches."""
+    from creditlab import __version__
+
+    return {**values, "creditlab_version": __version__}
+
+
+def _settings_mismatch(rows: list[dict], settings: dict) -> list[str]:
+    """Keys in which the rows of an earlier run differ from ``settings`` (empty: every row matches)."""
+    diff: set[str] = set()
+    for r in rows:
+        old = r.get("settings")
+        if not isinstance(old, dict):
+            return ["settings (rows written without them, by another creditlab version)"]
+        diff |= {k for k in set(old) | set(settings) if old.get(k) != settings.get(k)}
+    return sorted(diff)
+
+
 @fork_app.command("score")
 def score(
     inp: Path = typer.Option(..., "--in", help="Input JSONL: {id, prompt, response, rubrics: [{criterion, points}]}."),
     out: Path = typer.Option(..., "--out", help="Output JSONL; results are appended as they finish."),
-    judge: str = typer.Option("openai", "--judge", help="openai (any OpenAI-compatible endpoint) or offline."),
+    judge: str = typer.Option("openai", "--judge",
+                              help="openai (any OpenAI-compatible endpoint) or offline (APPROXIMATE: an embedding "
+                                   "model that measures topic, not truth; see docs/fork.md)."),
     base_url: str = typer.Option("http://localhost:8000/v1", "--base-url", help="Endpoint of the openai judge."),
     model: str = typer.Option("judge", "--model", help="Model name for the openai judge."),
     api_key_env: str = typer.Option("OPENAI_API_KEY", "--api-key-env", help="Environment variable with the API key."),
     beta: float = typer.Option(1.0, "--beta", help="F-beta parameter (beta > 1 favours recall)."),
     tau: str = typer.Option("judge", "--tau", help="Necessity threshold: 'judge' or a number > 0."),
     mode: str = typer.Option("fork", "--mode", help="fork, or a baseline: recall, mean, f2."),
+    pitfall_only: str = typer.Option("error", "--pitfall-only",
+                                     help="Items with only negative (pitfall) rubrics: error (cannot be scored) or "
+                                          "absence (reward 1 when no pitfall is violated, else 0)."),
     concurrency: int = typer.Option(16, "--concurrency", help="Most judge requests in flight."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds per judge request."),
     max_retries: int = typer.Option(4, "--max-retries", help="Retries of 429/5xx/timeouts per request."),
@@ -65,55 +121,93 @@ def score(
                                   help="HTTP client: httpx, or asyncio (minimal, cheaper at high request rates)."),
     assume_correct: bool = typer.Option(False, "--assume-correct",
                                         help="Treat every unit as correct (required by the offline judge)."),
+    force: bool = typer.Option(False, "--force",
+                               help="Rescore every item into --out even if it holds rows made with other settings "
+                                    "(they are discarded)."),
 ) -> None:
-    """Score a JSONL file of rubric-graded responses with FORK. Rerunning skips the ids already
-    scored and retries the failed ones. Exits 1 when some lines or items failed."""
-    from creditlab.judge import EmbeddingJudge, JudgeCache, OpenAIJudge
-    from creditlab.rewards import FORKReward, iter_jsonl_items
+    """Score a JSONL file of rubric-graded responses with FORK. Rerunning with the same settings skips
+    the ids already scored and retries the failed ones; rerunning with other settings (judge, model,
+    URL, mode, beta, tau...) into the same --out refuses unless --force. Exits 1 when some lines or
+    items failed, 2 on bad options or files."""
+    from creditlab.core.precision import COMBINE_MODES
+    from creditlab.judge.prompts import PROMPT_VERSION
+    from creditlab.rewards import iter_jsonl_items
 
     console = Console(stderr=True)
-    if not inp.exists():
-        raise ConfigError("--in", f"no such file: {inp}")
+    # -- everything that can be checked without a judge, before anything expensive or any write
+    _check_input(inp)
+    _check_output(out, inp)
     tau_v: str | float = tau
     if tau != "judge":
         try:
             tau_v = float(tau)
         except ValueError:
             raise ConfigError("--tau", f"must be 'judge' or a number, got {tau!r}") from None
-    jcache = JudgeCache(cache) if cache is not None else None
+        if not tau_v > 0:
+            raise ConfigError("--tau", f"must be > 0, got {tau_v}")
+    if not beta > 0:
+        raise ConfigError("--beta", f"must be > 0, got {beta}")
+    if mode not in COMBINE_MODES:
+        raise ConfigError("--mode", f"unknown mode {mode!r}; valid: {', '.join(COMBINE_MODES)}")
+    if pitfall_only not in ("error", "absence"):
+        raise ConfigError("--pitfall-only", f"unknown {pitfall_only!r}; valid: error, absence")
     if judge == "openai":
-        j = OpenAIJudge(base_url, model, api_key_env=api_key_env, concurrency=concurrency, timeout=timeout,
-                        max_retries=max_retries, cache=jcache, transport=transport)
+        settings = _settings(judge="openai", model=model, base_url=base_url.rstrip("/"), prompt_version=PROMPT_VERSION,
+                             mode=mode, beta=beta, tau=tau_v, assume_correct=assume_correct,
+                             pitfall_only=pitfall_only)
     elif judge == "offline":
-        j = EmbeddingJudge()
+        if not assume_correct:
+            raise ConfigError("--assume-correct", "the offline judge cannot judge factual correctness; pass "
+                                                  "--assume-correct (assume_correct) to score anyway")
+        settings = _settings(judge="offline", model="all-MiniLM-L6-v2", match_threshold=0.55, mode=mode, beta=beta,
+                             tau=tau_v, assume_correct=assume_correct, pitfall_only=pitfall_only)
     else:
         raise ConfigError("--judge", f"unknown judge {judge!r}; valid: openai, offline")
-    reward = FORKReward(j, beta=beta, tau=tau_v, mode=mode, assume_correct=assume_correct)
 
-    done = {str(r["id"]) for r in _read_out(out) if r.get("error") is None}
-    items, bad, seen = [], 0, set()
-    for _, it in iter_jsonl_items(inp):
+    previous = _read_out(out)
+    differs = _settings_mismatch(previous, settings)
+    if differs and not force:
+        raise ConfigError("--out", f"{out} holds rows scored with other settings (differs in: {', '.join(differs)}); "
+                                   "rerun with the same options, choose another --out, or pass --force to rescore "
+                                   "into this file")
+    items, bad, seen = [], 0, {}
+    for n, it in iter_jsonl_items(inp):
         if isinstance(it, Exception):
             bad += 1
             console.print(f"skipped {it}", highlight=False, markup=False)
             continue
         if it.id in seen:
             bad += 1
-            console.print(f"skipped {inp.name}: duplicate id {it.id!r}", highlight=False, markup=False)
+            console.print(f"skipped {inp.name}:{n}: duplicate id {it.id!r} (first at line {seen[it.id]}; ids are "
+                          "compared as text, so 1 and \"1\" are the same id)", highlight=False, markup=False)
             continue
-        seen.add(it.id)
-        if it.id not in done:
-            items.append(it)
+        seen[it.id] = n
+        items.append(it)
+    if force and previous:
+        out.unlink()
+        previous = []
+    done = {str(r["id"]) for r in previous if r.get("error") is None}
+    items = [it for it in items if it.id not in done]
+
+    from creditlab.judge import EmbeddingJudge, JudgeCache, OpenAIJudge
+    from creditlab.rewards import FORKReward
+
+    jcache = JudgeCache(cache) if cache is not None else None
+    if judge == "openai":
+        j = OpenAIJudge(base_url, model, api_key_env=api_key_env, concurrency=concurrency, timeout=timeout,
+                        max_retries=max_retries, cache=jcache, transport=transport)
+    else:
+        j = EmbeddingJudge()
+    reward = FORKReward(j, beta=beta, tau=tau_v, mode=mode, assume_correct=assume_correct, pitfall_only=pitfall_only)
 
     async def run_all() -> None:
-        out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "a", encoding="utf-8") as fh, Progress(
             TextColumn("[bold]fork score"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             console=console,
         ) as bar:
             task = bar.add_task("score", total=len(seen), completed=len(seen) - len(items))
             async for res in reward.score_iter(items):
-                fh.write(json.dumps(res.to_row(), ensure_ascii=False) + "\n")
+                fh.write(json.dumps({**res.to_row(), "settings": settings}, ensure_ascii=False) + "\n")
                 fh.flush()
                 bar.advance(task)
         if hasattr(j, "aclose"):
@@ -123,17 +217,21 @@ def score(
         asyncio.run(run_all())
     rows = [r for r in _compact(out) if str(r.get("id")) in seen] if out.exists() else []
     ok = [r for r in rows if r.get("error") is None]
+    unscorable = [r for r in rows if r.get("error") and "cannot be scored" in str(r["error"])]
     failed = len(rows) - len(ok)
 
     def mean(key: str) -> str:
         vals = [float(r[key]) for r in ok if r.get(key) is not None]
         return f"{sum(vals) / len(vals):.3f}" if vals else "-"
 
+    quality = "APPROXIMATE (embedding similarity: topic, not truth)" if judge == "offline" else "LLM judge"
     table = Table(title=f"FORK ({mode}, beta={beta:g}, judge={j.name})")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name, value in [
-        ("items", str(len(seen))), ("scored", str(len(ok))), ("failures", str(failed)), ("bad lines", str(bad)),
+        ("judge quality", quality),
+        ("items", str(len(seen))), ("scored", str(len(ok))), ("failures", str(failed)),
+        ("cannot be scored (input)", str(len(unscorable))), ("bad lines", str(bad)),
         ("mean reward", mean("reward")), ("mean precision P", mean("precision")), ("mean recall Rec", mean("recall")),
         ("mean units", mean("n_units")), ("mean length (words)", mean("length_words")),
         ("judge requests (all runs)", str(sum(int(r.get("requests", 0)) for r in rows))),
@@ -143,8 +241,10 @@ def score(
     Console().print(table)
     if failed or bad:
         hints = []
-        if failed:
-            hints.append(f"{failed} item(s) failed: rerun the same command to retry them")
+        if failed - len(unscorable):
+            hints.append(f"{failed - len(unscorable)} item(s) failed: rerun the same command to retry them")
+        if unscorable:
+            hints.append(f"{len(unscorable)} item(s) cannot be scored (see their 'error'): fix them in the input")
         if bad:
             hints.append(f"{bad} bad line(s) skipped (see the messages above)")
         console.print("; ".join(hints), highlight=False, markup=False)

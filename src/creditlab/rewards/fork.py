@@ -8,6 +8,13 @@ unit credits (:func:`creditlab.core.precision.unit_credit`), then ``threshold`` 
 A judge failure is an explicit error on that item (``reward=None``, ``error`` set), never a silent
 0 or 0.5; the TRL-style ``__call__`` returns ``None`` for it (TRL skips ``None`` rewards).
 
+Items that cannot be scored are errors too, found before any judge call: no rubric, only
+zero-weight rubrics, or only negative (pitfall) rubrics give recall no denominator (scoring them
+would turn one bad training row into a maximum reward). Pitfall-only items can be scored by a
+convention a user opts into, ``pitfall_only="absence"``: recall is 1 when no pitfall is violated and
+0 otherwise (the item then measures only what the response avoided). An empty response is scored 0
+without judging, with a ``note``.
+
 >>> import asyncio
 >>> from creditlab.rewards.items import ForkItem, Rubric
 >>> class Toy:  # a judge whose answers are written down (see creditlab.judge for real ones)
@@ -61,6 +68,7 @@ class ForkResult:
     requests: int = 0
     cache_hits: int = 0
     error: str | None = None
+    note: str | None = None
     assume_correct: bool = False
     judge: str = ""
     mode: str = "fork"
@@ -81,10 +89,15 @@ class FORKReward:
         assume_correct: treat every unit as factually correct and skip the correctness stage.
             Required for judges that cannot judge correctness (the offline judge); recorded in
             every result.
+        pitfall_only: what an item whose rubrics are all negative gets: ``"error"`` (default: it
+            cannot be scored) or ``"absence"`` (reward = recall = 1 when no pitfall is violated,
+            else 0, in every mode; precision None: no unit can serve a rubric).
     """
 
+    PITFALL_ONLY = ("error", "absence")
+
     def __init__(self, judge: Judge, beta: float = 1.0, tau: str | float = "judge", *, mode: str = "fork",
-                 assume_correct: bool = False):
+                 assume_correct: bool = False, pitfall_only: str = "error"):
         if not isinstance(judge, Judge):
             raise ConfigError("judge", f"{type(judge).__name__} does not implement the Judge protocol")
         if not beta > 0:
@@ -98,6 +111,8 @@ class FORKReward:
                 raise ConfigError("tau", f"must be 'judge' or a number > 0, got {tau!r}") from None
             if not tau > 0:
                 raise ConfigError("tau", f"must be > 0, got {tau}")
+        if pitfall_only not in self.PITFALL_ONLY:
+            raise ConfigError("pitfall_only", f"unknown {pitfall_only!r}; valid: {', '.join(self.PITFALL_ONLY)}")
         if not judge.can_judge_correctness and not assume_correct:
             raise ConfigError("assume_correct", f"judge {judge.name} cannot judge factual correctness; pass "
                                                 "assume_correct=True (--assume-correct) to score anyway")
@@ -106,6 +121,7 @@ class FORKReward:
         self.tau = tau
         self.mode = mode
         self.assume_correct = assume_correct
+        self.pitfall_only = pitfall_only
         #: the :class:`ForkResult` list of the last ``__call__`` (errors, units... for logging)
         self.last_results: list[ForkResult] = []
 
@@ -127,6 +143,12 @@ class FORKReward:
     async def score_one(self, item: ForkItem) -> ForkResult:
         base = {"id": item.id, "assume_correct": self.assume_correct, "judge": self.judge.name,
                 "mode": self.mode, "beta": self.beta, "length_words": len(item.response.split())}
+        reason = self.unscorable(item)
+        if reason is not None:
+            return ForkResult(reward=None, error=f"item {item.id!r} cannot be scored: {reason}", **base)
+        if not item.response.strip():
+            return ForkResult(reward=0.0, precision=0.0, recall=0.0,
+                              note="empty response: scored 0 without judging", **base)
         with track_usage() as usage:
             try:
                 res = await self._score(item, base)
@@ -136,9 +158,28 @@ class FORKReward:
         res.cache_hits = usage.cache_hits
         return res
 
+    def unscorable(self, item: ForkItem) -> str | None:
+        """Why ``item`` has no recall denominator (None when it can be scored)."""
+        if not item.rubrics:
+            return "it has no rubric, so recall has no denominator"
+        if all(r.points == 0 for r in item.rubrics):
+            return "every rubric has 0 points, so recall has no denominator"
+        if all(r.points <= 0 for r in item.rubrics) and self.pitfall_only == "error":
+            return ("it has only negative (pitfall) rubrics, so recall has no denominator; opt into the "
+                    "absence convention (pitfall_only='absence', --pitfall-only absence) to score it")
+        return None
+
     async def _score(self, item: ForkItem, base: dict[str, Any]) -> ForkResult:
         j = self.judge
         criteria = [r.criterion for r in item.rubrics]
+        if all(r.points <= 0 for r in item.rubrics):  # pitfall-only, opted into the absence convention
+            coverage = await j.coverage(item.prompt, item.response, criteria)
+            _expect("coverage", "coverage flags", coverage, len(criteria), bool)
+            violated = any(c and r.points < 0 for c, r in zip(coverage, item.rubrics, strict=True))
+            score = 0.0 if violated else 1.0
+            return ForkResult(reward=score, precision=None, recall=score, coverage=list(coverage),
+                              note="pitfall-only item (absence convention): reward = 1 when no pitfall is "
+                                   "violated, else 0; precision is not defined", **base)
         units, coverage = await asyncio.gather(j.unitize(item.prompt, item.response),
                                                j.coverage(item.prompt, item.response, criteria))
         _expect("unitize", "units", units, None, str)

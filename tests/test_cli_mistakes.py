@@ -1,0 +1,163 @@
+"""Real mistakes through the real CLI (subprocess): every class gives a clear one-line error or an
+explicit per-item error, a non-zero exit code, no traceback, and never loses or changes a finished row."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from creditlab.judge.testing import ChatServer
+
+GOOD = {"id": "good", "prompt": "Aspirin?", "response": "Take aspirin with water. Get some rest.",
+        "rubrics": [{"criterion": "aspirin water", "points": 2}, {"criterion": "rest", "points": 1}]}
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "creditlab.cli.main", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _one_line_error(r, *needles):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+    err = r.stderr.strip()
+    assert err.startswith("error:"), err
+    flat = " ".join(err.split())  # rich wraps long lines
+    for n in needles:
+        assert n in flat, (n, flat)
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ChatServer() as srv:
+        yield srv
+
+
+def _score(server, inp, out, *extra):
+    return _cli("fork", "score", "--in", inp, "--out", out, "--base-url", server.url, "--timeout", "5",
+                "--max-retries", "0", *extra)
+
+
+# -- resume never mixes settings --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("flag", "value", "key"), [
+    ("--beta", "2", "beta"), ("--mode", "recall", "mode"), ("--tau", "0.5", "tau"), ("--model", "other", "model"),
+])
+def test_rerun_with_other_settings_refuses_before_any_request(server, tmp_path, flag, value, key):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [GOOD])
+    assert _score(server, inp, out).returncode == 0
+    before, requests = out.read_bytes(), server.stats["requests"]
+    r = _score(server, inp, out, flag, value)
+    _one_line_error(r, "--out", f"differs in: {key}", "--force")
+    assert out.read_bytes() == before and server.stats["requests"] == requests
+    forced = _score(server, inp, out, flag, value, "--force")
+    assert forced.returncode == 0, forced.stderr
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["settings"][key] == (float(value) if key in ("beta", "tau") else value)
+
+
+def test_rows_record_their_settings_and_a_same_settings_rerun_reuses_them(server, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [GOOD])
+    assert _score(server, inp, out).returncode == 0
+    row = json.loads(out.read_text())
+    assert {"judge", "model", "base_url", "mode", "beta", "tau", "prompt_version", "creditlab_version"} <= set(
+        row["settings"])
+    requests = server.stats["requests"]
+    assert _score(server, inp, out).returncode == 0
+    assert server.stats["requests"] == requests  # nothing rescored
+
+
+def test_an_output_written_without_settings_is_not_resumed(server, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [GOOD])
+    out.write_text(json.dumps({"id": "good", "reward": 1.0, "error": None}) + "\n")
+    _one_line_error(_score(server, inp, out), "--out", "other settings")
+
+
+# -- items that cannot be scored are errors, not rewards --------------------------------------
+
+
+def test_unscorable_items_are_errors_and_empty_responses_score_zero(server, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [GOOD,
+            {**GOOD, "id": "none", "rubrics": []},
+            {**GOOD, "id": "zero", "rubrics": [{"criterion": "rest", "points": 0}]},
+            {**GOOD, "id": "pitfall", "rubrics": [{"criterion": "recommends opioids", "points": -5}]},
+            {**GOOD, "id": "empty", "response": "   "}]
+    _write(inp, rows)
+    r = _score(server, inp, out)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    got = {x["id"]: x for x in map(json.loads, out.read_text().splitlines())}
+    assert got["good"]["reward"] == 1.0
+    for ident, reason in (("none", "no rubric"), ("zero", "0 points"), ("pitfall", "only negative")):
+        assert got[ident]["reward"] is None and f"item '{ident}' cannot be scored" in got[ident]["error"]
+        assert reason in got[ident]["error"]
+    assert got["empty"]["reward"] == 0.0 and got["empty"]["error"] is None and "empty response" in got["empty"]["note"]
+    assert "cannot be scored" in " ".join(r.stderr.split())
+    # the absence convention is opt-in: pitfall-only items then get 1 when no pitfall is violated
+    out2 = tmp_path / "out2.jsonl"
+    r = _score(server, inp, out2, "--pitfall-only", "absence")
+    got2 = {x["id"]: x for x in map(json.loads, out2.read_text().splitlines())}
+    assert got2["pitfall"]["reward"] == 1.0 and got2["pitfall"]["precision"] is None
+    assert got2["none"]["reward"] is None  # still no denominator
+
+
+def test_duplicate_ids_name_both_lines_and_1_equals_the_string_1(server, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [{**GOOD, "id": 1}, {**GOOD, "id": "2"}, {**GOOD, "id": "1"}])
+    r = _score(server, inp, out)
+    assert r.returncode == 1
+    err = " ".join(r.stderr.split())
+    assert "in.jsonl:3: duplicate id '1' (first at line 1" in err
+    assert sorted(json.loads(x)["id"] for x in out.read_text().splitlines()) == ["1", "2"]
+
+
+# -- files and paths ---------------------------------------------------------------------------
+
+
+def test_bad_paths_are_one_line_errors_before_any_work(tmp_path):
+    good = tmp_path / "in.jsonl"
+    _write(good, [GOOD])
+    (tmp_path / "latin1.jsonl").write_bytes(json.dumps(GOOD).replace("Aspirin?", "Asp\xedrin?").encode("latin-1"))
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    dead = "http://127.0.0.1:9/v1"  # nothing listens: a path error must come before any connection
+    cases = [
+        (["--in", tmp_path / "missing.jsonl", "--out", tmp_path / "o.jsonl"], ("--in", "no such file")),
+        (["--in", tmp_path, "--out", tmp_path / "o.jsonl"], ("--in", "is a directory")),
+        (["--in", tmp_path / "latin1.jsonl", "--out", tmp_path / "o.jsonl"], ("--in", "not UTF-8", "line 1")),
+        (["--in", tmp_path / "empty.jsonl", "--out", tmp_path / "o.jsonl"], ("--in", "is empty")),
+        (["--in", good, "--out", tmp_path / "nodir" / "o.jsonl"], ("--out", "does not exist")),
+        (["--in", good, "--out", tmp_path], ("--out", "is a directory")),
+        (["--in", good, "--out", good], ("--out", "is the input file")),
+    ]
+    for args, needles in cases:
+        r = _cli("fork", "score", *args, "--base-url", dead)
+        _one_line_error(r, *needles)
+    assert not (tmp_path / "nodir").exists() and not (tmp_path / "o.jsonl").exists()
+    # the offline judge fails on a bad path before loading its embedding model
+    r = _cli("fork", "score", "--in", tmp_path / "empty.jsonl", "--out", tmp_path / "o.jsonl", "--judge", "offline",
+             "--assume-correct")
+    _one_line_error(r, "--in", "is empty")
+
+
+def test_a_lab_rerun_with_another_configuration_refuses(tmp_path):
+    out = tmp_path / "fork"
+    args = ["lab", "fork", "--quick", "--out", out, "--seeds", "1", "-e", "oracle"]
+    assert _cli(*args).returncode == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    _one_line_error(_cli(*args[:-2], "-e", "oracle", "--updates", "7"), "--out", "another configuration",
+                    "differs in: updates")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "never").exists()
+    _one_line_error(_cli("lab", "fork", "--quick", "--out", tmp_path / "never", "--seeds", "0"), "--seeds")
+    assert not (tmp_path / "never").exists()
