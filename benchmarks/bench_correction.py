@@ -3,7 +3,7 @@
     python benchmarks/bench_correction.py            # B=64, L=8192, ~32 segments per row
     python benchmarks/bench_correction.py --quick    # smaller, for a smoke run
 
-Prints four figures:
+Prints five figures:
 
 1. vectorised ``interq_weights`` vs the loop reference of ``tests/reference`` (target >= 50x);
    the loop runs on the whole batch unless ``--loop-rows`` limits it (then its time is scaled
@@ -15,6 +15,9 @@ Prints four figures:
    counted exactly: a dispatch mode records the bytes of every tensor storage created by an
    aten op during the call and frees them when the last tensor using them dies; the peak of
    live bytes is reported (temporary buffers internal to a single aten kernel are not seen).
+5. what a trainer integration pays per batch for an arm and its diagnostics: ``correction_weights``
+   (one InterQ pass shared with ``mismatch_metrics``) vs ``interq_weights`` then ``mismatch_metrics``
+   (two passes, what the integrations did before); target: ratio < 1.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from creditlab.core.correction import interq_weights  # noqa: E402
+from creditlab.core.correction import correction_weights, interq_weights, mismatch_metrics  # noqa: E402
 from creditlab.core.losses import policy_loss  # noqa: E402
 from reference.ref_correction import ref_interq  # noqa: E402
 
@@ -211,6 +214,13 @@ def main() -> None:
     print(f"[4] inputs {input_bytes / 2**20:.1f} MiB (float32 log-probs + two bool masks) | peak extra "
           f"{mode.peak / 2**20:.1f} MiB = {mode.peak / input_bytes:.2f}x inputs (target <= 8x; includes the "
           f"{out_bytes / 2**20:.1f} MiB float32 output)")
+
+    # 5. an arm and its diagnostics, as the trainer integrations compute them once per batch
+    t = timeit({"shared": lambda: correction_weights("interq", old, rollout, pm, vm),
+                "separate": lambda: (interq_weights(old, rollout, pm, vm), mismatch_metrics(old, rollout, pm, vm))},
+               repeat=args.repeat)
+    print(f"[5] correction_weights (one InterQ pass) {t['shared'] * 1e3:8.1f} ms | interq_weights + mismatch_metrics "
+          f"{t['separate'] * 1e3:8.1f} ms | ratio {t['shared'] / t['separate']:.2f} (target < 1)")
 
 
 if __name__ == "__main__":
