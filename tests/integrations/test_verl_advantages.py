@@ -171,3 +171,46 @@ def test_config_errors_name_the_key():
         compute_advantage(data, adv_estimator="creditlab_uniform", config=OmegaConf.create({}))
     with pytest.raises(InputError, match="progress_deltas"):
         _run("creditlab_per_turn", -r, rm)
+
+
+def test_random_k_targeted_and_a_geometry_registered_later():
+    from verl.trainer.ppo import core_algos
+
+    from creditlab.integrations._common import CreditSettings, turn_credit
+
+    _, _, rm = agent_batch(6)
+    lay = turn_layout(rm.bool())
+    step_r = torch.rand(6, lay.num_turns, generator=torch.Generator().manual_seed(4)) * lay.step_mask
+    r = torch.zeros_like(rm)
+    r[lay.first] = step_r[lay.step_mask]
+    R = r.sum(1)
+    A = grpo_advantages(R, GID)
+    SkipManager.set_step(3)
+    ours, _ = _run("creditlab_random_k", r, rm, {"k": 2, "seed": 5, "conserve": True})
+    keys = torch.rand(lay.step_mask.shape, generator=torch.Generator().manual_seed(5 * 1_000_003 + 3),
+                      dtype=torch.float64)
+    torch.testing.assert_close(ours, lay.to_tokens(credit.random_k(A, keys, 2, lay.step_mask)), rtol=1e-5, atol=1e-6)
+    ours, _ = _run("creditlab_targeted", r, rm, {"conserve": True})
+    core = credit.targeted(A, step_r, lay.step_mask, GID, lay.step_mask)
+    torch.testing.assert_close(ours, lay.to_tokens(core), rtol=1e-5, atol=1e-6)
+
+    def doubled(batch, *, conserve=True, eps=1e-6):
+        A = batch.advantages if batch.advantages is not None else grpo_advantages(batch.rewards, batch.group_ids, eps)
+        return 2 * credit.uniform(A, batch.step_mask, conserve=conserve)
+
+    name = "creditlab_doubled_test"
+    try:
+        with credit.registered_geometry("doubled_test", doubled):
+            assert name in cv.ESTIMATORS
+            cv.install()  # puts the new geometry in verl's registry
+            ours, _ = _run(name, r, rm)
+            torch.testing.assert_close(ours, 2 * _run("creditlab_uniform", r, rm)[0])
+        assert name not in cv.ESTIMATORS
+        with pytest.raises(ConfigError, match="geometry: unknown 'doubled_test'"):  # never a KeyError mid-run
+            _run(name, r, rm)
+        with pytest.raises(ConfigError, match="geometry: unknown 'bogus'; valid: uniform"):
+            turn_credit("bogus", lay.step_mask, GID, rewards=R, settings=CreditSettings())
+    finally:
+        core_algos.ADV_ESTIMATOR_REGISTRY.pop(name, None)
+        cv._ESTIMATOR_FNS.pop(name, None)
+        SkipManager.set_step(-1)
