@@ -2,11 +2,10 @@
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pandas as pd
 import pytest
-
-from dataclasses import replace
 
 from creditlab.lab.chain_trainer import ChainTrainConfig
 from creditlab.lab.coverage import LAB, CoverageConfig

@@ -4,11 +4,9 @@
 below (``time/*`` columns excluded: wall-clock timings).
 """
 
-from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
-import pytest
 
 from creditlab.lab.protocol import run_lab
 from creditlab.lab.store import ResultStore
