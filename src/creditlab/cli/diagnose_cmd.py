@@ -1,0 +1,67 @@
+"""``creditlab diagnose DUMP... --out DIR``: fingerprint the silent failures in a rollout dump."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from creditlab.cli._apps import app
+
+__all__ = ["diagnose"]
+
+_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skipped": "dim"}
+
+
+@app.command("diagnose")
+def diagnose(
+    dumps: list[Path] = typer.Argument(..., metavar="DUMP", show_default=False,
+                                       help="Dump files (.parquet, .jsonl, .jsonl.gz) or directories of them, "
+                                            "e.g. verl's trainer.rollout_data_dir."),
+    out: Path = typer.Option(..., "--out", help="Directory for report.md, the PNG plots and diagnose.json."),
+    fail_on: str = typer.Option("fail", "--fail-on", help="Exit 1 on: fail (default), or warn (stricter)."),
+    check: list[str] = typer.Option(None, "--check", help="Run only this check (repeatable)."),
+    max_turns: int = typer.Option(16, "--max-turns", help="Turns shown by the by-turn mismatch check."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress and no table on the terminal."),
+) -> None:
+    """Diagnose rollout dumps: execution mismatch, reward hacking, degenerate groups, credit coverage.
+
+    Writes report.md (a verdict table, then one section per check with its plot), PNG plots and diagnose.json.
+
+    Exit code 0 when no check fails, 1 when one does (or warns, with --fail-on warn), 2 for unreadable input.
+    """
+    from creditlab.diagnose.checks import format_value
+    from creditlab.diagnose.report import diagnose as run
+    from creditlab.errors import ConfigError
+
+    if max_turns < 2:
+        raise ConfigError("--max-turns", f"must be >= 2, got {max_turns}")
+    if fail_on not in ("fail", "warn"):
+        raise ConfigError("--fail-on", f"must be fail or warn, got {fail_on!r}")
+    console = Console(stderr=True)
+    if quiet:
+        result = run(dumps, out, fail_on=fail_on, only=check or None, max_turns=max_turns)
+    else:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                      TimeElapsedColumn(), console=console, transient=True) as bar:
+            tasks: dict[str, int] = {}
+
+            def progress(what: str, done: int, total: int) -> None:
+                kind = what.split(" ", 1)[0]
+                if kind not in tasks:
+                    tasks[kind] = bar.add_task("reading" if kind == "read" else "checks", total=total)
+                bar.update(tasks[kind], completed=done, total=total, description=what)
+
+            result = run(dumps, out, fail_on=fail_on, only=check or None, max_turns=max_turns, progress=progress)
+        table = Table(title=f"creditlab diagnose: {result.summary['trajectories']:,} trajectories, "
+                            f"{result.summary['tokens']:,} tokens", show_lines=False)
+        for col in ("check", "status", "value", "evidence"):
+            table.add_column(col, overflow="fold", no_wrap=col in ("check", "status", "value"))
+        for r in result.results:
+            table.add_row(r.id, f"[{_STYLE[r.status]}]{r.status}[/]", format_value(r.value), r.message)
+        Console().print(table)
+        console.print(f"report: {out / 'report.md'}", highlight=False)
+    raise typer.Exit(result.exit_code)

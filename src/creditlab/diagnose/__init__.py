@@ -1,0 +1,21 @@
+"""Diagnostics on rollout dumps: read a dump, run the checks, write a report.
+
+Layering: uses ``creditlab.core`` (the metrics) and ``creditlab.envs``, never ``creditlab.lab``.
+"""
+
+from creditlab.diagnose.checks import CHECKS, CheckResult, Threshold, register_check, run_checks
+from creditlab.diagnose.readers import Dump, read_dump
+from creditlab.diagnose.schema import COLUMNS, rows_from_arrays, write_dump
+
+__all__ = [
+    "CHECKS",
+    "COLUMNS",
+    "CheckResult",
+    "Dump",
+    "Threshold",
+    "read_dump",
+    "register_check",
+    "rows_from_arrays",
+    "run_checks",
+    "write_dump",
+]

@@ -1,0 +1,122 @@
+"""Token-level quantities of a dump, computed once on the flat token arrays.
+
+Same definitions as ``creditlab.core.correction`` (docs/design.md section 7), on ragged rows
+concatenated with offsets instead of a padded ``(B, L)`` batch (a dump of ragged rows would pad to
+its longest row): ``delta_t = logprobs_t - rollout_logprobs_t`` on policy tokens, 0 elsewhere;
+``K3_t = exp(delta_t) - 1 - delta_t``; the prefix ``E_t = sum_{u <= t} delta_u`` along the row
+(it carries across tool tokens). tests/test_diagnose_checks.py compares these with
+``mismatch_metrics`` on the same rows padded.
+
+Tokens that the placeholder check flags (NaN/inf, log-probs above 0, runs of one repeated value
+where the two models disagree) are left out of every other mismatch quantity, so a leak in the
+policy mask is reported once, by that check, and does not pose as a precision mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from creditlab.diagnose.readers import DERIVE_TURN, Dump
+
+POSITIVE_TOL = 1e-4
+"""A log-prob above this is impossible (float rounding of ``log_softmax`` stays far below it)."""
+RUN_MIN = 4
+"""Shortest run of one repeated value that counts as a placeholder ..."""
+RUN_GAP = 0.5
+"""... when the two models disagree on it by more than this (mean |delta| over the run, nats)."""
+
+
+@dataclass
+class TokenStats:
+    """Flat per-token arrays (``M`` tokens) and per-row sums (``N`` rows) of a dump."""
+
+    row: np.ndarray          # (M,) row of each token
+    policy: np.ndarray       # (M,) policy_mask
+    nonfinite: np.ndarray    # (M,) policy token with a NaN/inf log-prob on either side
+    positive: np.ndarray     # (M,) policy token with a log-prob > POSITIVE_TOL
+    placeholder: np.ndarray  # (M,) policy token in a run of repeated values the models disagree on
+    usable: np.ndarray       # (M,) policy & none of the three
+    delta: np.ndarray        # (M,) float64 logprobs - rollout_logprobs on usable tokens, else 0
+    prefix: np.ndarray       # (M,) float64 running sum of delta along the row
+    turn: np.ndarray         # (M,) int64 turn of each policy token (-1: none)
+    row_usable: np.ndarray   # (N,) usable tokens per row
+    row_delta: np.ndarray    # (N,) sum of delta per row (sequence log ratio)
+    row_policy: np.ndarray   # (N,) policy tokens per row
+
+    @property
+    def flagged(self) -> np.ndarray:
+        return self.nonfinite | self.positive | self.placeholder
+
+
+def _runs_of_equal(x: np.ndarray, policy: np.ndarray, row_start: np.ndarray, gap: np.ndarray) -> np.ndarray:
+    """Policy tokens in a run of >= RUN_MIN consecutive policy tokens of one row holding exactly one
+    value of ``x``, with mean ``gap`` over the run above RUN_GAP."""
+    M = x.shape[0]
+    same = np.zeros(M, dtype=bool)
+    if M > 1:
+        same[1:] = (x[1:] == x[:-1]) & policy[1:] & policy[:-1] & ~row_start[1:]
+    start = policy & ~same
+    run = np.cumsum(start) - 1  # run id of each policy token (meaningless elsewhere)
+    n_runs = int(start.sum())
+    if n_runs == 0:
+        return np.zeros(M, dtype=bool)
+    ids = run[policy]
+    length = np.bincount(ids, minlength=n_runs)
+    mean_gap = np.bincount(ids, weights=gap[policy], minlength=n_runs) / np.maximum(length, 1)
+    bad_run = (length >= RUN_MIN) & (mean_gap > RUN_GAP)
+    out = np.zeros(M, dtype=bool)
+    out[policy] = bad_run[ids]
+    return out
+
+
+def token_stats(dump: Dump) -> TokenStats:
+    """The :class:`TokenStats` of ``dump`` (which must have token columns)."""
+    t = dump.tokens
+    assert t is not None
+    N = len(dump)
+    lengths = t.lengths
+    M = int(t.offsets[-1])
+    row = np.repeat(np.arange(N), lengths)
+    row_start = np.zeros(M, dtype=bool)
+    row_start[t.offsets[:-1][lengths > 0]] = True
+    lp, rlp, policy = t.logprobs, t.rollout_logprobs, t.policy_mask
+
+    finite = np.isfinite(lp) & np.isfinite(rlp)
+    nonfinite = policy & ~finite
+    with np.errstate(invalid="ignore"):
+        positive = policy & finite & ((lp > POSITIVE_TOL) | (rlp > POSITIVE_TOL))
+        gap = np.where(finite, np.abs(lp - rlp), 0.0)
+    placeholder = (_runs_of_equal(lp, policy & finite, row_start, gap)
+                   | _runs_of_equal(rlp, policy & finite, row_start, gap)) & ~positive
+    usable = policy & finite & ~positive & ~placeholder
+    delta = np.where(usable, np.where(finite, lp - rlp, 0.0), 0.0)
+
+    def per_row_base(cs: np.ndarray) -> np.ndarray:
+        """Value of the running sum ``cs`` just before each row starts, per token."""
+        before = np.concatenate([[0.0], cs])[t.offsets[:-1]]
+        return before[row]
+
+    cs = np.cumsum(delta)
+    prefix = cs - per_row_base(cs)
+
+    # turns: the given turn_ids, or the index of the policy run within its row
+    prev_policy = np.zeros(M, dtype=bool)
+    if M > 1:
+        prev_policy[1:] = policy[:-1] & ~row_start[1:]
+    seg_start = (policy & ~prev_policy).astype(np.int64)
+    cs_seg = np.cumsum(seg_start)
+    seg_turn = cs_seg - per_row_base(cs_seg).astype(np.int64) - 1
+    if t.turn_ids is None:
+        turn = np.where(policy, seg_turn, -1)
+    else:
+        given = np.where(t.turn_ids == DERIVE_TURN, seg_turn, t.turn_ids)
+        turn = np.where(policy, given, -1)
+
+    row_usable = np.bincount(row, weights=usable, minlength=N)
+    row_delta = np.bincount(row, weights=delta, minlength=N)
+    row_policy = np.bincount(row, weights=policy, minlength=N)
+    return TokenStats(row=row, policy=policy, nonfinite=nonfinite, positive=positive, placeholder=placeholder,
+                      usable=usable, delta=delta, prefix=prefix, turn=turn, row_usable=row_usable,
+                      row_delta=row_delta, row_policy=row_policy)

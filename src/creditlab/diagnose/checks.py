@@ -1,0 +1,733 @@
+"""The checks of ``creditlab diagnose``: one registry, one function per check.
+
+A check reads a :class:`Context` (the dump and its token quantities, computed once) and returns an
+:class:`Outcome`; :func:`run_checks` adds what the registry knows (id, title, threshold, fix) and
+turns missing columns into ``skipped`` results with the reason. Statuses: ``ok``, ``warn``,
+``fail``, ``skipped``. Thresholds and the reasons for them are in docs/diagnose.md.
+
+Trends over training compare the first and the last quarter of the dump's steps ("early" and
+"late"; at least 4 distinct steps).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+
+from creditlab.core.diagnostics import chain_length, mixing_score, p_cover
+from creditlab.diagnose._tokens import TokenStats, token_stats
+from creditlab.diagnose.readers import FORMAT_VERL, Dump
+from creditlab.diagnose.schema import TOKEN_COLUMNS
+from creditlab.errors import ConfigError, InputError
+
+__all__ = [
+    "CHECKS",
+    "Check",
+    "CheckResult",
+    "Context",
+    "Outcome",
+    "STATUSES",
+    "Threshold",
+    "format_value",
+    "register_check",
+    "run_checks",
+]
+
+STATUSES = ("ok", "warn", "fail", "skipped")
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """Where a check's value turns into ``warn`` and ``fail``.
+
+    ``direction`` "above": worse as the value grows (``value >= warn`` warns); "below": worse as it
+    shrinks. ``None``: that level is never reached on the value alone. ``note`` says what else the
+    status needs (e.g. precision falling too).
+    """
+
+    warn: float | None
+    fail: float | None
+    direction: str = "above"
+    note: str = ""
+
+    def text(self) -> str:
+        op = ">=" if self.direction == "above" else "<"
+        parts = []
+        if self.warn is not None:
+            parts.append(f"warn {op} {format_value(self.warn)}")
+        if self.fail is not None:
+            parts.append(f"fail {op} {format_value(self.fail)}")
+        s = ", ".join(parts)
+        return f"{s}; {self.note}" if self.note and s else (self.note or s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"warn": self.warn, "fail": self.fail, "direction": self.direction, "note": self.note}
+
+
+@dataclass
+class Outcome:
+    """What a check function returns. ``message``: one sentence of evidence."""
+
+    status: str
+    value: float | None
+    message: str
+    details: dict[str, Any] = field(default_factory=dict)
+    series: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CheckResult:
+    """One verdict: what :func:`run_checks` returns and ``diagnose.json`` stores."""
+
+    id: str
+    title: str
+    status: str
+    value: float | None
+    threshold: Threshold
+    message: str
+    fix: str
+    details: dict[str, Any] = field(default_factory=dict)
+    series: dict[str, Any] = field(default_factory=dict)
+    plot: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "title": self.title, "status": self.status, "value": _jsonable(self.value),
+                "threshold": self.threshold.to_json(), "message": self.message, "fix": self.fix,
+                "details": {k: _jsonable(v) for k, v in self.details.items()}, "plot": self.plot}
+
+
+@dataclass(frozen=True)
+class Check:
+    id: str
+    title: str
+    needs: tuple[str, ...]
+    threshold: Threshold
+    fix: str
+    fn: Callable[[Context], Outcome]
+
+
+CHECKS: dict[str, Check] = {}
+"""Every registered check by id, in report order."""
+
+
+def register_check(id: str, *, title: str, needs: Sequence[str], threshold: Threshold, fix: str):
+    """Decorator registering ``fn(ctx) -> Outcome`` as check ``id``; ``needs``: the columns without
+    which it is skipped."""
+
+    def deco(fn: Callable[[Context], Outcome]) -> Callable[[Context], Outcome]:
+        if id in CHECKS:
+            raise ConfigError("check", f"{id!r} is already registered")
+        CHECKS[id] = Check(id, title, tuple(needs), threshold, fix, fn)
+        return fn
+
+    return deco
+
+
+# ------------------------------------------------------------------------------------------------
+# context: the dump and what several checks share
+# ------------------------------------------------------------------------------------------------
+
+
+class Context:
+    """The dump, with the quantities several checks share computed once on first use."""
+
+    def __init__(self, dump: Dump, *, max_turns: int = 16):
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 2:
+            raise ConfigError("max_turns", f"must be an integer >= 2, got {max_turns!r}")
+        self.dump = dump
+        self.max_turns = max_turns
+        self.steps, self.step_code = np.unique(dump.step, return_inverse=True)
+
+    @cached_property
+    def tokens(self) -> TokenStats:
+        return token_stats(self.dump)
+
+    @property
+    def n_steps(self) -> int:
+        return int(self.steps.shape[0])
+
+    def phases(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Row masks of the first and the last quarter of the steps (None below 4 steps)."""
+        S = self.n_steps
+        if S < 4:
+            return None
+        q = max(1, S // 4)
+        return self.step_code < q, self.step_code >= S - q
+
+    def per_step(self, values: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """Mean of a per-row value at each step over rows where it is finite (NaN where none)."""
+        ok = np.isfinite(values) if rows is None else np.isfinite(values) & rows
+        n = np.bincount(self.step_code[ok], minlength=self.n_steps)
+        s = np.bincount(self.step_code[ok], weights=values[ok], minlength=self.n_steps)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(n > 0, s / np.maximum(n, 1), np.nan)
+
+    def lengths(self) -> tuple[np.ndarray, str] | None:
+        """Response length per row and its unit: ``response_length``, else the policy tokens, else
+        the characters of ``response``."""
+        d = self.dump
+        if d.has("response_length"):
+            unit = "characters" if all(f == FORMAT_VERL for f in d.formats) else "tokens"
+            return d.scalars["response_length"], unit
+        if d.has("policy_mask"):
+            out = self.tokens.row_policy.astype(np.float64)
+            out[~d.tokens.has_tokens] = np.nan
+            return out, "policy tokens"
+        if d.has("response"):
+            return np.asarray([np.nan if r is None else len(r) for r in d.texts["response"]]), "characters"
+        return None
+
+
+def _early_late(x: np.ndarray, phases: tuple[np.ndarray, np.ndarray]) -> tuple[float, float]:
+    early, late = phases
+    e, l_ = x[early & np.isfinite(x)], x[late & np.isfinite(x)]
+    return (float(e.mean()) if e.size else math.nan, float(l_.mean()) if l_.size else math.nan)
+
+
+def format_value(x: float | None, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    x = float(x)
+    if x == 0:
+        return "0"
+    if abs(x) >= 1e4 or abs(x) < 1e-3:
+        return f"{x:.{digits - 1}e}"
+    return f"{x:.{digits}g}" if abs(x) >= 1 else f"{x:.{digits}f}".rstrip("0").rstrip(".")
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, np.ndarray):
+        return [_jsonable(v) for v in x.tolist()]
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    return x
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%" if x >= 0.01 or x == 0 else f"{100 * x:.2g}%"
+
+
+def _excluded(ts: TokenStats) -> str:
+    n = int(ts.flagged.sum())
+    return f" ({n:,} tokens flagged by mismatch.placeholder_logprobs left out)" if n else ""
+
+
+# ------------------------------------------------------------------------------------------------
+# execution mismatch
+# ------------------------------------------------------------------------------------------------
+
+K3_WARN, K3_FAIL, K3_FLOOR = 1e-3, 1e-2, 1e-4
+_FIX_INTERQ = ("InterQ-RL weights on the token loss: `creditlab.core.correction.interq_weights`, verl "
+               "`algorithm.rollout_correction.rollout_is: creditlab_interq`, TRL "
+               "`CreditlabGRPOTrainer(correction=\"interq\")`")
+
+
+@register_check(
+    "mismatch.k3", title="K3(engine || learner) per policy token", needs=TOKEN_COLUMNS,
+    threshold=Threshold(K3_WARN, K3_FAIL, note=f"warn too when the last quarter of steps is >= 2x the first "
+                                               f"and >= {K3_FLOOR:g}"),
+    fix=f"{_FIX_INTERQ}; or score with a learner in the engine's precision (QAT), which removes most of a "
+        "quantized engine's mismatch.")
+def check_k3(ctx: Context) -> Outcome:
+    ts = ctx.tokens
+    n = int(ts.usable.sum())
+    if n == 0:
+        return Outcome("skipped", None, "No usable policy tokens (none, or all flagged as placeholders).")
+    k3_tok = np.expm1(ts.delta) - ts.delta  # 0 off usable tokens
+    k3 = float(k3_tok.sum() / n)
+    step_tok = ctx.step_code[ts.row]
+    cnt = np.bincount(step_tok, weights=ts.usable, minlength=ctx.n_steps)
+    tot = np.bincount(step_tok, weights=k3_tok, minlength=ctx.n_steps)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        by_step = np.where(cnt > 0, tot / np.maximum(cnt, 1), np.nan)
+    details: dict[str, Any] = {"k3": k3, "tokens": n, "k3_max_step": float(np.nanmax(by_step))}
+    phases = ctx.phases()
+    trend = ""
+    rising = False
+    if phases is not None:
+        q = max(1, ctx.n_steps // 4)
+        e_cnt, l_cnt = cnt[:q].sum(), cnt[-q:].sum()
+        early = float(tot[:q].sum() / e_cnt) if e_cnt else math.nan
+        late = float(tot[-q:].sum() / l_cnt) if l_cnt else math.nan
+        details.update(early=early, late=late)
+        rising = bool(late >= 2 * early and late >= K3_FLOOR)
+        trend = f"; {format_value(early)} in the first quarter of steps and {format_value(late)} in the last" + \
+            (" (rising late)" if rising else "")
+    status = "fail" if k3 >= K3_FAIL else "warn" if k3 >= K3_WARN or rising else "ok"
+    msg = (f"K3 between engine and learner is {format_value(k3)} per policy token over {n:,} tokens{trend}"
+           f"{_excluded(ts)}.")
+    return Outcome(status, k3, msg, details, {"steps": ctx.steps, "k3": by_step})
+
+
+DRIFT_WARN, DRIFT_FAIL, TURN_MIN_TOKENS = 0.05, 0.2, 20
+
+
+def turn_profile(ctx: Context) -> dict[str, np.ndarray]:
+    """By turn ``k < max_turns``: tokens, mean and RMS of the current (``delta``) and the prefix
+    (``E``) log ratio over the usable policy tokens of turn ``k``."""
+    ts = ctx.tokens
+    T = ctx.max_turns
+    sel = ts.usable & (ts.turn >= 0) & (ts.turn < T)
+    k = ts.turn[sel]
+    d, E = ts.delta[sel], ts.prefix[sel]
+    n = np.bincount(k, minlength=T).astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        def mean(w):
+            return np.where(n > 0, np.bincount(k, weights=w, minlength=T) / np.maximum(n, 1), np.nan)
+
+        return {"turn": np.arange(T), "tokens": n, "current_mean": mean(d), "prefix_mean": mean(E),
+                "current_rms": np.sqrt(mean(d * d)), "prefix_rms": np.sqrt(mean(E * E))}
+
+
+@register_check(
+    "mismatch.prefix_drift", title="Prefix vs current log ratio by turn", needs=TOKEN_COLUMNS,
+    threshold=Threshold(DRIFT_WARN, DRIFT_FAIL, note="RMS prefix log ratio at the last turn (nats); "
+                                                     "needs >= 2 turns and growth over the first turn"),
+    fix=f"{_FIX_INTERQ}: they reweight each token by a bounded estimate of its execution-prefix ratio, which "
+        "token-level TIS/MIS never see.")
+def check_prefix_drift(ctx: Context) -> Outcome:
+    prof = turn_profile(ctx)
+    good = np.flatnonzero(prof["tokens"] >= TURN_MIN_TOKENS)
+    series = {k: v for k, v in prof.items()}
+    if good.size < 2:
+        return Outcome("skipped", None, f"Needs policy tokens in at least 2 turns ({TURN_MIN_TOKENS}+ tokens each); "
+                       f"this dump has {good.size}: without a history there is nothing to compound.",
+                       series=series)
+    first, last = int(good[0]), int(good[-1])
+    p0, pK = float(prof["prefix_rms"][first]), float(prof["prefix_rms"][last])
+    c0, cK = float(prof["current_rms"][first]), float(prof["current_rms"][last])
+    grows = pK >= 1.5 * p0
+    status = "fail" if pK >= DRIFT_FAIL and grows else "warn" if pK >= DRIFT_WARN and grows else "ok"
+    flat = cK <= 2 * c0 + 1e-12
+    cur = (f"while the current one stays flat ({format_value(c0)} -> {format_value(cK)})" if flat else
+           f"and the current one grows too ({format_value(c0)} -> {format_value(cK)})")
+    msg = (f"The RMS prefix log ratio grows from {format_value(p0)} at turn {first} to {format_value(pK)} nats at turn {last} "
+           f"{cur}{_excluded(ctx.tokens)}.")
+    details = {"turn_first": first, "turn_last": last, "prefix_rms_first": p0, "prefix_rms_last": pK,
+               "current_rms_first": c0, "current_rms_last": cK,
+               "prefix_mean_last": float(prof["prefix_mean"][last]), "current_flat": flat}
+    return Outcome(status, pK, msg, details, series)
+
+
+ONE_SIDED_WARN, ONE_SIDED_FAIL, MEASURABLE, MIN_MEASURABLE = 0.75, 0.9, 1e-5, 100
+
+
+@register_check(
+    "mismatch.one_sided", title="One-sided mismatch (truncated engine log-probs)", needs=TOKEN_COLUMNS,
+    threshold=Threshold(ONE_SIDED_WARN, ONE_SIDED_FAIL,
+                        note=f"share of tokens with |delta| > {MEASURABLE:g} on the majority side"),
+    fix="Make the engine report log-probs of the distribution the learner scores (no top-k/top-p at sampling, "
+        "or the same truncation in the learner); until then bounded token weights (`tis`, `interq`) cap the "
+        "bias, but do not remove it.")
+def check_one_sided(ctx: Context) -> Outcome:
+    ts = ctx.tokens
+    d = ts.delta[ts.usable]
+    meas = np.abs(d) > MEASURABLE
+    m = int(meas.sum())
+    rows = ts.row_usable > 0
+    bias = float(d.mean()) if d.size else 0.0
+    seq_bias = float(ts.row_delta[rows].mean()) if rows.any() else 0.0
+    details = {"tokens": int(d.size), "measurable": m, "bias_per_token": bias, "bias_per_sequence": seq_bias}
+    if d.size == 0:
+        return Outcome("skipped", None, "No usable policy tokens.")
+    if m < MIN_MEASURABLE:
+        return Outcome("ok", 0.0, f"No measurable mismatch: |delta| <= {MEASURABLE:g} on {d.size - m:,} of "
+                       f"{d.size:,} policy tokens.", details)
+    above = float((d[meas] < 0).mean())  # delta = learner - engine < 0: the engine is above
+    share = max(above, 1 - above)
+    details.update(engine_above=above)
+    side = "engine log-probs above the learner's" if above >= 0.5 else "learner log-probs above the engine's"
+    status = "fail" if share >= ONE_SIDED_FAIL else "warn" if share >= ONE_SIDED_WARN else "ok"
+    if status == "ok":
+        msg = (f"The mismatch is two-sided: the engine is above the learner on {_pct(above)} of {m:,} measurable "
+               f"policy tokens (mean delta {format_value(bias)} nats per token).")
+    else:
+        why = (", the signature of an engine reporting log-probs of a top-k/top-p truncated distribution"
+               if above >= 0.5 else "")
+        msg = (f"{side[0].upper()}{side[1:]} on {_pct(share)} of {m:,} measurable policy tokens, a bias of "
+               f"{format_value(-bias if above >= 0.5 else bias)} nats per token and {format_value(abs(seq_bias))} per "
+               f"sequence{why}.")
+    return Outcome(status, share, msg, details)
+
+
+PLACEHOLDER_FAIL = 1e-3
+
+
+@register_check(
+    "mismatch.placeholder_logprobs", title="Impossible or placeholder log-probs at policy positions",
+    needs=TOKEN_COLUMNS,
+    threshold=Threshold(None, PLACEHOLDER_FAIL, note="share of policy tokens flagged; warn when any is, fail on "
+                                                     "any NaN/inf too"),
+    fix="Fix the policy mask: tool and observation tokens must have policy_mask false, and NaN or positive "
+        "log-probs are an exporter or engine bug. creditlab's corrections ignore values at masked positions, so "
+        "placeholders there are harmless once the mask is right.")
+def check_placeholders(ctx: Context) -> Outcome:
+    from creditlab.diagnose._tokens import RUN_GAP, RUN_MIN
+
+    ts = ctx.tokens
+    P = int(ts.policy.sum())
+    if P == 0:
+        return Outcome("skipped", None, "No policy tokens in the dump.")
+    nf, pos, ph = int(ts.nonfinite.sum()), int(ts.positive.sum()), int(ts.placeholder.sum())
+    bad = nf + pos + ph
+    share = bad / P
+    details = {"policy_tokens": P, "nonfinite": nf, "positive": pos, "repeated_runs": ph}
+    if bad == 0:
+        return Outcome("ok", 0.0, f"No NaN, positive or repeated placeholder log-probs among {P:,} policy tokens.",
+                       details)
+    status = "fail" if nf or share >= PLACEHOLDER_FAIL else "warn"
+    k = int(np.flatnonzero(ts.flagged)[0])
+    r = int(ts.row[k])
+    where = f"{ctx.dump.where(r)}, token {k - int(ctx.dump.tokens.offsets[r])}"
+    parts = [f"{nf:,} NaN/inf" if nf else "", f"{pos:,} above 0" if pos else "",
+             f"{ph:,} in runs of {RUN_MIN}+ repeated values where the models differ by > {RUN_GAP} nats" if ph else ""]
+    msg = (f"{bad:,} of {P:,} policy tokens ({_pct(share)}) hold impossible or placeholder log-probs "
+           f"({'; '.join(p for p in parts if p)}), first at {where}: tool/observation tokens in the policy mask, "
+           f"or masked positions filled with a constant.")
+    return Outcome(status, share, msg, details)
+
+
+SEQ_WARN, SEQ_FAIL, SEQ_MIN_ROWS = 0.3, 1.0, 8
+
+
+@register_check(
+    "mismatch.sequence_ratio_length", title="Sequence ratio by response length", needs=TOKEN_COLUMNS,
+    threshold=Threshold(SEQ_WARN, SEQ_FAIL, note="median |log product ratio| in the longest length quartile "
+                                                 "(nats)"),
+    fix="Use token-level or length-normalised weights (`tis`, `interq`, or the geometric mean `geo`) instead of "
+        "a product of token ratios (`seq_is`).")
+def check_sequence_ratio(ctx: Context) -> Outcome:
+    ts = ctx.tokens
+    rows = np.flatnonzero(ts.row_usable > 0)
+    if rows.size < SEQ_MIN_ROWS:
+        return Outcome("skipped", None, f"Needs at least {SEQ_MIN_ROWS} trajectories with policy tokens, got "
+                       f"{rows.size}.")
+    n = ts.row_usable[rows]
+    S = ts.row_delta[rows]
+    if np.unique(n).size < 2:
+        return Outcome("skipped", None, "Every trajectory has the same number of policy tokens: no length trend.")
+    order = np.argsort(n, kind="stable")
+    quart = np.array_split(order, 4)
+    out = {"lo": [], "hi": [], "prod_abs": [], "geo_abs": [], "prod_med": [], "prod_q25": [], "prod_q75": [],
+           "geo_med": [], "geo_q25": [], "geo_q75": [], "rows": []}
+    for q in quart:
+        s, g = S[q], S[q] / n[q]
+        out["lo"].append(float(n[q].min()))
+        out["hi"].append(float(n[q].max()))
+        out["rows"].append(int(q.size))
+        out["prod_abs"].append(float(np.median(np.abs(s))))
+        out["geo_abs"].append(float(np.median(np.abs(g))))
+        for name, x in (("prod", s), ("geo", g)):
+            lo_, med, hi_ = np.exp(np.clip(np.quantile(x, [0.25, 0.5, 0.75]), -80, 80))
+            out[f"{name}_q25"].append(float(lo_))
+            out[f"{name}_med"].append(float(med))
+            out[f"{name}_q75"].append(float(hi_))
+    series = {k: np.asarray(v) for k, v in out.items()}
+    value = out["prod_abs"][-1]
+    status = "fail" if value >= SEQ_FAIL else "warn" if value >= SEQ_WARN else "ok"
+    msg = (f"In the longest quartile ({out['lo'][-1]:.0f}-{out['hi'][-1]:.0f} policy tokens) the product sequence "
+           f"ratio is off from 1 by a median {format_value(value)} nats (median weight {format_value(out['prod_med'][-1])}), "
+           f"against {format_value(out['prod_abs'][0])} in the shortest; the geometric mean stays within "
+           f"{format_value(out['geo_abs'][-1])}.")
+    details = {"longest_quartile": [out["lo"][-1], out["hi"][-1]], "median_abs_log_ratio_shortest": out["prod_abs"][0],
+               "median_weight_longest": out["prod_med"][-1], "median_abs_log_geo_longest": out["geo_abs"][-1]}
+    return Outcome(status, value, msg, details, series)
+
+
+# ------------------------------------------------------------------------------------------------
+# reward
+# ------------------------------------------------------------------------------------------------
+
+LENGTH_WARN, PRECISION_DROP = 0.3, 0.05
+
+
+@register_check(
+    "reward.length_hacking", title="Response length rising with the reward", needs=("reward",),
+    threshold=Threshold(LENGTH_WARN, None,
+                        note=f"relative length growth, first to last quarter of steps, with the reward not "
+                             f"falling; fail when precision falls by >= {PRECISION_DROP} too"),
+    fix="The FORK reward (`creditlab.rewards.fork`, F-beta of rubric recall and unit-level precision) makes "
+        "padding and wrong content cost reward; `creditlab lab fork` shows the effect.")
+def check_length_hacking(ctx: Context) -> Outcome:
+    got = ctx.lengths()
+    if got is None:
+        return Outcome("skipped", None, "Needs response_length, token columns or response to measure length.")
+    length, unit = got
+    phases = ctx.phases()
+    series = {"steps": ctx.steps, "length": ctx.per_step(length), "reward": ctx.per_step(ctx.dump.reward),
+              "unit": unit}
+    d = ctx.dump
+    has_prec = d.has("precision")
+    if has_prec:
+        series["precision"] = ctx.per_step(d.scalars["precision"])
+    if phases is None:
+        return Outcome("skipped", None, f"Needs at least 4 training steps for a trend, got {ctx.n_steps}.",
+                       series=series)
+    L0, L1 = _early_late(length, phases)
+    R0, R1 = _early_late(d.reward, phases)
+    if not (L0 > 0):
+        return Outcome("skipped", None, "No response length in the first quarter of steps.", series=series)
+    g = L1 / L0 - 1
+    details: dict[str, Any] = {"length_early": L0, "length_late": L1, "reward_early": R0, "reward_late": R1,
+                               "unit": unit}
+    rising = g >= LENGTH_WARN and R1 >= R0
+    base = (f"Mean response length went from {format_value(L0)} to {format_value(L1)} {unit} ({g:+.0%}) while the reward went "
+            f"from {format_value(R0)} to {format_value(R1)}")
+    if has_prec:
+        P0, P1 = _early_late(d.scalars["precision"], phases)
+        details.update(precision_early=P0, precision_late=P1)
+        fell = P0 - P1 >= PRECISION_DROP
+        status = "fail" if rising and fell else "ok"
+        tail = (f" and precision fell from {format_value(P0)} to {format_value(P1)}: the recall-reward padding signature" if fell else
+                f" and precision held ({format_value(P0)} -> {format_value(P1)}): the extra length is content")
+        return Outcome(status, g, base + tail + ".", details, series)
+    if rising:
+        return Outcome("warn", g, base + ": the padding signature of a recall-only reward, unless the task "
+                       "rewards longer answers (no precision column to tell).", details, series)
+    return Outcome("ok", g, base + ".", details, series)
+
+
+PROCESS_RISE, OUTCOME_STALL, CALLS_RISE, TRUNC_RISE = 0.25, 0.1, 0.2, 0.05
+
+
+@register_check(
+    "reward.process_hacking", title="Process reward rising while the outcome stalls", needs=("process_reward",),
+    threshold=Threshold(PROCESS_RISE, None,
+                        note=f"process-reward rise in standard deviations, with the outcome rising < "
+                             f"{OUTCOME_STALL} sd; fail when tool calls (+{CALLS_RISE:.0%}) or truncation "
+                             f"(+{TRUNC_RISE}) rise too"),
+    fix="Mix the process reward with a weight that decays to 0 (`creditlab.core.schedules.decay` with "
+        "`prm_mixed_advantages`; verl `algorithm.creditlab.prm_schedule: decay`), so it shapes only early training.")
+def check_process_hacking(ctx: Context) -> Outcome:
+    d = ctx.dump
+    proc = d.scalars["process_reward"]
+    phases = ctx.phases()
+    series: dict[str, Any] = {"steps": ctx.steps, "process": ctx.per_step(proc), "outcome": ctx.per_step(d.reward)}
+    calls = None
+    if d.turns is not None:
+        calls = np.asarray([np.nan if t is None else len(t) for t in d.turns], dtype=np.float64)
+        series["tool_calls"] = ctx.per_step(calls)
+    trunc = d.scalars.get("truncated")
+    if trunc is not None:
+        series["truncated"] = ctx.per_step(trunc)
+    if phases is None:
+        return Outcome("skipped", None, f"Needs at least 4 training steps for a trend, got {ctx.n_steps}.",
+                       series=series)
+    fin = np.isfinite(proc)
+    sdP = float(proc[fin].std()) if fin.sum() > 1 else 0.0
+    sdR = float(d.reward.std())
+    P0, P1 = _early_late(proc, phases)
+    R0, R1 = _early_late(d.reward, phases)
+    if sdP == 0 or not math.isfinite(P1 - P0):
+        return Outcome("ok", 0.0, "The process reward is constant.", series=series)
+    dP = (P1 - P0) / sdP
+    dR = (R1 - R0) / sdR if sdR > 0 else 0.0
+    details: dict[str, Any] = {"process_early": P0, "process_late": P1, "outcome_early": R0, "outcome_late": R1,
+                               "process_rise_sd": dP, "outcome_rise_sd": dR}
+    act = []
+    if calls is not None:
+        C0, C1 = _early_late(calls, phases)
+        details.update(tool_calls_early=C0, tool_calls_late=C1)
+        if C0 > 0 and C1 / C0 - 1 >= CALLS_RISE:
+            act.append(f"tool calls per trajectory {format_value(C0)} -> {format_value(C1)}")
+    if trunc is not None:
+        T0, T1 = _early_late(trunc, phases)
+        details.update(truncated_early=T0, truncated_late=T1)
+        if T1 - T0 >= TRUNC_RISE:
+            act.append(f"truncation {_pct(T0)} -> {_pct(T1)}")
+    base = (f"The process reward moved {dP:+.2f} sd ({format_value(P0)} -> {format_value(P1)}) and the outcome {dR:+.2f} sd "
+            f"({format_value(R0)} -> {format_value(R1)})")
+    if dP >= PROCESS_RISE and dR < OUTCOME_STALL:
+        if act:
+            return Outcome("fail", dP, base + f", with {' and '.join(act)}: the policy is farming the process "
+                           "reward.", details, series)
+        return Outcome("warn", dP, base + ": the process reward is being optimised without the outcome.",
+                       details, series)
+    return Outcome("ok", dP, base + ".", details, series)
+
+
+DEGENERATE_WARN, DEGENERATE_FAIL = 0.5, 0.8
+
+
+@register_check(
+    "baseline.degenerate_groups", title="Groups with zero reward variance", needs=("reward",),
+    threshold=Threshold(DEGENERATE_WARN, DEGENERATE_FAIL, note="share of groups in the last quarter of steps "
+                                                               "(all steps below 4)"),
+    fix="A graded reward breaks the ties (FORK's F-beta instead of a pass/fail rubric, per-turn credit from "
+        "a verifier); otherwise drop or resample zero-variance groups (dynamic sampling) or enlarge the group.")
+def check_degenerate_groups(ctx: Context) -> Outcome:
+    d = ctx.dump
+    key = ctx.step_code.astype(np.int64) * (int(d.group.max()) + 1) + d.group
+    uniq, inv = np.unique(key, return_inverse=True)
+    G = uniq.shape[0]
+    size = np.bincount(inv, minlength=G)
+    hi = np.full(G, -np.inf)
+    lo = np.full(G, np.inf)
+    np.maximum.at(hi, inv, d.reward)
+    np.minimum.at(lo, inv, d.reward)
+    degenerate = (hi - lo) <= 1e-9 * np.maximum(1.0, np.abs(hi))
+    g_step = np.zeros(G, dtype=np.int64)
+    g_step[inv] = ctx.step_code
+    per_step = np.bincount(g_step, weights=degenerate, minlength=ctx.n_steps) / \
+        np.maximum(np.bincount(g_step, minlength=ctx.n_steps), 1)
+    series = {"steps": ctx.steps, "share": per_step}
+    overall = float(degenerate.mean())
+    singles = int((size == 1).sum())
+    phases = ctx.phases()
+    if phases is not None:
+        q = max(1, ctx.n_steps // 4)
+        late_g = g_step >= ctx.n_steps - q
+        value = float(degenerate[late_g].mean())
+        early = float(degenerate[g_step < q].mean())
+        span = f"; {_pct(early)} in the first quarter of steps, {_pct(value)} in the last"
+    else:
+        value, early, span = overall, overall, ""
+    details = {"groups": G, "degenerate": int(degenerate.sum()), "singleton_groups": singles, "share_all": overall,
+               "share_early": early, "mean_group_size": float(size.mean())}
+    status = "fail" if value >= DEGENERATE_FAIL else "warn" if value >= DEGENERATE_WARN else "ok"
+    note = ""
+    if singles == G:
+        note = " Every group holds one trajectory: is `group` the prompt id of the GRPO group?"
+    elif singles:
+        note = f" {singles:,} groups hold a single trajectory (advantage 0 by construction)."
+    msg = (f"{_pct(overall)} of {G:,} groups (step, group) have all rewards equal and give no gradient{span}."
+           f"{note}")
+    return Outcome(status, value, msg, details, series)
+
+
+# ------------------------------------------------------------------------------------------------
+# credit
+# ------------------------------------------------------------------------------------------------
+
+VD_WARN = 0.8
+
+
+def _calls(turns: list[dict]) -> list[dict]:
+    return [{"name": t["tool"], "arguments": t["args"], "returned": t["returned"], "is_write": t["is_write"]}
+            for t in turns]
+
+
+@register_check(
+    "credit.coverage", title="Chain length, verifier density and coverage", needs=("turns",),
+    threshold=Threshold(VD_WARN, None, direction="below", note="mean V_d over trajectories whose chain ends in "
+                                                               "a write, with chains of 2+ calls"),
+    fix="Below V_d 0.8 spread credit over the whole chain (the `uniform` geometry; verl "
+        "`algorithm.adv_estimator: creditlab_uniform`): credit concentrated on the verifier-visible steps leaves "
+        "the others at chance (docs/credit.md).")
+def check_coverage(ctx: Context) -> Outcome:
+    d = ctx.dump
+    instr = d.texts.get("instruction")
+    Cs, Ts, ks, wf = [], [], [], []
+    scored_any = any(t.get("process_score") is not None for ts in d.turns if ts for t in ts)
+    for i, ts in enumerate(d.turns):
+        if not ts:
+            continue
+        try:
+            C = chain_length(_calls(ts), (instr[i] or "") if instr else "")
+        except InputError as err:
+            raise InputError(f"{d.where(i)}: column 'turns': {err}") from None
+        n_w = sum(t["is_write"] for t in ts)
+        wf.append(n_w / len(ts))
+        if C < 1:
+            continue
+        k = sum(t.get("process_score") is not None for t in ts) if scored_any else n_w
+        Cs.append(C)
+        Ts.append(len(ts))
+        ks.append(min(k, C))
+    if not Cs:
+        return Outcome("skipped", None, "No trajectory ends in a write: the chain length by dataflow is 0 "
+                       "everywhere.", {"trajectories": len(wf)})
+    C_t, T_t, k_t = (torch.tensor(x, dtype=torch.float64) for x in (Cs, Ts, ks))
+    vd = float((k_t / C_t).mean())
+    pc = float(p_cover(T_t, C_t, k_t).mean())
+    C_mean, T_mean, k_mean, w = float(C_t.mean()), float(T_t.mean()), float(k_t.mean()), float(np.mean(wf))
+    seen = "turns with a process score" if scored_any else "writes (a state-diff verifier)"
+    details = {"trajectories": len(Cs), "C_mean": C_mean, "T_mean": T_mean, "k_mean": k_mean, "V_d": vd,
+               "write_fraction": w, "p_cover": pc, "k_counts": seen, "instruction": instr is not None}
+    long_chain = C_mean >= 2
+    status = "warn" if vd < VD_WARN and long_chain else "ok"
+    regime = ("below 0.8, concentrated credit leaves causal steps at chance: spread credit over the whole chain"
+              if status == "warn" else "dense enough for targeted credit" if long_chain else "chains of one call")
+    no_instr = "" if instr is not None else " (no instruction column: values it would give count as reads)"
+    msg = (f"Chains by dataflow hold C = {format_value(C_mean)} of T = {format_value(T_mean)} calls on average and the verifier sees "
+           f"k = {format_value(k_mean)} of them ({seen}): V_d = {format_value(vd)}, write fraction {format_value(w)}, "
+           f"P_cover {format_value(pc)}; {regime}{no_instr}.")
+    return Outcome(status, vd, msg, details)
+
+
+MIXING_WARN = 0.5
+
+
+@register_check(
+    "credit.mixing", title="Turn mixing score", needs=("turns",),
+    threshold=Threshold(MIXING_WARN, None, note="mean over trajectories with judged turns; a turn is good when "
+                                                "its process_score > 0.5 (scores in [0, 1]) or > 0"),
+    fix="Credit per turn where the process signal is trustworthy (the `per_turn` geometry, or PRM mixing "
+        "`prm_mixed_advantages` with a decaying weight) instead of broadcasting the outcome to every turn.")
+def check_mixing(ctx: Context) -> Outcome:
+    d = ctx.dump
+    scores = [[t["process_score"] for t in ts if t.get("process_score") is not None] if ts else [] for ts in d.turns]
+    flat = [s for row in scores for s in row]
+    if not flat:
+        return Outcome("skipped", None, "No turn has a process_score.")
+    cut = 0.5 if min(flat) >= 0 and max(flat) <= 1 else 0.0
+    n_pos = torch.tensor([sum(s > cut for s in row) for row in scores], dtype=torch.float64)
+    n_neg = torch.tensor([sum(s <= cut for s in row) for row in scores], dtype=torch.float64)
+    mix, inc = mixing_score(n_pos, n_neg)
+    value = float(mix[inc].mean())
+    details = {"trajectories": int(inc.sum()), "good_turn_cut": cut, "good_share": float(n_pos.sum() / (n_pos.sum() + n_neg.sum()))}
+    status = "warn" if value >= MIXING_WARN else "ok"
+    tail = (": good and bad turns share rollouts, so an outcome broadcast to every turn pushes many of them the "
+            "wrong way" if status == "warn" else ": turns mostly agree with their rollout, trajectory-level credit "
+            "is adequate")
+    msg = f"Mean turn mixing score {format_value(value)} over {int(inc.sum()):,} trajectories with judged turns{tail}."
+    return Outcome(status, value, msg, details)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _skip_reason(check: Check, dump: Dump) -> str | None:
+    missing = [c for c in check.needs if not dump.has(c)]
+    if not missing:
+        return None
+    s = "s" if len(missing) > 1 else ""
+    msg = f"Needs column{s} {', '.join(missing)}, which this dump does not have."
+    if set(missing) & set(TOKEN_COLUMNS) and all(f == FORMAT_VERL for f in dump.formats):
+        msg += " verl's rollout_data_dir holds no log-probs: dump with creditlab's verl exporter."
+    return msg
+
+
+def run_checks(dump: Dump, *, only: Sequence[str] | None = None, max_turns: int = 16,
+               progress: Callable[[str, int, int], None] | None = None) -> list[CheckResult]:
+    """Run every registered check (or those in ``only``) on ``dump``, in registry order."""
+    if only is not None:
+        unknown = [c for c in only if c not in CHECKS]
+        if unknown:
+            raise ConfigError("--check", f"unknown check {unknown[0]!r}; valid: {', '.join(CHECKS)}")
+    ids = [c for c in CHECKS if only is None or c in only]
+    ctx = Context(dump, max_turns=max_turns)
+    results = []
+    for i, cid in enumerate(ids):
+        check = CHECKS[cid]
+        reason = _skip_reason(check, dump)
+        out = Outcome("skipped", None, reason) if reason else check.fn(ctx)
+        if out.status not in STATUSES:
+            raise ConfigError("check", f"{cid} returned status {out.status!r}; valid: {', '.join(STATUSES)}")
+        results.append(CheckResult(cid, check.title, out.status, out.value, check.threshold, out.message, check.fix,
+                                   out.details, out.series))
+        if progress is not None:
+            progress(f"check {cid}", i + 1, len(ids))
+    return results

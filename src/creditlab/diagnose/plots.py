@@ -1,0 +1,177 @@
+"""The PNGs of a diagnosis, one per check that has a series to show.
+
+Figures are ``matplotlib.figure.Figure`` objects rendered by the Agg canvas: no pyplot, no backend
+selection, no global matplotlib state (a library must not change process-wide settings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from creditlab.diagnose.checks import CheckResult
+
+__all__ = ["PLOTS", "plot_result"]
+
+
+def _figure(figsize: tuple[float, float] = (7, 4.2)):
+    fig = Figure(figsize=figsize, layout="constrained")
+    return fig, fig.subplots()
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _thresholds(ax, r: CheckResult, horizontal: bool = True) -> None:
+    for level, color in (("warn", "#d9a400"), ("fail", "#c0392b")):
+        v = getattr(r.threshold, level)
+        if v is not None and v > 0:
+            ax.axhline(v, color=color, lw=1, ls=":", label=f"{level} threshold")
+
+
+def _k3(r: CheckResult, path: Path) -> Path:
+    s = r.series
+    fig, ax = _figure()
+    y = np.asarray(s["k3"], dtype=float)
+    floor = 1e-16
+    ax.plot(s["steps"], np.maximum(y, floor), marker="o", ms=3, color="#1f77b4", label="K3 per policy token")
+    ax.set_yscale("log")
+    _thresholds(ax, r)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("K3(engine || learner)")
+    ax.set_title(f"Execution mismatch over steps ({r.status})")
+    ax.legend(loc="best", fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _prefix(r: CheckResult, path: Path) -> Path:
+    s = r.series
+    n = np.asarray(s["tokens"])
+    keep = n > 0
+    t = np.asarray(s["turn"])[keep]
+    fig = Figure(figsize=(9, 4.2), layout="constrained")
+    ax, bx = fig.subplots(1, 2)
+    ax.plot(t, np.asarray(s["prefix_rms"])[keep], marker="o", color="#c0392b", label="prefix E_t (RMS)")
+    ax.plot(t, np.asarray(s["current_rms"])[keep], marker="o", color="#1f77b4", label="current delta_t (RMS)")
+    _thresholds(ax, r)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("log ratio, nats (RMS)")
+    ax.set_title("Prefix vs current log ratio by turn")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    bx.plot(t, np.asarray(s["prefix_mean"])[keep], marker="o", color="#c0392b", label="prefix (mean)")
+    bx.plot(t, np.asarray(s["current_mean"])[keep], marker="o", color="#1f77b4", label="current (mean)")
+    bx.axhline(0, color="grey", lw=0.8)
+    for a in (ax, bx):
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    bx.set_xlabel("turn")
+    bx.set_ylabel("log ratio, nats (mean)")
+    bx.set_title("Signed mean (learner - engine)")
+    bx.legend(fontsize=8)
+    bx.grid(alpha=0.3)
+    fig.suptitle(f"mismatch.prefix_drift ({r.status})", fontsize=10)
+    return _save(fig, path)
+
+
+def _quartiles(r: CheckResult, path: Path) -> Path:
+    s = r.series
+    fig, ax = _figure()
+    x = np.arange(len(s["prod_med"]))
+    labels = [f"{lo:.0f}-{hi:.0f}" for lo, hi in zip(s["lo"], s["hi"], strict=True)]
+    for name, color, dx, label in (("prod", "#c0392b", -0.08, "product exp(sum delta)"),
+                                   ("geo", "#1f77b4", 0.08, "geometric exp(mean delta)")):
+        med, lo, hi = (np.asarray(s[f"{name}_{k}"]) for k in ("med", "q25", "q75"))
+        ax.errorbar(x + dx, med, yerr=[med - lo, hi - med], fmt="o-", color=color, capsize=4, label=label)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    for v, color in ((r.threshold.warn, "#d9a400"), (r.threshold.fail, "#c0392b")):
+        if v is not None:
+            for y in (np.exp(v), np.exp(-v)):
+                ax.axhline(y, color=color, lw=1, ls=":")
+    ax.set_yscale("log")
+    ax.set_xticks(x, labels)
+    ax.set_xlabel("response length quartile (policy tokens)")
+    ax.set_ylabel("sequence weight (median, 25-75%)")
+    ax.set_title(f"Sequence weight by length ({r.status}); dotted: exp(+-threshold)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    return _save(fig, path)
+
+
+def _length(r: CheckResult, path: Path) -> Path:
+    s = r.series
+    fig, ax = _figure()
+    ax.plot(s["steps"], s["length"], marker="o", ms=3, color="#2c3e50", label="response length")
+    ax.set_xlabel("training step")
+    ax.set_ylabel(f"mean response length ({s.get('unit', '')})")
+    bx = ax.twinx()
+    bx.plot(s["steps"], s["reward"], marker="s", ms=3, color="#27ae60", label="reward")
+    if "precision" in s:
+        bx.plot(s["steps"], s["precision"], marker="^", ms=3, ls="--", color="#8e44ad", label="precision")
+    bx.set_ylabel("mean reward / precision")
+    lines = ax.get_lines() + bx.get_lines()
+    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="best")
+    ax.set_title(f"Length and reward over steps ({r.status})")
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _process(r: CheckResult, path: Path) -> Path:
+    s = r.series
+    fig, ax = _figure()
+    ax.plot(s["steps"], s["process"], marker="o", ms=3, color="#e67e22", label="process reward")
+    ax.plot(s["steps"], s["outcome"], marker="s", ms=3, color="#27ae60", label="outcome reward")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean reward")
+    lines = list(ax.get_lines())
+    if "tool_calls" in s or "truncated" in s:
+        bx = ax.twinx()
+        if "tool_calls" in s:
+            bx.plot(s["steps"], s["tool_calls"], ls="--", color="#7f8c8d", label="tool calls")
+        if "truncated" in s:
+            bx.plot(s["steps"], s["truncated"], ls=":", color="#34495e", label="truncation rate")
+        bx.set_ylabel("tool calls / truncation rate")
+        lines += bx.get_lines()
+    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="best")
+    ax.set_title(f"Process vs outcome reward over steps ({r.status})")
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _degenerate(r: CheckResult, path: Path) -> Path:
+    s = r.series
+    fig, ax = _figure()
+    ax.plot(s["steps"], s["share"], marker="o", ms=3, color="#8e44ad", label="zero-variance groups")
+    _thresholds(ax, r)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("share of groups")
+    ax.set_title(f"Groups with all rewards equal ({r.status})")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+PLOTS: dict[str, tuple[str, Callable[[CheckResult, Path], Path]]] = {
+    "mismatch.k3": ("k3_over_steps.png", _k3),
+    "mismatch.prefix_drift": ("prefix_by_turn.png", _prefix),
+    "mismatch.sequence_ratio_length": ("weight_by_length_quartile.png", _quartiles),
+    "reward.length_hacking": ("length_reward_over_steps.png", _length),
+    "reward.process_hacking": ("process_outcome_over_steps.png", _process),
+    "baseline.degenerate_groups": ("degenerate_groups_over_steps.png", _degenerate),
+}
+"""Check id -> (file name, drawing function)."""
+
+
+def plot_result(r: CheckResult, out: Path) -> Path | None:
+    """Draw the plot of ``r`` into ``out`` (None for a skipped check or one without a plot)."""
+    if r.status == "skipped" or r.id not in PLOTS or not r.series:
+        return None
+    name, fn = PLOTS[r.id]
+    return fn(r, Path(out) / name)

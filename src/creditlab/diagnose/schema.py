@@ -1,0 +1,257 @@
+"""The rollout-dump schema: one row per trajectory, the same columns in parquet and JSONL.
+
+:data:`COLUMNS` is the one table of the schema (docs/diagnose.md renders the same table);
+:func:`rows_from_arrays` turns a padded ``(B, L)`` batch in the vocabulary of ``creditlab.core``
+into rows, and :func:`write_dump` writes rows as JSONL (appending) or parquet.
+
+In a dump, ``logprobs`` are the learner's log-probs at the sampling checkpoint (what ``core`` calls
+``old_logprobs``): a dump is written before the update that uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from creditlab.errors import ConfigError, InputError
+
+__all__ = [
+    "COLUMNS",
+    "Column",
+    "TOKEN_COLUMNS",
+    "TURN_FIELDS",
+    "rows_from_arrays",
+    "write_dump",
+]
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the schema."""
+
+    name: str
+    level: str      # "trajectory" or "token"
+    kind: str       # int, group, float, bool, str, float_list, bool_list, int_list, turns
+    required: bool
+    meaning: str
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("step", "trajectory", "int", True, "training step (update index) the rollout belongs to"),
+    Column("group", "trajectory", "group", True, "prompt group (GRPO group / prompt id), int or str"),
+    Column("reward", "trajectory", "float", True, "outcome reward the advantage used"),
+    Column("logprobs", "token", "float_list", False,
+           "learner log-probs of each token at the sampling checkpoint"),
+    Column("rollout_logprobs", "token", "float_list", False, "log-probs the rollout engine reported"),
+    Column("policy_mask", "token", "bool_list", False, "True on tokens the policy generated"),
+    Column("turn_ids", "token", "int_list", False,
+           "turn of each token, -1 outside turns (default: each run of policy tokens is a turn)"),
+    Column("response", "trajectory", "str", False, "response text"),
+    Column("response_length", "trajectory", "float", False, "response length (tokens)"),
+    Column("truncated", "trajectory", "bool", False, "ended by the length or action budget"),
+    Column("process_reward", "trajectory", "float", False, "process reward of the trajectory"),
+    Column("precision", "trajectory", "float", False, "FORK precision"),
+    Column("recall", "trajectory", "float", False, "FORK (rubric) recall"),
+    Column("instruction", "trajectory", "str", False, "the task instruction (values it gives need no read)"),
+    Column("turns", "trajectory", "turns", False,
+           "list of {tool, args, returned, is_write, process_score}, one per turn"),
+)
+COLUMN_BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
+TOKEN_COLUMNS = ("logprobs", "rollout_logprobs", "policy_mask")
+"""The token columns that come together: a dump has all three or none."""
+TURN_FIELDS = ("tool", "args", "returned", "is_write", "process_score")
+"""Fields of one entry of ``turns`` (``process_score`` may be null or absent)."""
+
+
+def _to_numpy(name: str, x: Any, B: int | None = None) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        x = x.double().numpy() if x.is_floating_point() else x.numpy()
+    a = np.asarray(x)
+    if B is not None and (a.ndim < 1 or a.shape[0] != B):
+        raise InputError(f"{name}: expected {B} rows (one per trajectory), got shape {a.shape}")
+    return a
+
+
+def rows_from_arrays(
+    *,
+    step: int | Sequence[int] | torch.Tensor,
+    group_ids: Sequence[Any] | torch.Tensor,
+    rewards: Sequence[float] | torch.Tensor,
+    logprobs: torch.Tensor | np.ndarray | None = None,
+    rollout_logprobs: torch.Tensor | np.ndarray | None = None,
+    policy_mask: torch.Tensor | np.ndarray | None = None,
+    valid_mask: torch.Tensor | np.ndarray | None = None,
+    turn_ids: torch.Tensor | np.ndarray | None = None,
+    **columns: Sequence[Any] | torch.Tensor | None,
+) -> list[dict[str, Any]]:
+    """Rows of the dump schema from a padded batch of ``B`` trajectories.
+
+    ``logprobs`` (the learner's, at the sampling checkpoint), ``rollout_logprobs``,
+    ``policy_mask``, ``valid_mask`` and ``turn_ids`` are ``(B, L)``; each row keeps only its
+    ``valid_mask`` tokens (all ``L`` without one), so padding never reaches the dump. ``step`` is
+    one int or ``B`` of them; ``group_ids`` and ``rewards`` have ``B`` entries. Further
+    ``columns`` (``response_length=``, ``truncated=``, ``turns=``, ...) are per-row sequences of
+    ``B`` values (``None`` skips a column) and must be columns of :data:`COLUMNS`.
+
+    >>> rows = rows_from_arrays(step=3, group_ids=[7], rewards=[1.0],
+    ...                         logprobs=torch.tensor([[-1.0, -0.5, 0.0]]),
+    ...                         rollout_logprobs=torch.tensor([[-1.1, -0.5, 0.0]]),
+    ...                         policy_mask=torch.tensor([[True, True, False]]),
+    ...                         valid_mask=torch.tensor([[True, True, False]]))
+    >>> rows[0]["policy_mask"], rows[0]["step"], rows[0]["group"]
+    ([True, True], 3, 7)
+    """
+    reward = _to_numpy("rewards", rewards).astype(np.float64).reshape(-1)
+    B = reward.shape[0]
+    groups = group_ids.tolist() if isinstance(group_ids, torch.Tensor | np.ndarray) else list(group_ids)
+    if len(groups) != B:
+        raise InputError(f"group_ids: expected {B} entries (one per reward), got {len(groups)}")
+    steps = _to_numpy("step", step)
+    steps = np.full(B, int(steps)) if steps.ndim == 0 else _to_numpy("step", steps, B).reshape(-1)
+    token = {"logprobs": logprobs, "rollout_logprobs": rollout_logprobs, "policy_mask": policy_mask}
+    given = [k for k, v in token.items() if v is not None]
+    if given and len(given) != len(token):
+        missing = [k for k in token if token[k] is None]
+        raise InputError(f"{', '.join(missing)}: the token columns come together; got only {', '.join(given)}")
+    for name in columns:
+        if name not in COLUMN_BY_NAME or COLUMN_BY_NAME[name].level != "trajectory" or COLUMN_BY_NAME[name].required:
+            valid = [c.name for c in COLUMNS if c.level == "trajectory" and not c.required]
+            raise ConfigError(name, f"not an optional trajectory column of the dump schema; valid: {', '.join(valid)}")
+    extra = {k: (v.tolist() if isinstance(v, torch.Tensor | np.ndarray) else list(v))
+             for k, v in columns.items() if v is not None}
+    for k, v in extra.items():
+        if len(v) != B:
+            raise InputError(f"{k}: expected {B} entries (one per trajectory), got {len(v)}")
+
+    rows: list[dict[str, Any]] = []
+    for b in range(B):
+        g = groups[b]
+        rows.append({"step": int(steps[b]), "group": g if isinstance(g, str) else int(g), "reward": float(reward[b])})
+    if given:
+        lp = _to_numpy("logprobs", logprobs, B)
+        rlp = _to_numpy("rollout_logprobs", rollout_logprobs, B)
+        pm = _to_numpy("policy_mask", policy_mask, B)
+        shape = lp.shape
+        if lp.ndim != 2 or rlp.shape != shape or pm.shape != shape:
+            raise InputError(f"logprobs {lp.shape}, rollout_logprobs {rlp.shape} and policy_mask {pm.shape} "
+                             "must be the same (B, L)")
+        if pm.dtype != np.bool_:
+            raise InputError(f"policy_mask: must be boolean, got {pm.dtype}")
+        vm = np.ones(shape, dtype=bool) if valid_mask is None else _to_numpy("valid_mask", valid_mask, B)
+        if vm.shape != shape or vm.dtype != np.bool_:
+            raise InputError(f"valid_mask: must be a boolean {shape}, got {vm.dtype} {vm.shape}")
+        tid = None if turn_ids is None else _to_numpy("turn_ids", turn_ids, B)
+        if tid is not None and tid.shape != shape:
+            raise InputError(f"turn_ids: must be {shape}, got {tid.shape}")
+        for b, row in enumerate(rows):
+            keep = vm[b]
+            row["logprobs"] = lp[b][keep].astype(np.float64).tolist()
+            row["rollout_logprobs"] = rlp[b][keep].astype(np.float64).tolist()
+            row["policy_mask"] = pm[b][keep].tolist()
+            if tid is not None:
+                row["turn_ids"] = tid[b][keep].astype(np.int64).tolist()
+    for k, v in extra.items():
+        for row, x in zip(rows, v, strict=True):
+            row[k] = x
+    return rows
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    if isinstance(x, tuple | set | frozenset):
+        return list(x)
+    return str(x)
+
+
+def write_dump(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike, *, append: bool = False) -> Path:
+    """Write ``rows`` to ``path`` and return the file written.
+
+    * ``*.jsonl`` (or ``*.jsonl.gz``): one JSON object per line; ``append=True`` adds to an
+      existing file (one dump across training steps).
+    * ``*.parquet``: one parquet file (``append=True`` is refused: write a directory instead).
+    * anything else is a directory: each call writes the next ``part-NNNNN.parquet`` in it, so a
+      trainer can append a step at a time; ``creditlab diagnose DIR`` reads them all.
+
+    ``turns`` entries are stored as JSON text in parquet (their values are of any type); the
+    readers decode them.
+    """
+    path = Path(path)
+    rows = [dict(r) for r in rows]
+    name = path.name
+    if name.endswith(".jsonl") or name.endswith(".jsonl.gz"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        mode = "a" if append else "w"
+        if name.endswith(".gz"):
+            import gzip
+
+            fh = gzip.open(path, mode + "t", encoding="utf-8")
+        else:
+            fh = open(path, mode, encoding="utf-8")
+        with fh:
+            for r in rows:
+                fh.write(json.dumps(r, ensure_ascii=False, default=_json_default) + "\n")
+        return path
+    if name.endswith(".parquet"):
+        if append:
+            raise ConfigError("append", f"{path}: a parquet file cannot be appended to; pass a directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_parquet(rows, path)
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    taken = sorted(path.glob("part-*.parquet"))
+    n = 1 + max((int(p.stem.split("-")[1]) for p in taken if p.stem.split("-")[1].isdigit()), default=-1)
+    out = path / f"part-{n:05d}.parquet"
+    tmp = path / f".part-{n:05d}.parquet.tmp"
+    _write_parquet(rows, tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def _write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in names:
+                names.append(k)
+    cols: dict[str, pa.Array] = {}
+    for k in names:
+        vals = [r.get(k) for r in rows]
+        kind = COLUMN_BY_NAME[k].kind if k in COLUMN_BY_NAME else None
+        if kind == "turns" or (kind is None and any(isinstance(v, Mapping | list) for v in vals)):
+            cols[k] = pa.array([None if v is None else json.dumps(v, ensure_ascii=False, default=_json_default)
+                                for v in vals], type=pa.string())
+        elif kind == "float_list":
+            cols[k] = pa.array(vals, type=pa.list_(pa.float64()), from_pandas=False)
+        elif kind == "bool_list":
+            cols[k] = pa.array(vals, type=pa.list_(pa.bool_()))
+        elif kind == "int_list":
+            cols[k] = pa.array(vals, type=pa.list_(pa.int64()))
+        elif kind in ("float",):
+            cols[k] = pa.array([None if v is None else float(v) for v in vals], type=pa.float64())
+        else:
+            cols[k] = pa.array(vals)
+    pq.write_table(pa.table(cols), path)
+
+
+def is_number(v: Any) -> bool:
+    """A real number that is not a bool."""
+    return isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool | np.bool_)
+
+
+def finite_or_none(v: Any) -> float | None:
+    return float(v) if is_number(v) and math.isfinite(float(v)) else None
