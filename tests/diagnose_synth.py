@@ -1,0 +1,87 @@
+"""Synthetic rollout-dump rows for the diagnose tests: a clean multi-turn dump, and knobs to plant each
+failure the checks look for."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def token_row(rng: np.random.Generator, turn_lengths, *, obs_len: int = 8, prompt_len: int = 6,
+              noise: float = 0.003, bias: float = 0.0, leak_obs: bool = False) -> dict:
+    """Token columns of one multi-turn trajectory in verl's layout: prompt, then turns separated by
+    tool observations. The learner has real log-probs everywhere; the engine reports 0.0 off policy
+    tokens; on policy tokens ``rollout = learner - (bias + noise * N(0, 1))``, so
+    ``delta = learner - rollout`` has mean ``bias``. ``leak_obs``: observation tokens enter the policy
+    mask (the placeholder failure)."""
+    pm, turn = [False] * prompt_len, [-1] * prompt_len
+    for t, n in enumerate(turn_lengths):
+        pm += [True] * n
+        turn += [t] * n
+        if t < len(turn_lengths) - 1:
+            pm += [leak_obs] * obs_len
+            turn += [t] * obs_len
+    pm = np.asarray(pm)
+    lp = -rng.uniform(0.2, 3.0, pm.size)
+    delta = bias + noise * rng.standard_normal(pm.size)
+    rollout = np.where(pm, lp - delta, 0.0)
+    if leak_obs:  # the leaked observation tokens keep the engine's placeholder 0.0
+        obs = np.ones(pm.size, dtype=bool)
+        obs[:prompt_len] = False
+        k = prompt_len
+        for t, n in enumerate(turn_lengths):
+            obs[k:k + n] = False
+            k += n + (obs_len if t < len(turn_lengths) - 1 else 0)
+        rollout = np.where(obs, 0.0, rollout)
+    return {"logprobs": lp.tolist(), "rollout_logprobs": rollout.tolist(), "policy_mask": pm.tolist(),
+            "turn_ids": turn}
+
+
+def clean_rows(seed: int = 0, *, steps: int = 8, groups: int = 8, group_size: int = 4, turns: int = 3,
+               noise: float = 0.003, tokens: bool = True, **kw) -> list[dict]:
+    """A dump with nothing wrong: small symmetric mismatch, mixed rewards in every group, steady
+    length and precision."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for s in range(steps):
+        for g in range(groups):
+            rewards = rng.permutation([1.0, 0.0] + list(rng.integers(0, 2, group_size - 2).astype(float)))
+            for r in rewards:
+                lens = rng.integers(16, 40, turns).tolist()
+                row = {"step": s, "group": f"prompt-{g}", "reward": float(r),
+                       "precision": float(np.clip(0.8 + 0.05 * rng.standard_normal(), 0, 1)),
+                       "process_reward": float(rng.uniform(0, 1))}
+                if tokens:
+                    row.update(token_row(rng, lens, noise=noise, **kw))
+                else:
+                    row["response_length"] = float(sum(lens))
+                rows.append(row)
+    return rows
+
+
+def topk_row(rng: np.random.Generator, n: int, *, vocab: int = 50, k: int | None = 5, noise: float = 0.0) -> dict:
+    """One single-turn trajectory sampled from random categoricals. ``k``: the engine samples from the top-k
+    renormalised distribution and reports its log-probs, the learner scores the full distribution
+    (``None``: both use the full distribution, ``noise`` apart)."""
+    logits = 2.0 * rng.standard_normal((n, vocab))
+    logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    if k is None:
+        p = np.exp(logp)
+        tok = np.array([rng.choice(vocab, p=row) for row in p])
+        lp = logp[np.arange(n), tok]
+        return {"logprobs": lp.tolist(), "rollout_logprobs": (lp - noise * rng.standard_normal(n)).tolist(),
+                "policy_mask": [True] * n}
+    top = np.argsort(-logp, axis=1)[:, :k]
+    keep = np.take_along_axis(logp, top, 1)
+    z = np.log(np.exp(keep).sum(1))
+    pick = np.array([rng.choice(k, p=np.exp(row - zz)) for row, zz in zip(keep, z, strict=True)])
+    lp = keep[np.arange(n), pick]  # learner: full distribution
+    return {"logprobs": lp.tolist(), "rollout_logprobs": (lp - z).tolist(), "policy_mask": [True] * n}
+
+
+CHAIN_TURNS = [
+    {"tool": "find_user", "args": {"name": "ann"}, "returned": ["u1"], "is_write": False},
+    {"tool": "get_orders", "args": {"user_id": "u1"}, "returned": ["o7"], "is_write": False},
+    {"tool": "list_products", "args": {}, "returned": ["p1"], "is_write": False},
+    {"tool": "cancel", "args": {"order_id": "o7"}, "returned": ["ok"], "is_write": True},
+]
+"""A trajectory whose chain by dataflow is find_user -> get_orders -> cancel (C = 3 of T = 4 calls)."""
