@@ -241,6 +241,9 @@ def _read_jsonl(path: Path) -> _Part:
         for i, r in enumerate(rows):
             v = r.get(name)
             if not isinstance(v, list):
+                if name not in r:
+                    raise InputError(f"{where(i, name)}: missing here, present in other rows (a file has a token "
+                                     "column in every row or in none)")
                 got = "nothing" if v is None else type(v).__name__
                 raise InputError(f"{where(i, name)}: expected a list, got {got}")
             vals.append(v)

@@ -20,6 +20,11 @@
   (:data:`creditlab.core.correction.CORRECTIONS`, :data:`creditlab.core.credit.GEOMETRIES`) when the
   trainer is built, so ones registered after import work.
 
+  - **rollout dumps** (``dump=``): every training generation batch is written in the dump schema of
+    ``creditlab diagnose`` (docs/diagnose.md): the engine's log-probs (``sampling_per_token_logps``),
+    the learner's at the sampling checkpoint, the policy mask, the weighted reward, the group of each
+    completion and its text.
+
 The trainer refuses a TRL version it was not tested with (:data:`TESTED_TRL_VERSIONS`);
 ``CREDITLAB_ALLOW_UNTESTED_TRL=1`` lets another version through.
 * :func:`fork_reward_func`: FORK as an async, batched GRPO reward function (``None`` where the judge
@@ -43,7 +48,7 @@ from creditlab.errors import ConfigError, CreditlabError, InputError
 from creditlab.integrations._common import CreditSettings, fork_reward, turn_credit, turn_layout
 
 __all__ = ["CORRECTIONS", "CREDITS", "TESTED_TRL_VERSIONS", "CreditlabGRPOTrainer", "check_trl_version",  # noqa: F822
-           "fork_reward_func"]
+           "dump_rows", "fork_reward_func"]
 
 #: TRL versions this module was tested against (``CREDITLAB_ALLOW_UNTESTED_TRL=1`` lets another through).
 TESTED_TRL_VERSIONS = ("1.16.0",)
@@ -97,11 +102,14 @@ class CreditlabGRPOTrainer(GRPOTrainer):
             fields (``conserve``, ``prm_lambda``, ``prm_schedule``...; the schedule runs on
             ``state.global_step``).
         turn_scores_key: the per-sample field holding one score per turn (list of floats).
+        dump: where to write each training batch for ``creditlab diagnose``: a directory (one
+            ``part-NNNNN.parquet`` per batch) or a ``*.jsonl`` file (appended to); with several
+            processes each writes under ``rank-<i>/`` of that path. None: no dump.
     """
 
     def __init__(self, *args: Any, correction: str | None = "interq", correction_params: dict | None = None,
                  credit: str | None = None, credit_settings: CreditSettings | dict | None = None,
-                 turn_scores_key: str = "turn_scores", **kwargs: Any):
+                 turn_scores_key: str = "turn_scores", dump: str | os.PathLike | None = None, **kwargs: Any):
         check_trl_version()
         if correction is not None:
             _correction.get_correction(correction)
@@ -119,6 +127,7 @@ class CreditlabGRPOTrainer(GRPOTrainer):
         else:
             self.creditlab_credit_settings = CreditSettings.from_mapping(credit_settings, "credit_settings")
         self.creditlab_turn_scores_key = turn_scores_key
+        self.creditlab_dump = dump
         if correction is not None:  # fail before the (slow) trainer construction on a bad parameter
             try:
                 self._weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
@@ -132,9 +141,12 @@ class CreditlabGRPOTrainer(GRPOTrainer):
     # -- the one overridden method -------------------------------------------------------------
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         out = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        self._creditlab_old = None
+        if self.creditlab_dump is not None and mode == "train":
+            self._dump(out, mode)
         if self.creditlab_correction is None and self.creditlab_credit is None:
             return out
-        mode = "train" if self.model.training else "eval"
         completion_mask = out["completion_mask"]
         pm = completion_mask.bool()
         if "tool_mask" in out:
@@ -150,7 +162,7 @@ class CreditlabGRPOTrainer(GRPOTrainer):
                                                 "rollout_func that returns 'logprobs'")
             old = out.get("old_per_token_logps")
             if old is None:
-                old = self._old_logps(out, mode)
+                old = self._creditlab_old if self._creditlab_old is not None else self._old_logps(out, mode)
                 out["old_per_token_logps"] = old
             # tokens the engine could not score (NaN) get no correction, as in TRL
             rollout = torch.where(torch.isnan(rollout), old, rollout)
@@ -169,7 +181,37 @@ class CreditlabGRPOTrainer(GRPOTrainer):
                 self._metrics[mode][k].append(v)
         return out
 
+    _creditlab_old: torch.Tensor | None = None  # learner log-probs computed by the dump, reused by the correction
+
     # -- helpers -------------------------------------------------------------------------------
+    def _dump(self, out: dict[str, Any], mode: str) -> None:
+        """Write this process's completions of the batch as dump rows (see :func:`dump_rows`)."""
+        from pathlib import Path
+
+        from creditlab.diagnose.schema import write_dump
+
+        old = out.get("old_per_token_logps")
+        if old is None and out.get("sampling_per_token_logps") is not None:
+            old = self._creditlab_old = self._old_logps(out, mode)
+        B = out["completion_ids"].shape[0]
+        n_all = B * self.accelerator.num_processes
+        start = self.accelerator.process_index * B
+        per_func = torch.tensor([list(self._logs["rewards"][name])[-n_all:][start:start + B]
+                                 for name in self.reward_func_names], dtype=torch.float64).T  # (B, n_funcs)
+        weights = self.reward_weights.detach().cpu().to(torch.float64)
+        rewards = torch.where(torch.isnan(per_func), 0.0, per_func * weights).sum(1)
+        rewards[torch.isnan(per_func).all(1)] = math.nan  # unscorable: dropped below
+        completions = list(self._logs["completion"])[-n_all:][start:start + B]
+        rows = dump_rows(out, rewards, step=int(self.state.global_step), old_logprobs=old,
+                         group_ids=(torch.arange(B) + start) // self.num_generations,
+                         responses=completions if all(isinstance(c, str) for c in completions) else None)
+        path = Path(self.creditlab_dump)
+        if self.accelerator.num_processes > 1:
+            path = path / f"rank-{self.accelerator.process_index}" if not path.name.endswith(".jsonl") else \
+                path.with_name(f"{path.name[:-len('.jsonl')]}.rank-{self.accelerator.process_index}.jsonl")
+        if rows:
+            write_dump(rows, path, append=True)
+
     def _weights(self, old: torch.Tensor, rollout: torch.Tensor, pm: torch.Tensor, *, diagnostics: bool = True):
         """The arm's weights and metrics (with :func:`~creditlab.core.correction.mismatch_metrics` when
         ``diagnostics``), from the registry at call time."""
@@ -209,6 +251,33 @@ class CreditlabGRPOTrainer(GRPOTrainer):
         a = turn_credit(self.creditlab_credit, lay.step_mask, group_ids, advantages=advantages.to(torch.float64),
                         step_scores=scores, step=int(self.state.global_step), settings=self.creditlab_credit_settings)
         return lay.to_tokens(a).to(advantages.dtype)
+
+
+def dump_rows(out: dict[str, Any], rewards: torch.Tensor, *, step: int, group_ids: torch.Tensor,
+              old_logprobs: torch.Tensor | None = None, responses: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Dump rows (docs/diagnose.md) of one output of TRL's ``_generate_and_score_completions``.
+
+    The policy mask is ``completion_mask * tool_mask`` (tool / environment tokens are 0) and the
+    tokens kept are the completion's (``completion_mask``). The token columns need the engine's
+    ``sampling_per_token_logps`` and the learner's ``old_logprobs`` (default: ``out["old_per_token_logps"]``);
+    without them the rows carry only step, group, reward and length. Rows whose reward is NaN (no
+    reward function could score them) are left out.
+    """
+    from creditlab.diagnose.schema import rows_from_arrays
+
+    cm = out["completion_mask"].detach().cpu().bool()
+    pm = cm & out["tool_mask"].detach().cpu().bool() if "tool_mask" in out else cm
+    old = old_logprobs if old_logprobs is not None else out.get("old_per_token_logps")
+    rollout = out.get("sampling_per_token_logps")
+    token: dict[str, Any] = {}
+    if old is not None and rollout is not None:
+        token = {"logprobs": old.detach().cpu().double(), "rollout_logprobs": rollout.detach().cpu().double(),
+                 "policy_mask": pm, "valid_mask": cm}
+    extra = {"response": list(responses)} if responses is not None else {}
+    rows = rows_from_arrays(step=step, group_ids=group_ids, rewards=torch.nan_to_num(rewards.double(), nan=0.0),
+                            response_length=pm.sum(1), **token, **extra)
+    keep = (~torch.isnan(rewards)).tolist()
+    return [r for r, k in zip(rows, keep, strict=True) if k]
 
 
 def fork_reward_func(judge: str = "offline", *, name: str = "fork", **options: Any):

@@ -35,6 +35,13 @@ changes nothing):
   reads no tensor value on the host (verl calls it once per micro-batch): metrics are 0-dim tensors
   and non-finite inputs are counted in ``actor/creditlab_nonfinite_tokens`` instead of raising.
 * **FORK reward function** :func:`fork_compute_score` (async, micro-batched).
+* **Rollout dumps** for ``creditlab diagnose``: with ``algorithm.creditlab.dump_dir`` set, every
+  training step's batch is written in the dump schema (docs/diagnose.md) when verl computes the
+  advantages (``ray_trainer.compute_advantage`` is wrapped, :func:`install_dump_hook`): the learner's
+  ``old_log_probs``, the engine's ``rollout_log_probs`` (``actor_rollout_ref.rollout.calculate_log_probs``),
+  ``response_mask``, the score (row sum of ``token_level_scores``), the ``uid`` and the reward
+  function's ``precision`` / ``recall`` when it returned them. :func:`rows_from_dataproto` /
+  :func:`dump_batch` do the same for any ``DataProto``.
 
 Convention for per-turn scores in ``token_level_rewards``
 --------------------------------------------------------
@@ -87,15 +94,19 @@ __all__ = [
     "ESTIMATORS",  # noqa: F822  (module __getattr__: a live view of the geometry registry)
     "ROLLOUT_PREFIX",
     "TESTED_VERL_VERSIONS",
+    "DUMP_KEYS",
     "compute_policy_loss_creditlab",
+    "dump_batch",
     "fork_compute_score",
     "install",
+    "install_dump_hook",
     "install_estimators",
     "install_policy_loss",
     "install_rollout_correction",
     "pack_turn_rewards",
     "parse_rollout_is",
     "rollout_weights",
+    "rows_from_dataproto",
 ]
 
 #: verl versions this module was tested against (``CREDITLAB_ALLOW_UNTESTED_VERL=1`` lets another
@@ -291,7 +302,10 @@ def _settings(config: Any) -> CreditSettings:
     if config.get("norm_adv_by_std_in_grpo", True) is False:
         raise ConfigError("algorithm.norm_adv_by_std_in_grpo",
                           "creditlab estimators always normalise by the group std; set it to true")
-    return CreditSettings.from_mapping(config.get("creditlab", None), "algorithm.creditlab")
+    section = config.get("creditlab", None)
+    if section is not None:  # the dump settings live beside the estimators' knobs
+        section = {k: v for k, v in section.items() if k not in DUMP_KEYS}
+    return CreditSettings.from_mapping(section, "algorithm.creditlab")
 
 
 def _estimator(geometry: str):
@@ -478,13 +492,124 @@ async def fork_compute_score(data_source: Any = None, solution_str: str = "", gr
 
 
 # --------------------------------------------------------------------------------------------
+# rollout dumps for `creditlab diagnose`
+
+#: Keys of ``algorithm.creditlab`` read by the dump hook: ``dump_dir`` (a directory: one
+#: ``part-NNNNN.parquet`` per step; or a ``*.jsonl`` file, appended to).
+DUMP_KEYS = ("dump_dir",)
+_EXTRA_COLUMNS = ("precision", "recall", "process_reward")
+
+
+def rows_from_dataproto(data: Any, step: int | None = None) -> list[dict[str, Any]]:
+    """Dump rows (docs/diagnose.md) of a verl ``DataProto`` batch, one per response.
+
+    Reads ``response_mask`` (the policy mask: 0 on tool/observation tokens), ``old_log_probs`` (the
+    learner at the sampling checkpoint) and ``rollout_log_probs`` (the engine; without it the rows
+    have no token columns), the reward as the row sum of ``token_level_scores`` (else
+    ``token_level_rewards``), the group from the ``uid`` non-tensor field, and ``precision`` /
+    ``recall`` / ``process_reward`` when the reward function returned them. Padding (0 in the
+    response part of ``attention_mask``) is dropped. ``step``: default ``meta_info["global_steps"]``,
+    else verl's global step (``SkipManager.step``).
+    """
+    from creditlab.diagnose.schema import rows_from_arrays
+
+    batch = data.batch
+    keys = set(batch.keys())
+    if "response_mask" not in keys:
+        raise InputError("data.batch: needs 'response_mask' (the policy mask) to dump a verl batch")
+    rm = batch["response_mask"].detach().cpu()
+    B, L = rm.shape
+    score_key = "token_level_scores" if "token_level_scores" in keys else "token_level_rewards"
+    if score_key not in keys:
+        raise InputError("data.batch: needs 'token_level_scores' or 'token_level_rewards' for the reward")
+    reward = batch[score_key].detach().cpu().double().sum(-1)
+    uid = data.non_tensor_batch.get("uid")
+    if uid is None:
+        raise InputError("data.non_tensor_batch: needs 'uid' (the GRPO group of each response)")
+    if step is None:
+        step = data.meta_info.get("global_steps", SkipManager.step if SkipManager.step >= 0 else 0)
+    pm = rm.bool()
+    if "attention_mask" in keys and batch["attention_mask"].shape[1] >= L:
+        valid = batch["attention_mask"][:, -L:].detach().cpu().bool() | pm
+    else:  # up to the last policy token
+        last = L - torch.argmax(pm.flip(1).to(torch.int8), dim=1)
+        valid = torch.arange(L)[None, :] < torch.where(pm.any(1), last, 0)[:, None]
+    token: dict[str, Any] = {}
+    if "old_log_probs" in keys and "rollout_log_probs" in keys:
+        token = {"logprobs": batch["old_log_probs"].detach().cpu().double(),
+                 "rollout_logprobs": batch["rollout_log_probs"].detach().cpu().double(),
+                 "policy_mask": pm, "valid_mask": valid}
+    extra = {}
+    for name in _EXTRA_COLUMNS:
+        v = data.non_tensor_batch.get(name)
+        if v is not None and len(v) == B:
+            extra[name] = [None if x is None else float(x) for x in np.asarray(v, dtype=object).tolist()]
+    return rows_from_arrays(step=int(step), group_ids=[str(u) for u in np.asarray(uid, dtype=object).tolist()],
+                            rewards=reward, response_length=pm.sum(1), **token, **extra)
+
+
+def dump_batch(data: Any, path: str | os.PathLike, step: int | None = None) -> Any:
+    """Write :func:`rows_from_dataproto` of ``data`` to ``path`` (a directory gets one parquet part per
+    call, a ``*.jsonl`` file is appended to); returns the file written."""
+    from creditlab.diagnose.schema import write_dump
+
+    return write_dump(rows_from_dataproto(data, step), path, append=True)
+
+
+def _dump_dir(config: Any) -> str | None:
+    section = config.get("creditlab", None) if config is not None else None
+    if section is None:
+        return None
+    value = section.get("dump_dir", None)
+    if value is not None and not isinstance(value, str | os.PathLike):
+        raise ConfigError("algorithm.creditlab.dump_dir", f"must be a path, got {value!r}")
+    return value or None
+
+
+def _wrap_compute_advantage(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def compute_advantage(data, *args, **kwargs):
+        out = original(data, *args, **kwargs)
+        path = _dump_dir(signature.bind(data, *args, **kwargs).arguments.get("config"))
+        if path is not None:
+            dump_batch(out, path)
+        return out
+
+    compute_advantage.__creditlab_original__ = original
+    return compute_advantage
+
+
+def install_dump_hook() -> None:
+    """Wrap ``verl.trainer.ppo.ray_trainer.compute_advantage`` (once) so that each step's batch is
+    dumped when ``algorithm.creditlab.dump_dir`` is set (the call is unchanged otherwise).
+
+    verl's trainers call that function on the driver after the rewards, ``old_log_probs`` and the
+    rollout correction, through the module global (the v1 trainer's ``utils`` imports it by name,
+    after this module has run, so it gets the wrapper too).
+    """
+    from verl.trainer.ppo import ray_trainer
+
+    current = ray_trainer.compute_advantage
+    if getattr(current, "__creditlab_original__", None) is not None:
+        return
+    names = tuple(inspect.signature(current).parameters)
+    if names[:1] != ("data",) or "config" not in names:
+        raise CreditlabError(f"verl: ray_trainer.compute_advantage{names} changed; creditlab's dump hook cannot be "
+                             "installed")
+    ray_trainer.compute_advantage = _wrap_compute_advantage(current)
+
+
+# --------------------------------------------------------------------------------------------
 
 
 def install() -> None:
-    """Register creditlab's estimators, policy loss and rollout correction with verl (idempotent)."""
+    """Register creditlab's estimators, policy loss, rollout correction and dump hook with verl (idempotent)."""
     install_rollout_correction()
     install_estimators()
     install_policy_loss()
+    install_dump_hook()
 
 
 install()
