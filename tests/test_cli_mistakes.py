@@ -20,6 +20,23 @@ def _cli(*args, timeout=120):
                           text=True, timeout=timeout)
 
 
+def _inproc(*args):
+    """The same CLI in this process (cheaper than a subprocess; each class keeps one subprocess case)."""
+    import contextlib
+    import io
+
+    from creditlab.cli.main import main
+
+    err, out = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            main([str(a) for a in args])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def _one_line_error(r, *needles):
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
@@ -40,23 +57,24 @@ def server():
         yield srv
 
 
-def _score(server, inp, out, *extra):
-    return _cli("fork", "score", "--in", inp, "--out", out, "--base-url", server.url, "--timeout", "5",
-                "--max-retries", "0", *extra)
+def _score(server, inp, out, *extra, run=_inproc):
+    return run("fork", "score", "--in", inp, "--out", out, "--base-url", server.url, "--timeout", "5",
+               "--max-retries", "0", *extra)
 
 
 # -- resume never mixes settings --------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("flag", "value", "key"), [
-    ("--beta", "2", "beta"), ("--mode", "recall", "mode"), ("--tau", "0.5", "tau"), ("--model", "other", "model"),
+@pytest.mark.parametrize(("flag", "value", "key", "run"), [
+    ("--beta", "2", "beta", _cli), ("--mode", "recall", "mode", _inproc), ("--tau", "0.5", "tau", _inproc),
+    ("--model", "other", "model", _inproc),
 ])
-def test_rerun_with_other_settings_refuses_before_any_request(server, tmp_path, flag, value, key):
+def test_rerun_with_other_settings_refuses_before_any_request(server, tmp_path, flag, value, key, run):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(inp, [GOOD])
     assert _score(server, inp, out).returncode == 0
     before, requests = out.read_bytes(), server.stats["requests"]
-    r = _score(server, inp, out, flag, value)
+    r = _score(server, inp, out, flag, value, run=run)
     _one_line_error(r, "--out", f"differs in: {key}", "--force")
     assert out.read_bytes() == before and server.stats["requests"] == requests
     forced = _score(server, inp, out, flag, value, "--force")
@@ -95,7 +113,7 @@ def test_unscorable_items_are_errors_and_empty_responses_score_zero(server, tmp_
             {**GOOD, "id": "pitfall", "rubrics": [{"criterion": "recommends opioids", "points": -5}]},
             {**GOOD, "id": "empty", "response": "   "}]
     _write(inp, rows)
-    r = _score(server, inp, out)
+    r = _score(server, inp, out, run=_cli)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     got = {x["id"]: x for x in map(json.loads, out.read_text().splitlines())}
     assert got["good"]["reward"] == 1.0
@@ -115,7 +133,7 @@ def test_unscorable_items_are_errors_and_empty_responses_score_zero(server, tmp_
 def test_duplicate_ids_name_both_lines_and_1_equals_the_string_1(server, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(inp, [{**GOOD, "id": 1}, {**GOOD, "id": "2"}, {**GOOD, "id": "1"}])
-    r = _score(server, inp, out)
+    r = _score(server, inp, out, run=_cli)
     assert r.returncode == 1
     err = " ".join(r.stderr.split())
     assert "in.jsonl:3: duplicate id '1' (first at line 1" in err
@@ -140,8 +158,8 @@ def test_bad_paths_are_one_line_errors_before_any_work(tmp_path):
         (["--in", good, "--out", tmp_path], ("--out", "is a directory")),
         (["--in", good, "--out", good], ("--out", "is the input file")),
     ]
-    for args, needles in cases:
-        r = _cli("fork", "score", *args, "--base-url", dead)
+    for k, (args, needles) in enumerate(cases):
+        r = (_cli if k == 0 else _inproc)("fork", "score", *args, "--base-url", dead)
         _one_line_error(r, *needles)
     assert not (tmp_path / "nodir").exists() and not (tmp_path / "o.jsonl").exists()
     # the offline judge fails on a bad path before loading its embedding model
@@ -153,11 +171,91 @@ def test_bad_paths_are_one_line_errors_before_any_work(tmp_path):
 def test_a_lab_rerun_with_another_configuration_refuses(tmp_path):
     out = tmp_path / "fork"
     args = ["lab", "fork", "--quick", "--out", out, "--seeds", "1", "-e", "oracle"]
-    assert _cli(*args).returncode == 0
+    assert _inproc(*args).returncode == 0
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     _one_line_error(_cli(*args[:-2], "-e", "oracle", "--updates", "7"), "--out", "another configuration",
                     "differs in: updates")
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    _one_line_error(_inproc("lab", "fork", "--quick", "--out", tmp_path / "never", "--seeds", "0"), "--seeds")
     assert not (tmp_path / "never").exists()
-    _one_line_error(_cli("lab", "fork", "--quick", "--out", tmp_path / "never", "--seeds", "0"), "--seeds")
-    assert not (tmp_path / "never").exists()
+
+
+# -- a dead or hung judge is found at once -----------------------------------------------------
+
+
+class _Silent:
+    """A TCP server that accepts connections and never answers (a hung endpoint)."""
+
+    def __enter__(self):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.conns = []
+        self.stop = False
+
+        def accept():
+            while not self.stop:
+                try:
+                    self.conns.append(self.sock.accept()[0])
+                except OSError:
+                    return
+
+        threading.Thread(target=accept, daemon=True).start()
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
+
+    def __exit__(self, *exc):
+        self.stop = True
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_dead_and_hung_endpoints_are_named_before_scoring(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [GOOD])
+    r = _cli("fork", "score", "--in", inp, "--out", out, "--base-url", "http://127.0.0.1:9/v1")
+    _one_line_error(r, "--base-url", "cannot connect to http://127.0.0.1:9/v1", "--no-preflight")
+    with _Silent() as url:
+        r = _inproc("fork", "score", "--in", inp, "--out", out, "--base-url", url)
+        _one_line_error(r, "--base-url", f"{url} did not answer within 10s")  # not after 30 s x 3 attempts
+    assert not out.exists()
+
+
+def test_a_judge_that_dies_mid_run_stops_submitting_and_keeps_finished_rows(server, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [GOOD])
+    assert _score(server, inp, out).returncode == 0
+    first = out.read_text()
+    # distinct items (identical requests in flight are shared, so they would hang together as one)
+    _write(inp, [GOOD] + [{**GOOD, "id": f"more{k}", "prompt": f"Aspirin, case {k}?"} for k in range(12)])
+    server.reset(fault_rate=1.0, fault_kinds=("timeout",), hang=3.0)  # from now on every request hangs
+    try:
+        r = _cli("fork", "score", "--in", inp, "--out", out, "--base-url", server.url, "--timeout", "1",
+                 "--max-retries", "1")
+    finally:
+        server.reset()
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    err = " ".join(r.stderr.split())
+    assert "stopped submitting" in err and f"consecutive failed requests to {server.url}" in err
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert out.read_text().startswith(first) and rows[0]["reward"] == 1.0  # the finished row is untouched
+    assert all(r["error_kind"] == "timeout" for r in rows[1:])  # attempted before the endpoint was taken as down
+    assert len(rows) < 13  # the rest were never sent
+    # the endpoint is back: a rerun scores what is missing
+    assert _score(server, inp, out).returncode == 0
+    assert {json.loads(x)["id"] for x in out.read_text().splitlines()} == {"good"} | {f"more{k}" for k in range(12)}
+
+
+def test_a_rows_request_count_agrees_with_its_attempts(server, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [GOOD])
+    server.reset()
+    server.push_faults(["500", "500"])  # two attempts fail and are retried
+    r = _inproc("fork", "score", "--in", inp, "--out", out, "--base-url", server.url, "--max-retries", "2",
+                "--no-preflight")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(out.read_text())
+    assert row["requests"] == server.stats["requests"] == 5 + 2

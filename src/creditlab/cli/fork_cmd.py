@@ -114,8 +114,12 @@ def score(
                                      help="Items with only negative (pitfall) rubrics: error (cannot be scored) or "
                                           "absence (reward 1 when no pitfall is violated, else 0)."),
     concurrency: int = typer.Option(16, "--concurrency", help="Most judge requests in flight."),
-    timeout: float = typer.Option(60.0, "--timeout", help="Seconds per judge request."),
-    max_retries: int = typer.Option(4, "--max-retries", help="Retries of 429/5xx/timeouts per request."),
+    timeout: float = typer.Option(30.0, "--timeout", help="Seconds per judge request (see docs/fork.md for the "
+                                                          "defaults' reason)."),
+    max_retries: int = typer.Option(2, "--max-retries", help="Retries of 429/5xx/timeouts per request."),
+    preflight: bool = typer.Option(True, "--preflight/--no-preflight",
+                                   help="Check with one cheap request (GET /models, 10 s) that the endpoint answers "
+                                        "before scoring."),
     cache: Path = typer.Option(None, "--cache", help="sqlite cache of validated judge replies."),
     transport: str = typer.Option("httpx", "--transport",
                                   help="HTTP client: httpx, or asyncio (minimal, cheaper at high request rates)."),
@@ -198,6 +202,13 @@ def score(
                         max_retries=max_retries, cache=jcache, transport=transport)
     else:
         j = EmbeddingJudge()
+    if judge == "openai" and preflight and items:
+        from creditlab.judge import JudgeError
+
+        try:
+            asyncio.run(j.preflight(timeout=min(10.0, timeout)))
+        except JudgeError as err:
+            raise ConfigError("--base-url", f"{err} (nothing was scored; --no-preflight skips this check)") from None
     reward = FORKReward(j, beta=beta, tau=tau_v, mode=mode, assume_correct=assume_correct, pitfall_only=pitfall_only)
 
     async def run_all() -> None:
@@ -207,24 +218,28 @@ def score(
         ) as bar:
             task = bar.add_task("score", total=len(seen), completed=len(seen) - len(items))
             async for res in reward.score_iter(items):
+                if res.error_kind == "endpoint_down":
+                    not_sent.append(res.id)  # never judged: no row, a rerun scores it
+                    continue
                 fh.write(json.dumps({**res.to_row(), "settings": settings}, ensure_ascii=False) + "\n")
                 fh.flush()
                 bar.advance(task)
         if hasattr(j, "aclose"):
             await j.aclose()
 
+    not_sent: list[str] = []
     if items:
         asyncio.run(run_all())
     rows = [r for r in _compact(out) if str(r.get("id")) in seen] if out.exists() else []
     ok = [r for r in rows if r.get("error") is None]
-    unscorable = [r for r in rows if r.get("error") and "cannot be scored" in str(r["error"])]
+    unscorable = [r for r in rows if r.get("error_kind") == "input"]
     failed = len(rows) - len(ok)
 
     def mean(key: str) -> str:
         vals = [float(r[key]) for r in ok if r.get(key) is not None]
         return f"{sum(vals) / len(vals):.3f}" if vals else "-"
 
-    quality = "APPROXIMATE (embedding similarity: topic, not truth)" if judge == "offline" else "LLM judge"
+    quality = str(getattr(j, "quality", "unknown"))
     table = Table(title=f"FORK ({mode}, beta={beta:g}, judge={j.name})")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -239,6 +254,11 @@ def score(
     ]:
         table.add_row(name, value)
     Console().print(table)
+    if not_sent:
+        console.print(f"stopped submitting: {getattr(j, 'down', None)}; {len(ok)} finished row(s) kept in {out}, "
+                      f"{len(not_sent)} item(s) not scored: rerun the same command when the endpoint is back",
+                      highlight=False, markup=False)
+        raise typer.Exit(1)
     if failed or bad:
         hints = []
         if failed - len(unscorable):

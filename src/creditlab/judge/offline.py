@@ -113,6 +113,11 @@ class EmbeddingJudge:
     """
 
     can_judge_correctness = False
+    #: What this judge's verdicts are worth (shown in every result row and summary): embedding
+    #: similarity measures topic, not truth; a response that contradicts every rubric can outscore
+    #: a correct one and a violated pitfall can go unseen.
+    quality = "approximate: embedding similarity measures topic, not truth (contradictions and violated " \
+              "pitfalls can go unseen)"
 
     def __init__(self, match_threshold: float = 0.55, tau: float = 0.75):
         if not 0.0 < match_threshold < 1.0:

@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -79,18 +80,24 @@ class OpenAIJudge:
         cache: optional cache of validated replies.
         max_rubrics_per_request: chunk size for very large rubric sets.
         seed: seed of the jitter generator (deterministic backoff in tests).
+        max_consecutive_failures, down_after: the endpoint is taken as down (every later request
+            fails at once with ``endpoint_down``, nothing more is sent) after this many consecutive
+            failed attempts (timeouts, refused connections), or once a streak of at least two has
+            lasted ``down_after`` seconds; any success ends the streak.
         transport: ``httpx`` (default; proxies, redirects, HTTP/2-capable stack) or ``asyncio``, the
             minimal keep-alive HTTP/1.1 client of :mod:`creditlab.judge._http`, several times cheaper
             in CPU per request when thousands of requests per second go to a local server.
     """
 
     can_judge_correctness = True
+    #: What this judge's verdicts are worth (shown in every result row and summary).
+    quality = "llm judge"
 
     def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY",
                  concurrency: int = 16, timeout: float = 60.0, max_retries: int = 4, max_reasks: int = 2,
                  backoff_base: float = 0.5, backoff_max: float = 8.0, structured: bool = True,
                  cache: JudgeCache | None = None, max_rubrics_per_request: int = 64, seed: int | None = None,
-                 transport: str = "httpx"):
+                 transport: str = "httpx", max_consecutive_failures: int = 8, down_after: float = 60.0):
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError("base_url", f"must start with http:// or https://, got {base_url!r}")
         if concurrency < 1:
@@ -103,6 +110,8 @@ class OpenAIJudge:
             raise ConfigError("max_rubrics_per_request", "must be >= 1")
         if transport not in ("httpx", "asyncio"):
             raise ConfigError("transport", f"unknown {transport!r}; valid: httpx, asyncio")
+        if max_consecutive_failures < 1 or not down_after > 0:
+            raise ConfigError("max_consecutive_failures", "max_consecutive_failures must be >= 1, down_after > 0")
         self.transport = transport
         self.name = f"openai:{model}"
         self.url = base_url.rstrip("/") + "/chat/completions"
@@ -116,6 +125,13 @@ class OpenAIJudge:
         self.structured = structured
         self.cache = cache
         self.max_rubrics_per_request = max_rubrics_per_request
+        self.base_url = base_url.rstrip("/")
+        self.max_consecutive_failures = max_consecutive_failures
+        self.down_after = down_after
+        #: why the endpoint was taken as down (None while it answers)
+        self.down: str | None = None
+        self._streak = 0
+        self._streak_start = 0.0
         self.params: dict[str, Any] = {"temperature": 0}
         self._key = os.environ.get(api_key_env) or None
         self._rng = random.Random(seed)
@@ -167,6 +183,38 @@ class OpenAIJudge:
                 await self._lean.aclose()
         self._clients, self._lean = [], None
         self._loop = None
+
+    async def preflight(self, timeout: float = 10.0) -> None:
+        """One cheap request (``GET <base_url>/models``) to check the endpoint answers at all.
+
+        Any HTTP reply counts as alive (servers without a ``/models`` route answer 404); a refused
+        connection or no reply within ``timeout`` seconds raises :class:`JudgeError` naming the URL,
+        and 401/403 raises naming the API key.
+        """
+        headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
+        url = self.base_url + "/models"
+        try:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(timeout)) as client:
+                resp = await client.get(url, headers=headers)
+        except httpx.TimeoutException:
+            raise JudgeError("preflight", "timeout", f"{self.base_url} did not answer within {timeout:g}s") from None
+        except httpx.TransportError as err:
+            raise JudgeError("preflight", "connection", f"cannot connect to {self.base_url} "
+                                                        f"({type(err).__name__})") from None
+        if resp.status_code in (401, 403):
+            raise JudgeError("preflight", f"http_{resp.status_code}", f"{self.base_url} refused the request: check "
+                                                                      "the API key (--api-key-env)")
+
+    def _failed(self, t0: float, err: Exception) -> None:
+        """Count a failed attempt towards taking the endpoint as down."""
+        now = time.monotonic()
+        if self._streak == 0:
+            self._streak_start = t0
+        self._streak += 1
+        age = now - self._streak_start
+        if self._streak >= self.max_consecutive_failures or (self._streak >= 2 and age >= self.down_after):
+            self.down = (f"{self._streak} consecutive failed requests to {self.base_url} over {age:.0f}s "
+                         f"(last: {err})")
 
     # -- stages ------------------------------------------------------------------------------------
     async def unitize(self, prompt: str, response: str) -> list[str]:
@@ -276,10 +324,19 @@ class OpenAIJudge:
                 usage.retries += 1
             try:
                 async with self._sem:
+                    if self.down is not None:
+                        raise JudgeError(stage, "endpoint_down", f"not sent: the endpoint is down ({self.down})")
                     if usage is not None:
                         usage.requests += 1
-                    return await self._post_once(stage, body)
+                    t0 = time.monotonic()
+                    text = await self._post_once(stage, body)
+                    self._streak = 0
+                    return text
             except _Transient as err:
+                if err.kind in ("timeout", "connection"):
+                    self._failed(t0, err)
+                if self.down is not None:
+                    raise JudgeError(stage, "endpoint_down", self.down) from None
                 if attempt == self.max_retries:
                     raise JudgeError(stage, err.kind, f"{err} (after {attempt + 1} attempts)") from None
                 delay = min(self.backoff_max, self.backoff_base * 2 ** attempt) * self._rng.uniform(0.5, 1.0)

@@ -68,9 +68,13 @@ class ForkResult:
     requests: int = 0
     cache_hits: int = 0
     error: str | None = None
+    error_kind: str | None = None
+    """``input`` (the item cannot be scored), else the judge's failure kind (``timeout``,
+    ``http_500``, ``invalid_reply``, ``endpoint_down``...)."""
     note: str | None = None
     assume_correct: bool = False
     judge: str = ""
+    judge_quality: str = ""
     mode: str = "fork"
     beta: float = 1.0
 
@@ -142,10 +146,12 @@ class FORKReward:
 
     async def score_one(self, item: ForkItem) -> ForkResult:
         base = {"id": item.id, "assume_correct": self.assume_correct, "judge": self.judge.name,
-                "mode": self.mode, "beta": self.beta, "length_words": len(item.response.split())}
+                "judge_quality": str(getattr(self.judge, "quality", "unknown")), "mode": self.mode,
+                "beta": self.beta, "length_words": len(item.response.split())}
         reason = self.unscorable(item)
         if reason is not None:
-            return ForkResult(reward=None, error=f"item {item.id!r} cannot be scored: {reason}", **base)
+            return ForkResult(reward=None, error=f"item {item.id!r} cannot be scored: {reason}", error_kind="input",
+                              **base)
         if not item.response.strip():
             return ForkResult(reward=0.0, precision=0.0, recall=0.0,
                               note="empty response: scored 0 without judging", **base)
@@ -153,7 +159,7 @@ class FORKReward:
             try:
                 res = await self._score(item, base)
             except JudgeError as err:
-                res = ForkResult(reward=None, error=str(err), **base)
+                res = ForkResult(reward=None, error=str(err), error_kind=err.kind, **base)
         res.requests = usage.requests
         res.cache_hits = usage.cache_hits
         return res
