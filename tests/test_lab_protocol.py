@@ -94,3 +94,17 @@ def test_cli_errors_name_the_flag(tmp_path):
     r = _cli("lab", "fork", "--out", str(tmp_path / "o"), "--executor", "cluster")
     assert r.returncode == 2 and "--executor" in r.stderr and "serial, process" in r.stderr
     assert not (tmp_path / "o").exists()  # nothing is created when validation fails
+
+
+def test_reports_a_reader_can_trust(tmp_path):
+    import pandas as pd
+
+    from creditlab.lab.report import mean_ci, to_markdown
+
+    run_lab(LAB, replace(TINY, seeds=1), tmp_path, progress=False)
+    report = (tmp_path / "report.md").read_text()
+    assert "One seed: no interval" in report
+    assert "nan" not in report and "-0.000" not in report
+    assert mean_ci([1.0, 1.0, 0.8], bounds=(0.0, 1.0))[2] == 1.0  # a score's interval stops at a perfect score
+    md = to_markdown(pd.DataFrame({"label": ["a|b"], "x": [-0.0001], "lo": [float("nan")]}))
+    assert "a\\|b" in md and "| 0.000 |" in md and "| - |" in md

@@ -31,7 +31,7 @@ from creditlab.errors import ConfigError
 from creditlab.lab.chain_trainer import ChainTrainConfig, ModelSpec, train_chain
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import LabConfig, Table, register_lab
-from creditlab.lab.report import paired_diff, read_diff, summarize
+from creditlab.lab.report import paired_diff, read_diff, small_run_note, summarize
 from creditlab.lab.runner import Cell
 
 __all__ = ["EXPERIMENTS", "LAB", "CoverageConfig", "CoverageLab", "run_cell"]
@@ -221,8 +221,7 @@ class CoverageLab:
         return made
 
     def interpret(self, tabs: dict[str, Table], cfg: CoverageConfig) -> dict[str, str]:
-        few = (f" With {cfg.seeds} seed(s) per arm the intervals are wide: too small to tell small differences."
-               if cfg.seeds < 5 else "")
+        few = small_run_note(cfg.seeds)
         text: dict[str, str] = {}
         if "c_sweep" in tabs:
             s = tabs["c_sweep"].frame

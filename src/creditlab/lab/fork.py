@@ -34,7 +34,7 @@ from creditlab.envs.bagofunits import BagOfUnits, Prompts
 from creditlab.errors import ConfigError
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import LabConfig, Table, register_lab
-from creditlab.lab.report import paired_diff, read_diff, summarize
+from creditlab.lab.report import paired_diff, read_diff, small_run_note, summarize
 from creditlab.lab.runner import Cell
 
 __all__ = ["LAB", "REWARD_ARMS", "FactPolicy", "ForkLab", "ForkLabConfig", "oracle_thresholds", "run_fork_cell",
@@ -314,8 +314,7 @@ class ForkLab:
 
     def interpret(self, tabs: dict[str, Table], cfg: ForkLabConfig) -> dict[str, str]:
         text: dict[str, str] = {}
-        few = (f" With {cfg.seeds} seeds the intervals are wide: too small to tell small differences."
-               if cfg.seeds < 5 else "")
+        few = small_run_note(cfg.seeds)
         if "fork_final" in tabs:
             text["fork_final"] = (
                 "Length, recall, precision and the anatomy of the final policies' responses (units that are "

@@ -156,3 +156,12 @@ def read_diff(diff: pd.DataFrame, by: list[str], what: str) -> str:
     if n < 5:
         text += f" With {n} pairs the intervals are wide: too small to tell small effects apart."
     return text
+
+
+def small_run_note(seeds: int) -> str:
+    """The sentence a report adds when a run has too few seeds to tell (empty from 5 seeds on)."""
+    if seeds < 2:
+        return " One seed: no interval; this run is too small to tell a difference from noise."
+    if seeds < 5:
+        return f" With {seeds} seeds the intervals are wide: too small to tell small differences."
+    return ""

@@ -26,7 +26,7 @@ import torch
 from creditlab.errors import ConfigError
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import LabConfig, Table, register_lab
-from creditlab.lab.report import mean_ci
+from creditlab.lab.report import mean_ci, small_run_note
 from creditlab.lab.runner import Cell
 from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir
 from creditlab.lab.toolshop_grpo import GRPOConfig, train_grpo
@@ -220,7 +220,7 @@ class ToolshopLab:
 
     def interpret(self, tabs: dict[str, Table], cfg: ToolshopLabConfig) -> dict[str, str]:
         text: dict[str, str] = {}
-        one = " One seed: no interval; the run is too small to tell a change from noise." if cfg.seeds < 2 else ""
+        one = small_run_note(cfg.seeds)
         if "mismatch" in tabs:
             m = tabs["mismatch"].frame
             naive = m[~m["learner"].str.contains("QAT") & (m["engine"] != "fp32")]
