@@ -7,8 +7,9 @@ its longest row): ``delta_t = logprobs_t - rollout_logprobs_t`` on policy tokens
 (it carries across tool tokens). tests/test_diagnose_checks.py compares these with
 ``mismatch_metrics`` on the same rows padded.
 
-Tokens that the placeholder check flags (NaN/inf, log-probs above 0, runs of one repeated value
-where the two models disagree) are left out of every other mismatch quantity, so a leak in the
+Tokens that the placeholder check flags (NaN/inf, log-probs above 0, an exact 0.0 on one side where
+the other model gives the token less than ``exp(-RUN_GAP)``, runs of one repeated value where the two
+models disagree) are left out of every other mismatch quantity, so a leak in the
 policy mask is reported once, by that check, and does not pose as a precision mismatch.
 """
 
@@ -36,6 +37,7 @@ class TokenStats:
     policy: np.ndarray       # (M,) policy_mask
     nonfinite: np.ndarray    # (M,) policy token with a NaN/inf log-prob on either side
     positive: np.ndarray     # (M,) policy token with a log-prob > POSITIVE_TOL
+    zero_fill: np.ndarray    # (M,) policy token with exactly 0.0 on one side and < -RUN_GAP on the other
     placeholder: np.ndarray  # (M,) policy token in a run of repeated values the models disagree on
     usable: np.ndarray       # (M,) policy & none of the three
     delta: np.ndarray        # (M,) float64 logprobs - rollout_logprobs on usable tokens, else 0
@@ -47,7 +49,7 @@ class TokenStats:
 
     @property
     def flagged(self) -> np.ndarray:
-        return self.nonfinite | self.positive | self.placeholder
+        return self.nonfinite | self.positive | self.zero_fill | self.placeholder
 
 
 def _runs_of_equal(x: np.ndarray, policy: np.ndarray, row_start: np.ndarray, gap: np.ndarray) -> np.ndarray:
@@ -88,9 +90,11 @@ def token_stats(dump: Dump) -> TokenStats:
     with np.errstate(invalid="ignore"):
         positive = policy & finite & ((lp > POSITIVE_TOL) | (rlp > POSITIVE_TOL))
         gap = np.where(finite, np.abs(lp - rlp), 0.0)
+    with np.errstate(invalid="ignore"):
+        zero_fill = policy & finite & ~positive & (((lp == 0) & (rlp < -RUN_GAP)) | ((rlp == 0) & (lp < -RUN_GAP)))
     placeholder = (_runs_of_equal(lp, policy & finite, row_start, gap)
-                   | _runs_of_equal(rlp, policy & finite, row_start, gap)) & ~positive
-    usable = policy & finite & ~positive & ~placeholder
+                   | _runs_of_equal(rlp, policy & finite, row_start, gap)) & ~positive & ~zero_fill
+    usable = policy & finite & ~positive & ~zero_fill & ~placeholder
     delta = np.where(usable, np.where(finite, lp - rlp, 0.0), 0.0)
 
     def per_row_base(cs: np.ndarray) -> np.ndarray:
@@ -117,6 +121,7 @@ def token_stats(dump: Dump) -> TokenStats:
     row_usable = np.bincount(row, weights=usable, minlength=N)
     row_delta = np.bincount(row, weights=delta, minlength=N)
     row_policy = np.bincount(row, weights=policy, minlength=N)
-    return TokenStats(row=row, policy=policy, nonfinite=nonfinite, positive=positive, placeholder=placeholder,
+    return TokenStats(row=row, policy=policy, nonfinite=nonfinite, positive=positive, zero_fill=zero_fill,
+                      placeholder=placeholder,
                       usable=usable, delta=delta, prefix=prefix, turn=turn, row_usable=row_usable,
                       row_delta=row_delta, row_policy=row_policy)

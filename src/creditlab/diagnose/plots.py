@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 
-from creditlab.diagnose.checks import CheckResult
+from creditlab.diagnose.checks import TURN_MIN_TOKENS, CheckResult
 
 __all__ = ["PLOTS", "plot_result"]
 
@@ -28,7 +28,12 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def _thresholds(ax, r: CheckResult, horizontal: bool = True) -> None:
+def _steps_axis(ax) -> None:
+    ax.set_xlabel("training step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _thresholds(ax, r: CheckResult) -> None:
     for level, color in (("warn", "#d9a400"), ("fail", "#c0392b")):
         v = getattr(r.threshold, level)
         if v is not None and v > 0:
@@ -43,7 +48,7 @@ def _k3(r: CheckResult, path: Path) -> Path:
     ax.plot(s["steps"], np.maximum(y, floor), marker="o", ms=3, color="#1f77b4", label="K3 per policy token")
     ax.set_yscale("log")
     _thresholds(ax, r)
-    ax.set_xlabel("training step")
+    _steps_axis(ax)
     ax.set_ylabel("K3(engine || learner)")
     ax.set_title(f"Execution mismatch over steps ({r.status})")
     ax.legend(loc="best", fontsize=8)
@@ -54,7 +59,7 @@ def _k3(r: CheckResult, path: Path) -> Path:
 def _prefix(r: CheckResult, path: Path) -> Path:
     s = r.series
     n = np.asarray(s["tokens"])
-    keep = n > 0
+    keep = n >= TURN_MIN_TOKENS  # the turns the check reads
     t = np.asarray(s["turn"])[keep]
     fig = Figure(figsize=(9, 4.2), layout="constrained")
     ax, bx = fig.subplots(1, 2)
@@ -63,7 +68,7 @@ def _prefix(r: CheckResult, path: Path) -> Path:
     _thresholds(ax, r)
     ax.set_xlabel("turn")
     ax.set_ylabel("log ratio, nats (RMS)")
-    ax.set_title("Prefix vs current log ratio by turn")
+    ax.set_title(f"Prefix vs current log ratio by turn ({TURN_MIN_TOKENS}+ tokens)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     bx.plot(t, np.asarray(s["prefix_mean"])[keep], marker="o", color="#c0392b", label="prefix (mean)")
@@ -95,6 +100,12 @@ def _quartiles(r: CheckResult, path: Path) -> Path:
             for y in (np.exp(v), np.exp(-v)):
                 ax.axhline(y, color=color, lw=1, ls=":")
     ax.set_yscale("log")
+    lo, hi = ax.get_ylim()
+    ticks = [t for t in (1e-3, 0.01, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 4, 10, 100, 1e3) if lo <= t <= hi]
+    ax.set_yticks(ticks)
+    ax.set_ylim(lo, hi)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xticks(x, labels)
     ax.set_xlabel("response length quartile (policy tokens)")
     ax.set_ylabel("sequence weight (median, 25-75%)")
@@ -108,7 +119,7 @@ def _length(r: CheckResult, path: Path) -> Path:
     s = r.series
     fig, ax = _figure()
     ax.plot(s["steps"], s["length"], marker="o", ms=3, color="#2c3e50", label="response length")
-    ax.set_xlabel("training step")
+    _steps_axis(ax)
     ax.set_ylabel(f"mean response length ({s.get('unit', '')})")
     bx = ax.twinx()
     bx.plot(s["steps"], s["reward"], marker="s", ms=3, color="#27ae60", label="reward")
@@ -127,7 +138,7 @@ def _process(r: CheckResult, path: Path) -> Path:
     fig, ax = _figure()
     ax.plot(s["steps"], s["process"], marker="o", ms=3, color="#e67e22", label="process reward")
     ax.plot(s["steps"], s["outcome"], marker="s", ms=3, color="#27ae60", label="outcome reward")
-    ax.set_xlabel("training step")
+    _steps_axis(ax)
     ax.set_ylabel("mean reward")
     lines = list(ax.get_lines())
     if "tool_calls" in s or "truncated" in s:
@@ -150,7 +161,7 @@ def _degenerate(r: CheckResult, path: Path) -> Path:
     ax.plot(s["steps"], s["share"], marker="o", ms=3, color="#8e44ad", label="zero-variance groups")
     _thresholds(ax, r)
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("training step")
+    _steps_axis(ax)
     ax.set_ylabel("share of groups")
     ax.set_title(f"Groups with all rewards equal ({r.status})")
     ax.legend(fontsize=8)

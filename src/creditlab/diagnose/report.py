@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from creditlab.diagnose.checks import CheckResult, format_value, run_checks
-from creditlab.diagnose.plots import plot_result
+from creditlab.diagnose.plots import PLOTS, plot_result
 from creditlab.diagnose.readers import Dump, read_dump
 from creditlab.errors import ConfigError
 
@@ -78,6 +78,9 @@ def write_report(dump: Dump, results: Sequence[CheckResult], out: str | os.PathL
         r.plot = p.name if p is not None else None
         if p is not None:
             files.append(p)
+    for name, _ in PLOTS.values():  # a plot of an earlier run into this directory would now be stale
+        if (out / name) not in files and (out / name).exists():
+            (out / name).unlink()
     summary = summarize(dump)
     code = exit_code(results, fail_on)
     counts = {s: sum(r.status == s for r in results) for s in ("fail", "warn", "ok", "skipped")}
