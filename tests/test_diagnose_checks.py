@@ -9,7 +9,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from diagnose_synth import CHAIN_TURNS, clean_rows, token_row, topk_row
 
 from creditlab.core.correction import mismatch_metrics
 from creditlab.diagnose import CHECKS, read_dump, run_checks, write_dump
@@ -17,6 +16,7 @@ from creditlab.diagnose._tokens import token_stats
 from creditlab.diagnose.checks import Context, turn_profile
 from creditlab.diagnose.report import exit_code
 from creditlab.errors import ConfigError
+from diagnose_synth import CHAIN_TURNS, clean_rows, token_row, topk_row
 
 
 def _run(tmp_path, rows, name="d.jsonl", **kw):

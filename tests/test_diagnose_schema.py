@@ -11,11 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from diagnose_synth import CHAIN_TURNS, clean_rows
 
 from creditlab.diagnose import COLUMNS, read_dump, rows_from_arrays, write_dump
 from creditlab.diagnose.readers import dump_files
 from creditlab.errors import ConfigError, InputError
+from diagnose_synth import CHAIN_TURNS, clean_rows
 
 
 def _rows(n_steps=2):

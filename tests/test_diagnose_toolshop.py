@@ -39,7 +39,8 @@ def _batches(model, engine, steps=4, tasks=32, group=4):
     out = []
     for s in range(steps):
         b = rollout(model, make_tasks(range(s * tasks, (s + 1) * tasks), BASE.chain_lengths), precision=engine,
-                    max_len=96, generator=torch.Generator().manual_seed(s), group_ids=[i // group for i in range(tasks)])
+                    max_len=96, generator=torch.Generator().manual_seed(s),
+                    group_ids=[i // group for i in range(tasks)])
         out.append((s, b, sequence_logprobs(model, b.tokens)))
     return out
 
@@ -134,5 +135,6 @@ def test_cli_on_a_real_fp8_dump(dumps, tmp_path, capsys):
         main(["diagnose", str(dumps["fp32"]), "--out", str(tmp_path / "ok"), "--check", "mismatch.k3",
               "--check", "mismatch.prefix_drift"])
     assert ex.value.code == 0
-    shown = capsys.readouterr().out
-    assert "mismatch.k3" in shown and "reward.length_hacking" not in shown
+    shown = capsys.readouterr()
+    assert "mismatch.k3" in shown.out and "reward.length_hacking" not in shown.out  # the table on stdout
+    assert "report:" in shown.err and "Traceback" not in shown.err

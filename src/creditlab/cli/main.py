@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, prog_name="creditlab")
     except CreditlabError as err:
-        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {err}", highlight=False)
         sys.exit(2)
 
 

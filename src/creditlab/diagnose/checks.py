@@ -313,8 +313,8 @@ def check_prefix_drift(ctx: Context) -> Outcome:
     flat = cK <= max(2 * c0, c0 + 1e-3)  # changes below 1e-3 nats are float noise, not growth
     cur = (f"while the current one stays flat ({format_value(c0)} -> {format_value(cK)})" if flat else
            f"and the current one grows too ({format_value(c0)} -> {format_value(cK)})")
-    msg = (f"The RMS prefix log ratio grows from {format_value(p0)} at turn {first} to {format_value(pK)} nats at turn {last} "
-           f"{cur}{_excluded(ctx.tokens)}.")
+    msg = (f"The RMS prefix log ratio grows from {format_value(p0)} at turn {first} to {format_value(pK)} nats at "
+           f"turn {last} {cur}{_excluded(ctx.tokens)}.")
     details = {"turn_first": first, "turn_last": last, "prefix_rms_first": p0, "prefix_rms_last": pK,
                "current_rms_first": c0, "current_rms_last": cK,
                "prefix_mean_last": float(prof["prefix_mean"][last]), "current_flat": flat}
@@ -440,7 +440,8 @@ def check_sequence_ratio(ctx: Context) -> Outcome:
     value = out["prod_abs"][-1]
     status = "fail" if value >= SEQ_FAIL else "warn" if value >= SEQ_WARN else "ok"
     msg = (f"In the longest quartile ({out['lo'][-1]:.0f}-{out['hi'][-1]:.0f} policy tokens) the product sequence "
-           f"ratio is off from 1 by a median {format_value(value)} nats (median weight {format_value(out['prod_med'][-1])}), "
+           f"ratio is off from 1 by a median {format_value(value)} nats (median weight "
+           f"{format_value(out['prod_med'][-1])}), "
            f"against {format_value(out['prod_abs'][0])} in the shortest; the geometric mean stays within "
            f"{format_value(out['geo_abs'][-1])}.")
     details = {"longest_quartile": [out["lo"][-1], out["hi"][-1]], "median_abs_log_ratio_shortest": out["prod_abs"][0],
@@ -485,15 +486,16 @@ def check_length_hacking(ctx: Context) -> Outcome:
     details: dict[str, Any] = {"length_early": L0, "length_late": L1, "reward_early": R0, "reward_late": R1,
                                "unit": unit}
     rising = g >= LENGTH_WARN and R1 >= R0
-    base = (f"Mean response length went from {format_value(L0)} to {format_value(L1)} {unit} ({g:+.0%}) while the reward went "
-            f"from {format_value(R0)} to {format_value(R1)}")
+    base = (f"Mean response length went from {format_value(L0)} to {format_value(L1)} {unit} ({g:+.0%}) while the "
+            f"reward went from {format_value(R0)} to {format_value(R1)}")
     if has_prec:
         P0, P1 = _early_late(d.scalars["precision"], phases)
         details.update(precision_early=P0, precision_late=P1)
         fell = P0 - P1 >= PRECISION_DROP
         status = "fail" if rising and fell else "ok"
-        tail = (f" and precision fell from {format_value(P0)} to {format_value(P1)}: the recall-reward padding signature" if fell else
-                f" and precision held ({format_value(P0)} -> {format_value(P1)}): the extra length is content")
+        p0, p1 = format_value(P0), format_value(P1)
+        tail = (f" and precision fell from {p0} to {p1}: the recall-reward padding signature" if fell else
+                f" and precision held ({p0} -> {p1}): the extra length is content")
         return Outcome(status, g, base + tail + ".", details, series)
     if rising:
         return Outcome("warn", g, base + ": the padding signature of a recall-only reward, unless the task "
@@ -549,8 +551,8 @@ def check_process_hacking(ctx: Context) -> Outcome:
         details.update(truncated_early=T0, truncated_late=T1)
         if T1 - T0 >= TRUNC_RISE:
             act.append(f"truncation {_pct(T0)} -> {_pct(T1)}")
-    base = (f"The process reward moved {dP:+.2f} sd ({format_value(P0)} -> {format_value(P1)}) and the outcome {dR:+.2f} sd "
-            f"({format_value(R0)} -> {format_value(R1)})")
+    base = (f"The process reward moved {dP:+.2f} sd ({format_value(P0)} -> {format_value(P1)}) and the outcome "
+            f"{dR:+.2f} sd ({format_value(R0)} -> {format_value(R1)})")
     if dP >= PROCESS_RISE and dR < OUTCOME_STALL:
         if act:
             return Outcome("fail", dP, base + f", with {' and '.join(act)}: the policy is farming the process "
@@ -663,9 +665,9 @@ def check_coverage(ctx: Context) -> Outcome:
     regime = ("below 0.8, concentrated credit leaves causal steps at chance: spread credit over the whole chain"
               if status == "warn" else "dense enough for targeted credit" if long_chain else "chains of one call")
     no_instr = "" if instr is not None else " (no instruction column: values it would give count as reads)"
-    msg = (f"Chains by dataflow hold C = {format_value(C_mean)} of T = {format_value(T_mean)} calls on average and the verifier sees "
-           f"k = {format_value(k_mean)} of them ({seen}): V_d = {format_value(vd)}, write fraction {format_value(w)}, "
-           f"P_cover {format_value(pc)}; {regime}{no_instr}.")
+    msg = (f"Chains by dataflow hold C = {format_value(C_mean)} of T = {format_value(T_mean)} calls on average and the "
+           f"verifier sees k = {format_value(k_mean)} of them ({seen}): V_d = {format_value(vd)}, write fraction "
+           f"{format_value(w)}, P_cover {format_value(pc)}; {regime}{no_instr}.")
     return Outcome(status, vd, msg, details)
 
 
@@ -689,7 +691,8 @@ def check_mixing(ctx: Context) -> Outcome:
     n_neg = torch.tensor([sum(s <= cut for s in row) for row in scores], dtype=torch.float64)
     mix, inc = mixing_score(n_pos, n_neg)
     value = float(mix[inc].mean())
-    details = {"trajectories": int(inc.sum()), "good_turn_cut": cut, "good_share": float(n_pos.sum() / (n_pos.sum() + n_neg.sum()))}
+    details = {"trajectories": int(inc.sum()), "good_turn_cut": cut,
+               "good_share": float(n_pos.sum() / (n_pos.sum() + n_neg.sum()))}
     status = "warn" if value >= MIXING_WARN else "ok"
     tail = (": good and bad turns share rollouts, so an outcome broadcast to every turn pushes many of them the "
             "wrong way" if status == "warn" else ": turns mostly agree with their rollout, trajectory-level credit "

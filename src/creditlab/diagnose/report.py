@@ -100,9 +100,8 @@ def write_report(dump: Dump, results: Sequence[CheckResult], out: str | os.PathL
                      f"{_cell(r.threshold.text())} | {_cell(r.message)} |")
     lines.append("")
     for r in results:
-        lines += [f"## {r.id}", "", f"{r.title}. **{r.status}**"
-                  + (f", value {format_value(r.value)} (threshold: {r.threshold.text()})." if r.value is not None else "."),
-                  "", r.message, ""]
+        value = f", value {format_value(r.value)} (threshold: {r.threshold.text()})." if r.value is not None else "."
+        lines += [f"## {r.id}", "", f"{r.title}. **{r.status}**{value}", "", r.message, ""]
         if r.status in ("warn", "fail"):
             lines += [f"Fix: {r.fix}", ""]
         elif r.status == "ok":

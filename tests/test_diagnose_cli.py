@@ -1,0 +1,63 @@
+"""``creditlab diagnose``: exit codes 0 / 1 / 2, one-line errors without a traceback, the shipped example."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from creditlab.cli.main import main
+from creditlab.diagnose import write_dump
+from diagnose_synth import clean_rows
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "toolshop_fp8.jsonl"
+
+
+def _code(argv) -> int:
+    with pytest.raises(SystemExit) as ex:
+        main(argv)
+    return ex.value.code
+
+
+def test_exit_0_on_a_clean_dump_and_1_on_a_failing_one(tmp_path):
+    clean = write_dump(clean_rows(), tmp_path / "clean.jsonl")
+    # nothing warns, so 0 even with --fail-on warn (hence 0 without it)
+    assert _code(["diagnose", str(clean), "--out", str(tmp_path / "a"), "--quiet", "--fail-on", "warn"]) == 0
+    bad = clean_rows()
+    for r in bad:
+        r["reward"] = 1.0  # every group degenerate
+    bad_path = write_dump(bad, tmp_path / "bad.parquet")
+    assert _code(["diagnose", str(bad_path), "--out", str(tmp_path / "b"), "--quiet",
+                  "--check", "baseline.degenerate_groups"]) == 1
+    js = json.loads((tmp_path / "b" / "diagnose.json").read_text())
+    assert js["exit_code"] == 1 and js["counts"]["fail"] >= 1
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["diagnose", "{tmp}/missing.jsonl", "--out", "{tmp}/o"], "missing.jsonl: no such file or directory"),
+    (["diagnose", "{tmp}/bad.jsonl", "--out", "{tmp}/o"], "bad.jsonl: line 2: column 'reward': expected a finite"),
+    (["diagnose", "{tmp}/good.jsonl", "--out", "{tmp}/o", "--fail-on", "never"], "--fail-on: must be fail or warn"),
+    (["diagnose", "{tmp}/good.jsonl", "--out", "{tmp}/o", "--max-turns", "1"], "--max-turns: must be >= 2"),
+    (["diagnose", "{tmp}/good.jsonl", "--out", "{tmp}/o", "--check", "nope"], "--check: unknown check 'nope'"),
+])
+def test_unreadable_input_exits_2_with_one_line(tmp_path, capsys, argv, match):
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"step": 0, "group": 0, "reward": 1}) + "\n"
+                                        + json.dumps({"step": 0, "group": 0, "reward": "x"}) + "\n")
+    write_dump(clean_rows(steps=1), tmp_path / "good.jsonl")
+    assert _code([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o" / "diagnose.json").exists()
+
+
+def test_the_shipped_example_reads_as_documented(tmp_path):
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "diagnose.md").read_text()
+    assert "docs/examples/toolshop_fp8.jsonl" in doc
+    assert _code(["diagnose", str(EXAMPLE), "--out", str(tmp_path / "ex"), "--quiet"]) == 1
+    js = json.loads((tmp_path / "ex" / "diagnose.json").read_text())
+    statuses = {c["id"]: c["status"] for c in js["checks"]}
+    assert statuses["mismatch.prefix_drift"] == "fail" and statuses["credit.coverage"] == "warn"
+    assert statuses["mismatch.placeholder_logprobs"] == "ok" and statuses["credit.mixing"] == "skipped"
+    for c in js["checks"]:  # the documented verdict table of the example is the one it produces
+        assert f"| `{c['id']}` | {c['status']} |" in doc, c["id"]
