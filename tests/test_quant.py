@@ -7,9 +7,12 @@ from hypothesis import strategies as st
 
 from creditlab.errors import ConfigError
 from creditlab.models.quant import (
+    PRECISIONS,
+    fp4_e2m1_round,
     fp8_e4m3_round,
     quant_act,
     quant_bf16,
+    quant_fp4_blockwise,
     quant_fp8_blockwise,
     quant_fp8_per_row,
     quant_int8_per_row,
@@ -17,6 +20,9 @@ from creditlab.models.quant import (
     quant_weight,
 )
 from reference.ref_quant import (
+    fp4_blockwise_ref,
+    fp4_e2m1_values,
+    fp4_round_scalar,
     fp8_blockwise_ref,
     fp8_e4m3_values,
     fp8_per_row_ref,
@@ -101,7 +107,7 @@ def test_quantizers_are_idempotent_and_keep_zero_rows():
 
 def test_straight_through_gradients_and_fp32_identity():
     x = torch.randn(3, 16, requires_grad=True)
-    for p in ("fp32", "bf16", "fp8", "int8"):
+    for p in PRECISIONS:
         y = quant_act(x, p) * 2 + quant_weight(x, p) + quant_kv(x, p)
         (g,) = torch.autograd.grad(y.sum(), x)
         assert torch.allclose(g, torch.full_like(g, 4.0))
@@ -110,4 +116,88 @@ def test_straight_through_gradients_and_fp32_identity():
 
 def test_unknown_precision_is_a_config_error():
     with pytest.raises(ConfigError, match="precision"):
-        quant_act(torch.zeros(2, 2), "fp4")
+        quant_act(torch.zeros(2, 2), "fp2")
+
+
+# ------------------------------------------------------------------------------------------------
+# FP4 E2M1 and its block scales (NVFP4: 16 per block, FP8 scales; MXFP4: 32 per block, 2^k scales)
+
+
+def test_fp4_grid_has_the_format_values():
+    grid = fp4_e2m1_values()
+    assert grid == [-6.0, -4.0, -3.0, -2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def test_fp4_round_matches_the_table_on_every_value_and_midpoint():
+    grid = fp4_e2m1_values()
+    mids = [(a + b) / 2 for a, b in zip(grid, grid[1:], strict=False)]
+    near = [m + d for m in mids for d in (-1e-3, 1e-3)]
+    pts = torch.tensor(grid + mids + near + [6.5, 7.0, 100.0, -9.0], dtype=torch.float64)
+    want = torch.tensor([fp4_round_scalar(float(x)) for x in pts], dtype=torch.float64)
+    for dtype in (torch.float64, torch.float32):
+        assert torch.equal(fp4_e2m1_round(pts.to(dtype)).double(), want)
+
+
+def test_fp4_golden_ties_go_to_even_mantissa():
+    x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0, 5.01, 7.0])
+    assert fp4_e2m1_round(x).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 0.0, -4.0, 6.0, 6.0]
+
+
+@pytest.mark.parametrize(("block", "scale"), [(16, "e4m3"), (32, "e8m0"), (4, "e4m3"), (8, "e8m0")])
+@pytest.mark.parametrize("cols", [16, 37, 64])
+def test_fp4_blockwise_matches_reference(block, scale, cols):
+    g = torch.Generator().manual_seed(cols + block)
+    x = torch.randn(3, cols, generator=g, dtype=torch.float64) * torch.logspace(-3, 2, cols, dtype=torch.float64)
+    x[1, :block] = 0.0  # an all-zero block
+    got = quant_fp4_blockwise(x, block, scale)
+    assert torch.allclose(got, fp4_blockwise_ref(x, block, scale), rtol=0, atol=1e-12)
+
+
+@given(seed=st.integers(0, 2**31 - 1), scale=st.floats(1e-3, 1e3))
+def test_fp4_round_trip_within_format_bounds(seed, scale):
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+    s_row = x.abs().amax(-1, keepdim=True) / (448 * 6)
+    for block, fmt in ((16, "e4m3"), (32, "e8m0")):
+        q = quant_fp4_blockwise(x, block, fmt)
+        for c0 in range(0, 64, block):
+            tile, qt = x[:, c0:c0 + block], q[:, c0:c0 + block]
+            amax = tile.abs().amax(-1, keepdim=True)
+            if fmt == "e8m0":
+                s = torch.exp2(torch.floor(torch.log2(amax)) - 2)
+            else:
+                s = fp8_e4m3_round(amax / 6 / s_row) * s_row
+            err, a = (qt - tile).abs(), tile.abs() / s
+            # inside the grid: half the largest step (2 s); above 6 s: saturation
+            assert bool((err[a <= 6] <= s.expand_as(a)[a <= 6] * (1 + 1e-12)).all())
+            assert torch.allclose(qt[a > 6].abs(), 6 * s.expand_as(a)[a > 6])
+            # normal range of E2M1 (|x| / s >= 1): relative error at most 1/4
+            assert bool((err[a >= 1] <= tile.abs()[a >= 1] / 4 * (1 + 1e-12)).all())
+
+
+def test_fp4_is_idempotent_and_through_every_entry_point():
+    x = torch.randn(5, 48, generator=torch.Generator().manual_seed(3))
+    for p, block, fmt in (("nvfp4", 16, "e4m3"), ("mxfp4", 32, "e8m0")):
+        once = quant_fp4_blockwise(x, block, fmt)
+        assert torch.equal(quant_fp4_blockwise(once, block, fmt), once)
+        assert torch.equal(quant_act(x, p), once) and torch.equal(quant_weight(x, p), once)
+        assert torch.equal(quant_kv(x, p), quant_fp8_per_row(x))  # W4A4-KV8: the cache stays FP8
+        assert len(torch.unique(once[0, :block] / once[0, :block].abs().max())) <= 15
+
+
+def test_fp4_batched_leading_dims_are_rows():
+    x = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(4))
+    flat = quant_fp4_blockwise(x.reshape(6, 40), 16, "e4m3").reshape(2, 3, 40)
+    assert torch.equal(quant_fp4_blockwise(x, 16, "e4m3"), flat)
+
+
+def test_fp4_unknown_scale_format_is_a_config_error():
+    with pytest.raises(ConfigError, match="scale"):
+        quant_fp4_blockwise(torch.ones(2, 16), 16, "e5m2")
+
+
+def test_fp8_blockwise_of_a_stack_is_each_weight_alone():
+    w = torch.randn(3, 40, 24, generator=torch.Generator().manual_seed(5))
+    w[1, 0, 0] = 50.0
+    stacked = quant_fp8_blockwise(w, 16)
+    for i in range(3):
+        assert torch.equal(stacked[i], quant_fp8_blockwise(w[i], 16))

@@ -86,3 +86,56 @@ def int8_per_row_ref(x: torch.Tensor) -> torch.Tensor:
             qi = fl + 1 if frac > 0.5 or (frac == 0.5 and fl % 2 == 1) else fl  # half to even
             o[r, c] = max(-127, min(127, qi)) * s
     return out
+
+
+def fp4_e2m1_values() -> list[float]:
+    """Every value of FP4 E2M1 (2 exponent bits, bias 1, 1 mantissa bit, no inf or NaN), from the bits."""
+    vals = set()
+    for e in range(4):
+        for m in range(2):
+            v = (m / 2) * 2.0 ** (1 - 1) if e == 0 else (1 + m / 2) * 2.0 ** (e - 1)
+            vals.add(v)
+            vals.add(-v)
+    return sorted(vals)
+
+
+_GRID4 = fp4_e2m1_values()
+
+
+def _fp4_mantissa_bit(v: float) -> int:
+    a = abs(v)
+    if a < 1:  # subnormals 0 and 0.5
+        return int(a == 0.5)
+    e = math.floor(math.log2(a))
+    return int(round((a / 2.0 ** e - 1) * 2))
+
+
+def fp4_round_scalar(x: float) -> float:
+    """Nearest FP4 E2M1 value, ties to even mantissa, saturating at +-6."""
+    x = max(-6.0, min(6.0, x))
+    d = min(abs(g - x) for g in _GRID4)
+    ties = [g for g in _GRID4 if abs(abs(g - x) - d) <= 1e-12]
+    if len(ties) > 1:
+        ties = [g for g in ties if _fp4_mantissa_bit(g) == 0]
+    return ties[0] if ties[0] != 0 else 0.0
+
+
+def fp4_blockwise_ref(x: torch.Tensor, block: int, scale: str) -> torch.Tensor:
+    """One scale per ``block`` elements of each row: NVFP4 (``e4m3``: FP8 block scale relative to the
+    row scale amax/(448*6)) or MXFP4 (``e8m0``: 2^(floor(log2 amax) - 2))."""
+    out = torch.empty_like(x)
+    flat, o = x.reshape(-1, x.shape[-1]), out.view(-1, x.shape[-1])
+    n = flat.shape[1]
+    for r in range(flat.shape[0]):
+        row = [float(v) for v in flat[r]]
+        s_row = max(max(abs(v) for v in row), 1e-30) / (448.0 * 6.0)
+        for c0 in range(0, n, block):
+            blk = row[c0:c0 + block]
+            amax = max(abs(v) for v in blk)
+            if scale == "e4m3":
+                s = fp8_round_scalar(amax / 6.0 / s_row) * s_row
+            else:
+                s = 2.0 ** (math.floor(math.log2(amax)) - 2) if amax > 0 else 0.0
+            for j, v in enumerate(blk):
+                o[r, c0 + j] = fp4_round_scalar(v / s) * s if s > 0 else 0.0
+    return out

@@ -17,6 +17,23 @@ SmoothQuant-style W8A8):
 - **INT8** symmetric: weights one scale per output channel, activations one per token,
   ``s = amax / 127``, ``q = clamp(round(x / s), -127, 127)``; round-trip error at most ``s / 2``.
 - **bf16**: round to nearest even bfloat16 (8 exponent bits, 7 mantissa bits).
+- **FP4 E2M1** (2 exponent bits, bias 1, 1 mantissa bit: the 15 values 0, +-0.5, +-1, +-1.5, +-2,
+  +-3, +-4, +-6), round to nearest, ties to even mantissa, saturating at +-6. Every FP4 tensor has a
+  shared scale per block of contiguous elements along the last dimension (the reduction dimension
+  of a linear layer: input features of a weight, the hidden features of a token), in the two
+  formats of current FP4 serving stacks:
+
+  * **NVFP4** (``nvfp4``): blocks of 16, each block scale ``amax(block) / 6`` stored in FP8 E4M3
+    relative to an fp32 scale per row ``amax(row) / (448 * 6)`` (two-level scaling, as NVIDIA's
+    NVFP4 recipe; per row rather than per tensor, so a token's grid does not depend on the other
+    tokens of its batch). A block scale that rounds down saturates its largest element at 6.
+  * **MXFP4** (``mxfp4``): blocks of 32 with a power-of-two (E8M0) scale
+    ``2^(floor(log2 amax(block)) - 2)`` (OCP Microscaling spec; elements above 6 saturate).
+
+  A weight is quantized per output row in blocks of its input features, an activation per token.
+  For values whose scaled magnitude is at least 1 (the normal range of E2M1) the relative
+  round-trip error against the decoded block scale is at most 1/4 (half the step of 1 mantissa
+  bit); the absolute error is at most half the grid step times the block scale.
 """
 
 from __future__ import annotations
@@ -26,11 +43,16 @@ import torch
 from creditlab.errors import ConfigError
 
 __all__ = [
+    "FP4_BLOCK",
+    "FP4_MAX",
     "FP8_MAX",
     "INT8_MAX",
     "PRECISIONS",
+    "QUANTIZED",
     "check_precision",
+    "fp4_e2m1_round",
     "fp8_e4m3_round",
+    "quant_fp4_blockwise",
     "quant_act",
     "quant_bf16",
     "quant_fp8_blockwise",
@@ -43,7 +65,12 @@ __all__ = [
 
 FP8_MAX = 448.0
 INT8_MAX = 127.0
-PRECISIONS = ("fp32", "bf16", "fp8", "int8")
+FP4_MAX = 6.0
+#: Block size of each FP4 format (elements sharing one scale).
+FP4_BLOCK = {"nvfp4": 16, "mxfp4": 32}
+PRECISIONS = ("fp32", "bf16", "fp8", "int8", "nvfp4", "mxfp4")
+#: The precisions whose engine runs low-bit GEMMs (weights and activations on a quantized grid).
+QUANTIZED = ("fp8", "int8", "nvfp4", "mxfp4")
 _TINY = 1e-30
 
 
@@ -54,7 +81,14 @@ def check_precision(precision: str) -> str:
 
 
 def ste(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Straight-through estimator: the value of ``q``, the gradient of ``x``."""
+    """Straight-through estimator: the value of ``q``, the gradient of ``x``.
+
+    Without a gradient to carry it returns ``q`` itself: the same values, since ``q - x`` is exact
+    for every quantizer here (``q`` lies within a factor 2 of ``x`` or is 0, Sterbenz's lemma), so
+    ``x + (q - x) == q`` bit for bit, and two fewer passes over the tensor.
+    """
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return q
     return x + (q - x).detach()
 
 
@@ -76,16 +110,83 @@ def quant_fp8_per_row(x: torch.Tensor) -> torch.Tensor:
 
 
 def quant_fp8_blockwise(w: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """FP8 E4M3 for a ``(out, in)`` weight with one scale per ``block x block`` tile (edge tiles may be
-    smaller)."""
-    out_f, in_f = w.shape
+    """FP8 E4M3 for a ``(..., out, in)`` weight (leading dims: a stack of weights, each with its own
+    tiles) with one scale per ``block x block`` tile (edge tiles may be smaller)."""
+    *lead, out_f, in_f = w.shape
     nb_o, nb_i = -(-out_f // block), -(-in_f // block)
-    pad = torch.zeros(nb_o * block, nb_i * block, dtype=w.dtype, device=w.device)
-    pad[:out_f, :in_f] = w.detach()
-    tiles = pad.view(nb_o, block, nb_i, block)
-    s = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp_min(_TINY) / FP8_MAX  # (nb_o,1,nb_i,1)
-    s_full = s.expand(nb_o, block, nb_i, block).reshape(nb_o * block, nb_i * block)[:out_f, :in_f]
+    pad = torch.zeros(*lead, nb_o * block, nb_i * block, dtype=w.dtype, device=w.device)
+    pad[..., :out_f, :in_f] = w.detach()
+    tiles = pad.view(*lead, nb_o, block, nb_i, block)
+    s = tiles.abs().amax(dim=(-3, -1), keepdim=True).clamp_min(_TINY) / FP8_MAX  # (..., nb_o, 1, nb_i, 1)
+    s_full = s.expand(*lead, nb_o, block, nb_i, block).reshape(*lead, nb_o * block, nb_i * block)
+    s_full = s_full[..., :out_f, :in_f]
     return fp8_e4m3_round(w / s_full) * s_full
+
+
+#: The non-negative E2M1 values, and the boundaries between neighbours: a tie goes to the even
+#: mantissa, i.e. down at 0.25, 1.25, 2.5, 5 and up at 0.75, 1.75, 3.5.
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_TIE_UP = (False, True, False, True, False, True, False)
+_E2M1_TABLES: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _e2m1_tables(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (dtype, device)
+    if key not in _E2M1_TABLES:
+        mids = torch.tensor([(a + b) / 2 for a, b in zip(_E2M1, _E2M1[1:], strict=False)], dtype=dtype)
+        # bucketize puts a value equal to a boundary in the lower bucket: a tie that goes up gets
+        # the next smaller float as its boundary
+        up = torch.tensor(_E2M1_TIE_UP)
+        bounds = torch.where(up, torch.nextafter(mids, torch.tensor(-1.0, dtype=dtype)), mids)
+        _E2M1_TABLES[key] = (bounds.to(device), torch.tensor(_E2M1, dtype=dtype, device=device))
+    return _E2M1_TABLES[key]
+
+
+def fp4_e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest FP4 E2M1 value (ties to even mantissa), saturating at +-6.
+
+    Values above the last boundary (5) land on 6, so saturation needs no clamp; ties: 0.25 -> 0,
+    0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4 (tested against a table built from
+    the bits).
+    """
+    bounds, grid = _e2m1_tables(x.dtype, x.device)
+    return torch.copysign(grid[torch.bucketize(x.abs(), bounds)], x)
+
+
+def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
+    """``x`` ``(..., n)`` as ``(..., ceil(n / block), block)``, zero-padded at the end; and ``n``."""
+    n = x.shape[-1]
+    pad = -n % block
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], -1, block), n
+
+
+def quant_fp4_blockwise(x: torch.Tensor, block: int = 16, scale: str = "e4m3") -> torch.Tensor:
+    """FP4 E2M1 with one shared scale per ``block`` contiguous elements of the last dimension
+    (an edge block may be shorter).
+
+    ``scale="e4m3"`` (NVFP4): block scale ``e4m3(amax(block) / 6 / s_row) * s_row`` with the fp32
+    row scale ``s_row = amax(row) / (448 * 6)``. ``scale="e8m0"`` (MXFP4): block scale
+    ``2^(floor(log2 amax(block)) - 2)``. Elements are ``fp4_e2m1_round(x / scale) * scale``; an
+    all-zero block stays zero.
+    """
+    xb, n = _blocks(x.detach(), block)  # (..., nb, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True)  # (..., nb, 1)
+    if scale == "e4m3":
+        s_row = amax.amax(dim=-2, keepdim=True).clamp_min(_TINY) / (FP8_MAX * FP4_MAX)  # (..., 1, 1)
+        s = fp8_e4m3_round(amax / FP4_MAX / s_row) * s_row
+    elif scale == "e8m0":
+        s = torch.exp2(torch.floor(torch.log2(amax.clamp_min(_TINY))) - 2)
+    else:
+        raise ConfigError("scale", f"must be 'e4m3' (NVFP4) or 'e8m0' (MXFP4), got {scale!r}")
+    ok = s > 0
+    q = torch.where(ok, fp4_e2m1_round(xb / torch.where(ok, s, 1.0)) * s, 0.0)
+    return q.reshape(*q.shape[:-2], -1)[..., :n].to(x.dtype)
+
+
+def _fp4(x: torch.Tensor, precision: str) -> torch.Tensor:
+    return quant_fp4_blockwise(x, FP4_BLOCK[precision], "e4m3" if precision == "nvfp4" else "e8m0")
 
 
 def quant_int8_per_row(x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +197,8 @@ def quant_int8_per_row(x: torch.Tensor) -> torch.Tensor:
 
 
 def quant_weight(w: torch.Tensor, precision: str, *, block: int = 32) -> torch.Tensor:
-    """The weight as the engine of ``precision`` stores it (straight-through gradient)."""
+    """The weight as the engine of ``precision`` stores it (straight-through gradient); ``block`` is
+    the FP8 tile size (the FP4 formats have their own, :data:`FP4_BLOCK`)."""
     if precision == "fp32":
         return w
     if precision == "bf16":
@@ -105,6 +207,8 @@ def quant_weight(w: torch.Tensor, precision: str, *, block: int = 32) -> torch.T
         return ste(w, quant_fp8_blockwise(w, block))
     if precision == "int8":
         return ste(w, quant_int8_per_row(w))
+    if precision in FP4_BLOCK:  # blocks of the input features of each output row
+        return ste(w, _fp4(w, precision))
     check_precision(precision)
     raise AssertionError  # unreachable
 
@@ -119,14 +223,17 @@ def quant_act(x: torch.Tensor, precision: str) -> torch.Tensor:
         return ste(x, quant_fp8_per_row(x))
     if precision == "int8":
         return ste(x, quant_int8_per_row(x))
+    if precision in FP4_BLOCK:
+        return ste(x, _fp4(x, precision))
     check_precision(precision)
     raise AssertionError
 
 
 def quant_kv(x: torch.Tensor, precision: str) -> torch.Tensor:
     """A key/value tensor ``(B, H, L, head_dim)`` as the KV cache stores it: FP8 per token per head
-    (KV8) for ``fp8``, bf16 for ``bf16``; ``int8`` (W8A8 only) and ``fp32`` keep it exact."""
-    if precision == "fp8":
+    (KV8) for ``fp8`` and the FP4 engines (W4A4-KV8, as FP4 serving stacks keep an FP8 cache), bf16
+    for ``bf16``; ``int8`` (W8A8 only) and ``fp32`` keep it exact."""
+    if precision in ("fp8", "nvfp4", "mxfp4"):
         return ste(x, quant_fp8_per_row(x))
     if precision == "bf16":
         return ste(x, quant_bf16(x))
