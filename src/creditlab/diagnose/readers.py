@@ -154,9 +154,14 @@ def read_dump(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
     total = sum(f.stat().st_size for f in files)
     done = 0
     parts = []
-    for i, f in enumerate(files):
-        parts.append(_read_file(f, i))
-        done += f.stat().st_size
+    for f in files:
+        size = f.stat().st_size
+        tick = None
+        if progress is not None:
+            def tick(n: int, f=f, base=done, size=size) -> None:  # within a file, by bytes read
+                progress(f"read {f.name}", base + min(n, size), total)
+        parts.append(_read_file(f, tick))
+        done += size
         if progress is not None:
             progress(f"read {f.name}", done, total)
     return _concat([str(f) for f in files], parts)
@@ -191,10 +196,10 @@ class _Where:
         return f"{self.path}: {self.unit} {int(self.numbers[i])}: column '{column}'"
 
 
-def _read_file(path: Path, index: int) -> _Part:
+def _read_file(path: Path, tick: Callable[[int], None] | None) -> _Part:
     if path.name.endswith(".parquet"):
         return _read_parquet(path)
-    return _read_jsonl(path)
+    return _read_jsonl(path, tick)
 
 
 def _open_text(path: Path):
@@ -203,12 +208,16 @@ def _open_text(path: Path):
     return open(path, encoding="utf-8")
 
 
-def _read_jsonl(path: Path) -> _Part:
+def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None) -> _Part:
     rows: list[dict] = []
     numbers: list[int] = []
+    read = 0  # characters, about the bytes of the (uncompressed) file
     try:
         with _open_text(path) as fh:
             for n, line in enumerate(fh, 1):
+                read += len(line)
+                if tick is not None and n % 2000 == 0:
+                    tick(read)
                 if not line.strip():
                     continue
                 try:
@@ -249,7 +258,7 @@ def _read_jsonl(path: Path) -> _Part:
             vals.append(v)
         return list(itertools.chain.from_iterable(vals)), [len(v) for v in vals]
 
-    return _build(FORMAT_CREDITLAB, len(rows), where, values, flat)
+    return _build(FORMAT_CREDITLAB, len(rows), where, names.__contains__, values, flat)
 
 
 def _is_verl(names: set[str]) -> bool:
@@ -296,8 +305,14 @@ def _read_parquet(path: Path) -> _Part:
     if _is_verl(names):
         return _from_verl(table.to_pylist(), where)
 
-    def values(name: str) -> list[Any] | None:
-        return table.column(name).to_pylist() if name in names else None
+    def values(name: str) -> list[Any] | np.ndarray | None:
+        if name not in names:
+            return None
+        col = table.column(name)
+        if col.null_count == 0 and (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)
+                                    or pa.types.is_boolean(col.type)):
+            return col.to_numpy()  # validated in bulk
+        return col.to_pylist()
 
     def flat(name: str):
         if name not in names:
@@ -322,7 +337,7 @@ def _read_parquet(path: Path) -> _Part:
         # anything else (strings, structs, nulls): validate row by row to name the bad element
         return list(itertools.chain.from_iterable(arr.to_pylist())), lengths.tolist()
 
-    return _build(FORMAT_CREDITLAB, n, where, values, flat)
+    return _build(FORMAT_CREDITLAB, n, where, names.__contains__, values, flat)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -378,7 +393,18 @@ def _flat_ints(vals: Any, lengths: list[int], name: str, where: _Where) -> np.nd
     return np.asarray([int(v) for v in vals], dtype=np.int64)
 
 
-def _int_column(vals: list[Any], name: str, where: _Where) -> np.ndarray:
+def _bulk(vals: Any) -> np.ndarray | None:
+    """``vals`` as a numeric numpy array when every value is a plain number (no bool, None or text)."""
+    if not isinstance(vals, np.ndarray) and (not len(vals) or any(type(v) is bool for v in vals)):
+        return None  # numpy would read True as 1
+    a = vals if isinstance(vals, np.ndarray) else np.asarray(vals)
+    return a if a.ndim == 1 and a.dtype.kind in "fiu" else None
+
+
+def _int_column(vals: list[Any] | np.ndarray, name: str, where: _Where) -> np.ndarray:
+    a = _bulk(vals)
+    if a is not None and (a.dtype.kind in "iu" or bool((np.isfinite(a) & (a == np.round(a))).all())):
+        return a.astype(np.int64)
     out = np.empty(len(vals), dtype=np.int64)
     for i, v in enumerate(vals):
         if not is_number(v) or not math.isfinite(float(v)) or float(v) != int(v):
@@ -388,7 +414,10 @@ def _int_column(vals: list[Any], name: str, where: _Where) -> np.ndarray:
     return out
 
 
-def _float_column(vals: list[Any], name: str, where: _Where, *, required: bool) -> np.ndarray:
+def _float_column(vals: list[Any] | np.ndarray, name: str, where: _Where, *, required: bool) -> np.ndarray:
+    a = _bulk(vals)
+    if a is not None and (not required or bool(np.isfinite(a).all())):
+        return a.astype(np.float64)
     out = np.empty(len(vals), dtype=np.float64)
     for i, v in enumerate(vals):
         if v is None and not required:
@@ -401,7 +430,10 @@ def _float_column(vals: list[Any], name: str, where: _Where, *, required: bool) 
     return out
 
 
-def _bool_column(vals: list[Any], name: str, where: _Where) -> np.ndarray:
+def _bool_column(vals: list[Any] | np.ndarray, name: str, where: _Where) -> np.ndarray:
+    a = vals if isinstance(vals, np.ndarray) else np.asarray(vals) if len(vals) else None
+    if a is not None and a.ndim == 1 and a.dtype == np.bool_:
+        return a.astype(np.float64)
     out = np.empty(len(vals), dtype=np.float64)
     for i, v in enumerate(vals):
         if v is None:
@@ -420,7 +452,10 @@ def _text_column(vals: list[Any], name: str, where: _Where) -> list[str | None]:
     return vals
 
 
-def _group_column(vals: list[Any], where: _Where) -> list[Any]:
+def _group_column(vals: list[Any] | np.ndarray, where: _Where) -> list[Any]:
+    a = _bulk(vals)
+    if a is not None and a.dtype.kind in "iu":
+        return a.astype(np.int64).tolist()
     out = []
     for i, v in enumerate(vals):
         if isinstance(v, str):
@@ -469,16 +504,16 @@ def _turns_column(vals: list[Any], where: _Where) -> list[list[dict] | None]:
     return out
 
 
-def _build(fmt: str, n: int, where: _Where, values, flat) -> _Part:
+def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, flat) -> _Part:
     for c in COLUMNS:
-        if c.required and values(c.name) is None:
+        if c.required and not has(c.name):
             raise InputError(f"{where.path}: column '{c.name}' is missing (required: "
                              f"{', '.join(x.name for x in COLUMNS if x.required)})")
     step = _int_column(values("step"), "step", where)
     group = _group_column(values("group"), where)
     reward = _float_column(values("reward"), "reward", where, required=True)
 
-    present = [c for c in TOKEN_COLUMNS if values(c) is not None]
+    present = [c for c in TOKEN_COLUMNS if has(c)]
     tokens = None
     if present:
         if len(present) != len(TOKEN_COLUMNS):
@@ -496,7 +531,7 @@ def _build(fmt: str, n: int, where: _Where, values, flat) -> _Part:
         rlp = _flat_floats(rl_v, rl_n, "rollout_logprobs", where)
         pm = _flat_bools(pm_v, pm_n, "policy_mask", where)
         tid = None
-        got = flat("turn_ids") if values("turn_ids") is not None else None
+        got = flat("turn_ids") if has("turn_ids") else None
         if got is not None:
             t_v, t_n = got
             if t_n != lp_n:
@@ -511,22 +546,21 @@ def _build(fmt: str, n: int, where: _Where, values, flat) -> _Part:
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.asarray(lp_n, dtype=np.int64), out=offsets[1:])
         tokens = (offsets, lp, rlp, pm, tid)
-    elif values("turn_ids") is not None:
+    elif has("turn_ids"):
         raise InputError(f"{where.path}: column 'turn_ids' without the token columns {', '.join(TOKEN_COLUMNS)}")
 
     scalars: dict[str, np.ndarray] = {}
     for name in _SCALAR_FLOATS:
-        v = values(name)
-        if v is None:
+        if not has(name):
             continue
+        v = values(name)
         scalars[name] = _bool_column(v, name, where) if name == "truncated" else \
             _float_column(v, name, where, required=False)
     if "response_length" in scalars and bool((scalars["response_length"] < 0).any()):
         i = int(np.flatnonzero(scalars["response_length"] < 0)[0])
         raise InputError(f"{where(i, 'response_length')}: must be >= 0, got {scalars['response_length'][i]}")
-    texts = {name: _text_column(v, name, where) for name in _TEXT if (v := values(name)) is not None}
-    t = values("turns")
-    turns = _turns_column(t, where) if t is not None else None
+    texts = {name: _text_column(values(name), name, where) for name in _TEXT if has(name)}
+    turns = _turns_column(values("turns"), where) if has("turns") else None
     return _Part(fmt, n, where.numbers, step, group, reward, tokens, scalars, texts, turns)
 
 
