@@ -14,7 +14,8 @@ from creditlab.lab.runner import Cell, make_executor, run_cells
 from creditlab.lab.store import ResultStore
 
 TINY = CoverageConfig(train=ChainTrainConfig(T=6, K=3, hidden=8, group=4, updates=8, eval_points=2), seeds=2,
-                      Cs=(1, 4), vd_C=4, vds=(0.0, 1.0), shuffle_Cs=(4,), shuffle_vds=(1.0,), dose_C=2, dose_ks=(1, 6))
+                      Cs=(1, 4), vd_C=4, vds=(0.0, 1.0), shuffle_Cs=(4,), shuffle_vds=(1.0,), dose_C=2, dose_ks=(1, 6),
+                      experiments=("c_sweep", "vd_sweep", "shuffle", "dose"))
 
 
 def test_lab_writes_tables_plots_report(tmp_path):
@@ -101,3 +102,51 @@ def test_cli_runs_and_resumes(tmp_path):
     r2 = _cli(*args)
     assert r2.returncode == 0
     assert len(list((tmp_path / "store" / "cells").glob("*.parquet"))) == n_cells
+
+
+def test_last_crossing_golden():
+    import math
+
+    import numpy as np
+
+    from creditlab.lab.coverage import _last_crossing
+
+    v = np.array([0.6, 0.8, 1.0])
+    assert _last_crossing(v, np.array([-0.2, 0.2, 0.4])) == pytest.approx(0.7)
+    assert _last_crossing(v, np.array([-0.1, -0.1, 0.1])) == pytest.approx(0.9)
+    assert _last_crossing(v, np.array([0.1, 0.2, 0.3])) == 0.6  # never below: at or before the grid start
+    assert math.isnan(_last_crossing(v, np.array([-0.3, 0.1, -0.1])))  # ends below: no crossing on the grid
+    # a dip after a first crossing: the crossing is where the difference stays >= 0
+    v4 = np.array([0.6, 0.7, 0.8, 0.9])
+    assert _last_crossing(v4, np.array([-0.2, 0.1, -0.1, 0.3])) == pytest.approx(0.825)
+
+
+def test_single_update_shares_base_and_rollouts():
+    import torch
+
+    from creditlab.lab.chain_trainer import ModelSpec, single_update
+
+    cfg = ChainTrainConfig(T=6, K=3, hidden=8, group=4)
+    specs = [ModelSpec(seed=s, C=4, arm=a) for a in ("uniform", "per_turn", "uniform") for s in range(3)]
+    out = single_update(specs, cfg, base_updates=5, step=1.0, clip=0.05, rollouts=16)
+    before, after = out["before"].view(3, 3), out["after"].view(3, 3)
+    assert torch.equal(before[0], before[1]) and torch.equal(before[0], before[2])  # one base per seed
+    assert torch.equal(after[0], after[2])  # same arm, same rollouts: the same update
+    moved = out["grad_norm"] > 0
+    assert ((after - before).abs().view(-1)[moved] > 0).all()
+    with pytest.raises(Exception, match="state_dependent"):
+        single_update(specs, ChainTrainConfig(state_dependent=True), base_updates=1, step=1.0, clip=1.0)
+
+
+def test_new_experiments_write_their_tables(tmp_path):
+    cfg = replace(TINY, experiments=("real_agent", "crossing", "single_update"), real_agent_Cs=(3,),
+                  crossing_vds=(0.5, 1.0), crossing_bootstrap=50, single_seeds=4, single_settings=(("final", 3),),
+                  single_rollouts=8, single_base_updates=3)
+    res = run_lab(LAB, cfg, tmp_path, progress=False)
+    assert set(res.tables["crossing"].frame["chain"]) == {"independent_step", "state_dependent"}
+    su = res.tables["single_update"].frame
+    assert set(su["arm"]) == {"binary", "uniform", "per_turn", "shuffled", "discretized", "reward_to_go"}
+    assert (su["V_d"] == 1 / 3).all()
+    for png in ("real_agent.png", "crossing.png", "single_update.png"):
+        assert (tmp_path / png).stat().st_size > 5000
+    assert "Crossing point" in (tmp_path / "report.md").read_text()

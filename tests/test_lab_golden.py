@@ -32,7 +32,7 @@ def test_coverage_rows_unchanged(tmp_path):
 
     cfg = CoverageConfig(train=ChainTrainConfig(T=6, K=3, hidden=8, group=4, updates=8, eval_points=2), seeds=2,
                          Cs=(1, 4), vd_C=4, vds=(0.0, 1.0), shuffle_Cs=(4,), shuffle_vds=(1.0,), dose_C=2,
-                         dose_ks=(1, 6))
+                         dose_ks=(1, 6), experiments=("c_sweep", "vd_sweep", "shuffle", "dose"))  # the recorded four
     run_lab(LAB, cfg, tmp_path, progress=False)
     _same_rows(_stored(tmp_path), pd.read_parquet(GOLDEN / "coverage_rows.parquet"),
                ["experiment", "arm", "C", "k", "vd", "exposure", "seed"])

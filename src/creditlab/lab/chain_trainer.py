@@ -13,7 +13,7 @@ noise) and a model's result does not depend on which other models share its batc
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -23,7 +23,7 @@ from creditlab.envs.chain import ChainTasks, chain_outcome, exact_score, make_ta
 from creditlab.errors import ConfigError
 from creditlab.models.batched_mlp import BatchedAdam, BatchedMLP
 
-__all__ = ["ChainTrainConfig", "ModelSpec", "chain_step_batch", "train_chain"]
+__all__ = ["ChainTrainConfig", "ModelSpec", "chain_step_batch", "single_update", "train_chain"]
 
 # A model's credit arm is any geometry registered in creditlab.core.credit.GEOMETRIES. The chain
 # world feeds every geometry the same StepBatch: the GRPO advantage A_i, the outcome reward, the
@@ -33,7 +33,7 @@ __all__ = ["ChainTrainConfig", "ModelSpec", "chain_step_batch", "train_chain"]
 #   targeted:     ``step_scores`` = local correctness of each step (seen on the exposed steps);
 #   random_k:     ``keys`` from their own stream and ``k`` from the model spec.
 
-EXPOSURES = ("independent", "prefix")
+EXPOSURES = ("independent", "prefix", "final")
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,9 @@ class ModelSpec:
     """Verifier density for ``targeted`` and ``per_turn``/``shuffled``: share of causal steps the
     verifier can judge (``targeted`` gets a local signal there; ``per_turn`` sees progress there)."""
     exposure: str = "independent"
-    """``independent``: each causal step exposed with probability vd; ``prefix``: the first round(vd*C)."""
+    """``independent``: each causal step exposed with probability vd; ``prefix``: the first round(vd*C);
+    ``final``: only the last causal step (a real tool agent's verifier sees the final write: V_d = 1/C;
+    ``vd`` is ignored)."""
 
     def validate(self, T: int, K: int) -> None:
         if self.arm not in cr.GEOMETRIES:
@@ -117,6 +119,8 @@ def _exposed_steps(tasks: ChainTasks, specs: list[ModelSpec]) -> torch.Tensor:
         if s.exposure == "independent":
             g = torch.Generator().manual_seed(int(s.seed) * 7_368_787 + C * 101 + 5)
             ok = torch.rand(C, generator=g) < s.vd
+        elif s.exposure == "final":
+            ok = torch.arange(C) == C - 1
         else:
             ok = torch.arange(C) < round(s.vd * C)
         exposed[m, tasks.causal_pos[m, :C][ok]] = True
@@ -175,17 +179,7 @@ def _train_chain(specs: list[ModelSpec], cfg: ChainTrainConfig) -> dict[str, tor
     x_static = observe(T, t_idx).expand(M, T, T) if not cfg.state_dependent else None
 
     def evaluate() -> torch.Tensor:
-        if not cfg.state_dependent:
-            logits, _ = policy.forward(x_static)
-            p = torch.softmax(logits, -1).gather(2, tasks.correct.unsqueeze(-1)).squeeze(-1)  # (M, T)
-            p_causal = p.gather(1, tasks.causal_pos)
-        else:  # on the still-correct path, causal step j is seen with prefix j and unbroken
-            j = torch.arange(tasks.causal_pos.shape[1]).expand(M, -1)
-            x = observe(T, tasks.causal_pos, j, torch.zeros_like(j, dtype=torch.bool))
-            logits, _ = policy.forward(x)
-            corr = tasks.correct.gather(1, tasks.causal_pos)
-            p_causal = torch.softmax(logits, -1).gather(2, corr.unsqueeze(-1)).squeeze(-1)
-        return exact_score(tasks, p_causal)
+        return _exact_eval(policy, tasks, cfg.state_dependent)
 
     e = 0
     for u in range(cfg.updates):
@@ -230,17 +224,112 @@ def _train_chain(specs: list[ModelSpec], cfg: ChainTrainConfig) -> dict[str, tor
             c = cr.get_geometry(arm)(batch, **params)
             credit[rows] = c.view(len(rows), G, T)
         # --- policy gradient of L = -(1/G) sum_{g,t} a[g,t] log pi(a_gt | s_gt)
-        onehot = torch.nn.functional.one_hot(actions, K).to(probs.dtype)  # (M, G, T, K)
-        if not cfg.state_dependent:
-            dlogits = -(torch.einsum("mgt,mgtk->mtk", credit, onehot) - probs * credit.sum(1).unsqueeze(-1)) / G
-        else:
-            dl = -(credit.unsqueeze(-1) * (onehot - probs.view(M, G, T, K))) / G
-            dlogits = dl.reshape(M, G * T, K)
-        opt.step(policy.backward(x_used, h, dlogits))
+        opt.step(policy.backward(x_used, h, _dlogits(credit, actions, probs, cfg.state_dependent)))
         if e < len(eval_at) and u + 1 == int(eval_at[e]):
             curve[:, e] = evaluate()
             e += 1
-    return {"final_score": curve[:, -1].clone(), "curve": curve, "eval_at": eval_at, "train_reward": train_reward}
+    return {"final_score": curve[:, -1].clone(), "curve": curve, "eval_at": eval_at, "train_reward": train_reward,
+            "policy": policy}
+
+
+def _exact_eval(policy: BatchedMLP, tasks: ChainTasks, state_dependent: bool) -> torch.Tensor:
+    """Exact expected reward ``(M,)`` of each model's (sampling) policy: no rollout noise."""
+    M, T = tasks.M, tasks.T
+    if not state_dependent:
+        logits, _ = policy.forward(observe(T, torch.arange(T)).expand(M, T, T))
+        p = torch.softmax(logits, -1).gather(2, tasks.correct.unsqueeze(-1)).squeeze(-1)  # (M, T)
+        p_causal = p.gather(1, tasks.causal_pos)
+    else:  # on the still-correct path, causal step j is seen with prefix j and unbroken
+        j = torch.arange(tasks.causal_pos.shape[1]).expand(M, -1)
+        x = observe(T, tasks.causal_pos, j, torch.zeros_like(j, dtype=torch.bool))
+        logits, _ = policy.forward(x)
+        corr = tasks.correct.gather(1, tasks.causal_pos)
+        p_causal = torch.softmax(logits, -1).gather(2, corr.unsqueeze(-1)).squeeze(-1)
+    return exact_score(tasks, p_causal)
+
+
+def _dlogits(credit: torch.Tensor, actions: torch.Tensor, probs: torch.Tensor, state_dependent: bool) -> torch.Tensor:
+    """Gradient w.r.t. the logits of ``L = -(1/G) sum_{g,t} a[g,t] log pi(a_gt | s_gt)``.
+
+    ``credit``/``actions`` ``(M, G, T)``; ``probs`` ``(M, T, K)`` (independent-step observations: one
+    distribution per step, shared by the rollouts) or ``(M, G*T, K)`` (state-dependent)."""
+    M, G, T = credit.shape
+    K = probs.shape[-1]
+    onehot = torch.nn.functional.one_hot(actions, K).to(probs.dtype)  # (M, G, T, K)
+    if not state_dependent:
+        return -(torch.einsum("mgt,mgtk->mtk", credit, onehot) - probs * credit.sum(1).unsqueeze(-1)) / G
+    dl = -(credit.unsqueeze(-1) * (onehot - probs.view(M, G, T, K))) / G
+    return dl.reshape(M, G * T, K)
+
+
+def single_update(specs: list[ModelSpec], cfg: ChainTrainConfig, *, base_updates: int, step: float,
+                  clip: float, rollouts: int | None = None) -> dict[str, torch.Tensor]:
+    """One policy update per spec from shared rollouts of a partly trained base policy.
+
+    The protocol of a single-update comparison of credit geometries: for each (seed, C) a base policy
+    is trained with uniform credit for ``base_updates`` updates (Adam, ``cfg``); every spec of that
+    (seed, C) starts from the same base weights and sees the same ``rollouts`` rollouts (default
+    ``cfg.group``: the same actions, rewards and group-normalised advantages); only the credit
+    geometry differs. Each arm's
+    gradient is clipped to the global norm ``clip`` (when it binds for every arm, every update has the
+    same size and only its direction differs) and applied as one SGD step of size ``step``.
+    Independent-step chains only.
+
+    Returns ``before`` / ``after`` ``(M,)`` exact expected reward of each spec's policy before and
+    after its update, ``grad_norm`` ``(M,)`` before clipping and ``binding`` ``(M,)`` (``norm > clip``).
+    """
+    with single_thread():
+        return _single_update(specs, cfg, base_updates, step, clip, rollouts or cfg.group)
+
+
+def _single_update(specs, cfg, base_updates, step, clip, G):
+    cfg.validate()
+    if cfg.state_dependent:
+        raise ConfigError("state_dependent", "single_update supports independent-step chains only")
+    if not specs:
+        raise ConfigError("specs", "no model to update")
+    if base_updates < 1 or not step > 0 or not clip > 0:
+        raise ConfigError("single_update", f"needs base_updates >= 1, step > 0, clip > 0; got "
+                                           f"{base_updates}, {step}, {clip}")
+    for s in specs:
+        s.validate(cfg.T, cfg.K)
+    if G < 2:
+        raise ConfigError("rollouts", f"GRPO needs at least 2 rollouts, got {G}")
+    T = cfg.T
+    M = len(specs)
+    bases = sorted({(s.seed, s.C) for s in specs})
+    idx = torch.tensor([bases.index((s.seed, s.C)) for s in specs])
+    base = _train_chain([ModelSpec(seed=sd, C=C, arm="uniform") for sd, C in bases],
+                        replace(cfg, updates=base_updates, eval_points=1))["policy"]
+    policy = BatchedMLP(**{k: v[idx].clone() for k, v in base.params().items()})
+    tasks = make_tasks(T, cfg.K, [s.C for s in specs], [s.seed for s in specs])
+    # one stream per (seed, C), distinct from the training streams: the arms of a base share rollouts
+    streams = [torch.Generator().manual_seed(int(sd) * 15_485_863 + C * 7_919 + 11) for sd, C in bases]
+    noise = torch.stack([torch.rand(3, G, T, generator=g) for g in streams])[idx]  # (M, 3, G, T)
+    act_noise, shuffle_keys, step_keys = noise[:, 0], noise[:, 1], noise[:, 2]
+    before = _exact_eval(policy, tasks, False)
+    logits, h = policy.forward(observe(T, torch.arange(T)).expand(M, T, T))
+    probs = torch.softmax(logits, -1)
+    actions = (act_noise.unsqueeze(-1) > probs.cumsum(-1).unsqueeze(1)[..., :-1]).sum(-1)
+    reward, step_correct, progress = chain_outcome(tasks, actions)
+    A = grpo_advantages(reward.reshape(-1), torch.arange(M).repeat_interleave(G))
+    k_col = torch.tensor([s.k for s in specs]).view(M, 1, 1)
+    first_k = tasks.is_causal & (tasks.order < k_col.view(M, 1))
+    exposed = _exposed_steps(tasks, specs)
+    credit = torch.zeros(M, G, T)
+    arms = [s.arm for s in specs]
+    for arm in dict.fromkeys(arms):
+        rows = torch.tensor([i for i, x in enumerate(arms) if x == arm])
+        batch, params = chain_step_batch(arm, rows, G, A.view(M, G)[rows].reshape(-1), reward=reward,
+                                         progress=progress, step_correct=step_correct, exposed=exposed,
+                                         first_k=first_k, k_col=k_col, shuffle_keys=shuffle_keys, step_keys=step_keys)
+        credit[rows] = cr.get_geometry(arm)(batch, **params).view(len(rows), G, T)
+    grads = policy.backward(observe(T, torch.arange(T)).expand(M, T, T), h, _dlogits(credit, actions, probs, False))
+    norm = torch.sqrt(sum((g.reshape(M, -1) ** 2).sum(-1) for g in grads.values()))
+    coef = (clip / norm.clamp_min(1e-12)).clamp(max=1.0)
+    for k, g in grads.items():
+        getattr(policy, k).sub_(g * (step * coef).view(M, *([1] * (g.dim() - 1))))
+    return {"before": before, "after": _exact_eval(policy, tasks, False), "grad_norm": norm, "binding": norm > clip}
 
 
 def chain_step_batch(arm: str, rows: torch.Tensor, G: int, advantages: torch.Tensor, *, reward: torch.Tensor,

@@ -11,6 +11,13 @@ geometries at equal total credit. Four experiments:
 * ``shuffle``: ``per_turn`` (credit where the verifier saw progress) vs ``shuffled`` (the same
   weights on random steps) vs ``uniform``, at a dense and at a sparse verifier.
 * ``dose``: credit on k random steps per rollout (fixed total credit), dose k = 1..T.
+* ``real_agent``: the regime of real tool agents, whose verifier sees one step (the final write) of a
+  chain of C = 5..8 (V_d = 1/C): uniform vs credit targeted at the final step.
+* ``crossing``: where targeted credit passes uniform, on a finer V_d grid near the crossing, for
+  independent-step and state-dependent chains, with a bootstrap interval over seeds.
+* ``single_update``: the one-update protocol: many paired seeds, one update per arm from shared
+  rollouts of a partly trained base policy (same advantages, same binding grad-norm clip), and the
+  exact held-out improvement per arm (binary, uniform, per_turn, shuffled, discretized, reward_to_go).
 
 Every experiment is a set of cells (one per configuration value, all seeds and arms of the value in
 one batched tensor program), persisted in a results store as they finish, so an interrupted run
@@ -19,7 +26,7 @@ resumes where it stopped.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -28,7 +35,7 @@ import pandas as pd
 
 from creditlab.core.diagnostics import expected_open_fraction, p_cover
 from creditlab.errors import ConfigError
-from creditlab.lab.chain_trainer import ChainTrainConfig, ModelSpec, train_chain
+from creditlab.lab.chain_trainer import ChainTrainConfig, ModelSpec, single_update, train_chain
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import LabConfig, Table, register_lab
 from creditlab.lab.report import paired_diff, read_diff, small_run_note, summarize
@@ -36,7 +43,11 @@ from creditlab.lab.runner import Cell
 
 __all__ = ["EXPERIMENTS", "LAB", "CoverageConfig", "CoverageLab", "run_cell"]
 
-EXPERIMENTS = ("c_sweep", "vd_sweep", "shuffle", "dose")
+EXPERIMENTS = ("c_sweep", "vd_sweep", "shuffle", "dose", "real_agent", "crossing", "single_update")
+SINGLE_ARMS = ("binary", "uniform", "per_turn", "shuffled", "discretized", "reward_to_go")
+CHAINS = ("independent_step", "state_dependent")
+#: The crossing points the credit-granularity paper reports (targeted passes uniform at this V_d).
+PAPER_CROSSING = {"independent_step": 0.95, "state_dependent": 0.81}
 UNIT, DIFF = (0.0, 1.0), (-1.0, 1.0)  # range of a score and of a difference of two scores (interval clipping)
 
 
@@ -67,6 +78,25 @@ class CoverageConfig(LabConfig):
     """Chain length of the dose-response experiment."""
     dose_ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12)
     """Numbers of randomly drawn steps that receive the credit in the dose-response experiment."""
+    real_agent_Cs: tuple[int, ...] = (5, 6, 7, 8)
+    """Chain lengths of the real-agent regime (the verifier sees only the final write: V_d = 1/C)."""
+    crossing_vds: tuple[float, ...] = (0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
+    """V_d grid of the crossing experiment (finer near where targeted credit passes uniform)."""
+    crossing_bootstrap: int = 2000
+    """Bootstrap resamples of the seeds for the crossing point's interval."""
+    single_seeds: int = 48
+    """Paired seeds of the single-update experiment."""
+    single_settings: tuple[tuple[str, int], ...] = (("independent", 6), ("final", 6), ("final", 8))
+    """(exposure, C) of the single-update experiment: a dense verifier (every causal step) and the
+    real-agent verifier (final write only)."""
+    single_base_updates: int = 15
+    """Uniform-credit updates that make the shared base policy (partly trained: score about 0.4 at C=6)."""
+    single_rollouts: int = 64
+    """Shared rollouts of the single update (fewer groups with one reward for every rollout)."""
+    single_clip: float = 0.02
+    """Global grad-norm clip of the single update (binds for every arm whose gradient is not zero)."""
+    single_step: float = 5.0
+    """SGD step of the single update (the parameter change has norm step x clip)."""
     experiments: tuple[str, ...] = EXPERIMENTS
     """Which experiments to run."""
 
@@ -88,6 +118,19 @@ class CoverageConfig(LabConfig):
         for k in self.dose_ks:
             if not 1 <= k <= T:
                 raise ConfigError("k", f"dose k must be in [1, T={T}], got {k}")
+        new_Cs = [*(self.real_agent_Cs if "real_agent" in self.experiments else ()),
+                  *((c for _, c in self.single_settings) if "single_update" in self.experiments else ())]
+        for C in new_Cs:
+            if not 1 <= C <= T:
+                raise ConfigError("C", f"must be in [1, T={T}], got {C}")
+        for vd in self.crossing_vds:
+            if not 0.0 <= vd <= 1.0:
+                raise ConfigError("vd", f"verifier density must be in [0, 1], got {vd}")
+        for ex, _ in self.single_settings:
+            if ex not in ("independent", "prefix", "final"):
+                raise ConfigError("single_settings", f"unknown exposure {ex!r}")
+        if self.single_seeds < 2 or self.crossing_bootstrap < 1 or self.single_rollouts < 2:
+            raise ConfigError("single_seeds", "single_seeds >= 2, single_rollouts >= 2, crossing_bootstrap >= 1")
         if not self.experiments:
             raise ConfigError("--experiment", f"select at least one of {', '.join(EXPERIMENTS)}")
         for e in self.experiments:
@@ -98,7 +141,9 @@ class CoverageConfig(LabConfig):
     def quick(cls) -> CoverageConfig:
         """A reduced sweep that shows the same shapes in well under a minute on 2 cores."""
         return cls(train=ChainTrainConfig(updates=150, eval_points=10), seeds=6,
-                   vds=(0.0, 0.5, 0.75, 0.9, 1.0), shuffle_Cs=(10,), dose_ks=(1, 2, 4, 8, 12))
+                   vds=(0.0, 0.5, 0.75, 0.9, 1.0), shuffle_Cs=(10,), dose_ks=(1, 2, 4, 8, 12),
+                   real_agent_Cs=(5, 8), crossing_vds=(0.7, 0.8, 0.9, 1.0), crossing_bootstrap=500,
+                   single_seeds=32, single_settings=(("independent", 6), ("final", 6)))
 
 
 def run_cell(experiment: str, specs: list[dict], train: dict) -> list[dict]:
@@ -116,6 +161,19 @@ def run_cell(experiment: str, specs: list[dict], train: dict) -> list[dict]:
             **{f"cfg_{k}": v for k, v in asdict(cfg).items()},
         })
     return rows
+
+
+def run_single_cell(exposure: str, C: int, seeds: int, train: dict, base_updates: int, step: float, clip: float,
+                    rollouts: int) -> list[dict]:
+    """The single-update experiment at one (exposure, C): every arm of :data:`SINGLE_ARMS` for each seed."""
+    cfg = ChainTrainConfig(**train)
+    specs = [ModelSpec(seed=s, C=C, arm=a, vd=1.0, exposure=exposure) for a in SINGLE_ARMS for s in range(seeds)]
+    out = single_update(specs, cfg, base_updates=base_updates, step=step, clip=clip, rollouts=rollouts)
+    vd = 1.0 / C if exposure == "final" else 1.0
+    return [{"experiment": "single_update", **spec.row(), "vd": vd, "before": float(out["before"][m]),
+             "after": float(out["after"][m]), "improvement": float(out["after"][m] - out["before"][m]),
+             "grad_norm": float(out["grad_norm"][m]), "binding": bool(out["binding"][m])}
+            for m, spec in enumerate(specs)]
 
 
 def _cells_of(experiment: str, groups: dict[str, list[ModelSpec]], train: ChainTrainConfig) -> list[Cell]:
@@ -163,6 +221,24 @@ class CoverageLab:
                       for k in cfg.dose_ks}
             groups["uniform"] = [ModelSpec(seed=s, C=cfg.dose_C, arm="uniform", k=cfg.train.T) for s in S]
             out += _cells_of("dose", groups, cfg.train)
+        if "real_agent" in cfg.experiments:
+            out += _cells_of("real_agent", {
+                f"C={C}": [ModelSpec(seed=s, C=C, arm=a, exposure="final") for a in ("uniform", "targeted", "per_turn")
+                           for s in S]
+                for C in cfg.real_agent_Cs}, cfg.train)
+        if "crossing" in cfg.experiments:
+            for chain in CHAINS:
+                train = replace(cfg.train, state_dependent=chain == "state_dependent")
+                out += _cells_of("crossing", {
+                    f"{chain}/vd={vd}": [ModelSpec(seed=s, C=cfg.vd_C, arm=a, vd=vd) for a in ("uniform", "targeted")
+                                         for s in S]
+                    for vd in cfg.crossing_vds}, train)
+        if "single_update" in cfg.experiments:
+            out += [Cell("single_update", f"{ex}/C={C}", run_single_cell,
+                         {"exposure": ex, "C": C, "seeds": cfg.single_seeds, "train": asdict(cfg.train),
+                          "base_updates": cfg.single_base_updates, "step": cfg.single_step, "clip": cfg.single_clip,
+                          "rollouts": cfg.single_rollouts})
+                    for ex, C in cfg.single_settings]
         return out
 
     def tables(self, rows: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict[str, Table]:
@@ -205,11 +281,35 @@ class CoverageLab:
             s["aulc"] = summarize(df, ["arm", "k"], "aulc")["mean"]
             s["P_cover"] = [float(p_cover(T, cfg.dose_C, k)) for k in s["k"]]
             tabs["dose"] = Table(s, f"Dose-response of coverage (C={cfg.dose_C})")
+        if "real_agent" in rows:
+            df = rows["real_agent"]
+            s = summarize(df, ["C", "arm"], "final_score", UNIT)
+            s.insert(1, "V_d", [1.0 / C for C in s["C"]])
+            tabs["real_agent"] = Table(s, "Real-agent regime: the verifier sees only the final write (V_d = 1/C)")
+            tabs["real_agent_diff"] = Table(pd.concat([
+                paired_diff(df, "targeted", "uniform", ["C"], "final_score", bounds=DIFF),
+                paired_diff(df, "per_turn", "uniform", ["C"], "final_score", bounds=DIFF),
+            ], ignore_index=True), "Real-agent regime: paired differences", console=True)
+        if "crossing" in rows:
+            df = rows["crossing"].assign(chain=lambda d: np.where(d["cfg_state_dependent"], CHAINS[1], CHAINS[0]))
+            rows["crossing"] = df
+            tabs["crossing_curve"] = Table(
+                paired_diff(df, "targeted", "uniform", ["chain", "vd"], "final_score", bounds=DIFF),
+                f"Crossing (C={cfg.vd_C}, independent exposure): paired difference targeted - uniform by V_d")
+            tabs["crossing"] = Table(crossing_table(df, cfg), "Crossing point: the V_d at which targeted credit "
+                                                              "passes uniform (bootstrap 95% interval over seeds)",
+                                     console=True)
+        if "single_update" in rows:
+            df = rows["single_update"]
+            tabs["single_update"] = Table(single_update_table(df), "Single update from shared rollouts: held-out "
+                                                                   "improvement per arm")
+            tabs["single_update_diff"] = Table(single_update_diffs(df), "Single update: paired differences",
+                                               console=True)
         return tabs
 
     def plots(self, tabs: dict[str, Table], cfg: CoverageConfig, out: Path) -> list[Path]:
         made: list[Path] = []
-        runs = {name: tabs[f"{name}_runs"].frame for name in cfg.experiments}
+        runs = {name: tabs[f"{name}_runs"].frame for name in cfg.experiments if f"{name}_runs" in tabs}
         if "c_sweep" in runs:
             made += [plot_c_sweep(runs["c_sweep"], cfg, out), plot_curves(runs["c_sweep"], cfg, out)]
         if "vd_sweep" in runs:
@@ -218,6 +318,12 @@ class CoverageLab:
             made.append(plot_shuffle(runs["shuffle"], cfg, out))
         if "dose" in runs:
             made.append(plot_dose(runs["dose"], cfg, out))
+        if "real_agent" in runs:
+            made.append(plot_real_agent(tabs["real_agent"].frame, out))
+        if "crossing" in tabs:
+            made.append(plot_crossing(tabs["crossing_curve"].frame, tabs["crossing"].frame, out))
+        if "single_update" in tabs:
+            made.append(plot_single_update(tabs["single_update"].frame, out))
         return made
 
     def interpret(self, tabs: dict[str, Table], cfg: CoverageConfig) -> dict[str, str]:
@@ -256,6 +362,47 @@ class CoverageLab:
                 "analytic chance that one rollout's credit covers the chain. Final score by k: "
                 + ", ".join(f"{m:.2f} (k={int(k)})" for k, m in zip(rk["k"], rk["mean"], strict=True))
                 + ". Expected: rising with k toward uniform as coverage grows." + few)
+        if "real_agent" in tabs:
+            s = tabs["real_agent"].frame
+            piv = s.pivot(index="C", columns="arm", values="mean")
+            text["real_agent"] = (
+                "A real tool agent's state-diff verifier sees one step of a chain of 5-8 causal steps (the final "
+                "write), so V_d = 1/C is 0.12-0.20, far left on the V_d axis: targeted credit can only teach the "
+                "step it sees and per_turn credit falls back to uniform on every failed rollout. Final score: "
+                + "; ".join(f"C={C}: uniform {r['uniform']:.2f}, targeted {r['targeted']:.2f}, per_turn "
+                            f"{r['per_turn']:.2f}" for C, r in piv.iterrows()) + "." + few)
+            text["real_agent_diff"] = " ".join(read_diff(g, ["C"], what) for what, g in
+                                               tabs["real_agent_diff"].frame.groupby("diff", sort=False))
+        if "crossing" in tabs:
+            text["crossing_curve"] = (
+                "Paired difference targeted - uniform of the final score on a finer V_d grid, for chains whose "
+                "policy sees only the step index (independent-step) and chains whose policy also sees the "
+                "correct-prefix length and a broken bit (state-dependent)." + few)
+            parts = []
+            for _, r in tabs["crossing"].frame.iterrows():
+                if np.isnan(r["crossing"]):
+                    parts.append(f"{r['chain']}: targeted does not pass uniform on the grid (up to V_d = 1)")
+                else:
+                    ci = ("no interval" if np.isnan(r["lo"]) else f"95% interval [{r['lo']:.2f}, {r['hi']:.2f}]")
+                    parts.append(f"{r['chain']}: crossing at V_d = {r['crossing']:.2f} ({ci}; "
+                                 f"{r['no_crossing_share']:.0%} of bootstrap resamples never cross) against the "
+                                 f"paper's {r['paper']:.2f}")
+            text["crossing"] = ("The crossing is the smallest V_d from which the mean paired difference stays >= 0 "
+                                "on the grid, interpolated linearly; its interval resamples seeds. "
+                                + "; ".join(parts) + ".")
+        if "single_update" in tabs:
+            s = tabs["single_update"].frame
+            text["single_update"] = (
+                f"One update per arm from the same base policy ({cfg.single_base_updates} uniform-credit updates), "
+                f"the same {cfg.single_rollouts} rollouts and advantages, a grad-norm clip of {cfg.single_clip} "
+                f"(the share of updates where it binds is in the table) and one SGD step of {cfg.single_step}; the "
+                "improvement is the exact expected reward after minus before, so no evaluation batch adds noise. "
+                "Seeds whose base policy is already deterministic (every arm's gradient zero) are left out and "
+                "counted. A binary reward has no gradient when no rollout completes the chain (zero_grad). "
+                "gain_share is the arm's mean improvement over uniform's (the dense reward's).")
+            text["single_update_diff"] = " ".join(
+                read_diff(g, ["exposure", "C"], what) for what, g in tabs["single_update_diff"].frame.groupby(
+                    "diff", sort=False))
         return text
 
 
@@ -263,10 +410,88 @@ LAB = register_lab(CoverageLab())
 
 
 # --------------------------------------------------------------------------------------------
+# crossing point and single-update tables
+
+
+def _last_crossing(vds: np.ndarray, D: np.ndarray) -> float:
+    """Smallest V_d from which ``D`` stays >= 0 on the grid (linear interpolation into the last
+    negative interval); ``vds[0]`` when ``D`` is never negative, NaN when it ends negative."""
+    neg = np.nonzero(D < 0)[0]
+    if len(neg) == 0:
+        return float(vds[0])
+    i = int(neg[-1])
+    if i == len(vds) - 1:
+        return float("nan")
+    return float(vds[i] + (0.0 - D[i]) * (vds[i + 1] - vds[i]) / (D[i + 1] - D[i]))
+
+
+def crossing_table(df: pd.DataFrame, cfg: CoverageConfig) -> pd.DataFrame:
+    """Per chain type: the crossing V_d of the mean paired difference targeted - uniform, and its
+    bootstrap 95% interval over seeds (percentiles of the resamples that cross)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for chain in CHAINS:
+        sub = df[df["chain"] == chain]
+        if sub.empty:
+            continue
+        wide = sub.pivot_table(index=["seed", "vd"], columns="arm", values="final_score")
+        d = (wide["targeted"] - wide["uniform"]).unstack("vd").sort_index(axis=1)  # (seeds, vds)
+        vds, mat = d.columns.to_numpy(dtype=float), d.to_numpy()
+        est = _last_crossing(vds, mat.mean(0))
+        boots = np.array([_last_crossing(vds, mat[rng.integers(0, len(mat), len(mat))].mean(0))
+                          for _ in range(cfg.crossing_bootstrap)]) if len(mat) > 1 else np.array([])
+        ok = boots[~np.isnan(boots)]
+        lo, hi = (np.percentile(ok, [2.5, 97.5]) if len(ok) else (np.nan, np.nan))
+        out.append({"chain": chain, "crossing": est, "lo": float(lo), "hi": float(hi),
+                    "no_crossing_share": float(np.isnan(boots).mean()) if len(boots) else np.nan,
+                    "paper": PAPER_CROSSING[chain], "seeds": len(mat)})
+    return pd.DataFrame(out)
+
+
+def _live(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows of the seeds where some arm has a gradient (a deterministic base policy moves no arm)."""
+    alive = df.groupby(["exposure", "C", "seed"])["grad_norm"].transform("max") > 0
+    return df[alive]
+
+
+def single_update_table(df: pd.DataFrame) -> pd.DataFrame:
+    live = _live(df)
+    s = summarize(live, ["exposure", "C", "arm"], "improvement", DIFF)
+    extra = live.groupby(["exposure", "C", "arm"]).agg(
+        positive=("improvement", lambda v: int((v > 0).sum())), zero_grad=("grad_norm", lambda v: int((v == 0).sum())),
+        binding=("binding", "mean")).reset_index()
+    s = s.merge(extra, on=["exposure", "C", "arm"])
+    uni = s[s["arm"] == "uniform"].set_index(["exposure", "C"])["mean"]
+    s["gain_share"] = [m / uni.loc[(e, C)] if uni.loc[(e, C)] != 0 else np.nan
+                       for e, C, m in zip(s["exposure"], s["C"], s["mean"], strict=True)]
+    dead = df.groupby(["exposure", "C"])["seed"].nunique() - live.groupby(["exposure", "C"])["seed"].nunique()
+    s["seeds_left_out"] = [int(dead.loc[(e, C)]) for e, C in zip(s["exposure"], s["C"], strict=True)]
+    s.insert(2, "V_d", [1.0 / C if e == "final" else 1.0 for e, C in zip(s["exposure"], s["C"], strict=True)])
+    return s
+
+
+def single_update_diffs(df: pd.DataFrame) -> pd.DataFrame:
+    """Paired differences of the improvement between arms (same seed = same base policy and rollouts),
+    with the number of seeds where the first arm improved more."""
+    live = _live(df)
+    pairs = [("per_turn", "shuffled"), ("per_turn", "uniform"), ("shuffled", "uniform"), ("discretized", "uniform"),
+             ("binary", "uniform"), ("reward_to_go", "uniform")]
+    wide = live.pivot_table(index=["exposure", "C", "seed"], columns="arm", values="improvement")
+    rows = []
+    for a, b in pairs:
+        d = paired_diff(live, a, b, ["exposure", "C"], "improvement", bounds=(-2.0, 2.0))
+        d["pairs_positive"] = [int(((wide[a] - wide[b]).xs((e, C), level=("exposure", "C")) > 0).sum())
+                               for e, C in zip(d["exposure"], d["C"], strict=True)]
+        rows.append(d)
+    return pd.concat(rows, ignore_index=True)
+
+
+# --------------------------------------------------------------------------------------------
 # plots (analytic curves beside the measured ones)
 
 COLORS = {"uniform": "tab:blue", "concentrated": "tab:red", "targeted": "tab:green", "per_turn": "tab:orange",
-          "shuffled": "tab:purple", "random_k": "tab:brown"}
+          "shuffled": "tab:purple", "random_k": "tab:brown", "binary": "tab:gray", "discretized": "tab:cyan",
+          "reward_to_go": "tab:olive"}
 
 
 def _band(ax, s: pd.DataFrame, x: str, arm: str, label: str | None = None) -> None:
@@ -383,3 +608,52 @@ def plot_curves(df: pd.DataFrame, cfg, out: Path) -> Path:
     axes[0][0].set_ylabel("score (mean; band = min..max over seeds)")
     axes[0][0].legend(fontsize=8)
     return save(fig, out / "c_sweep_curves.png")
+
+
+def plot_real_agent(s: pd.DataFrame, out: Path) -> Path:
+    fig, ax = new_figure(figsize=(7, 4.2))
+    for arm in ("uniform", "targeted", "per_turn"):
+        _band(ax, s[s["arm"] == arm], "C", arm)
+    ax.set(xlabel="chain length C (the verifier sees the final write only: V_d = 1/C)", ylabel="final score",
+           ylim=(0, 1.05), title="real-agent regime: one visible step")
+    ax.legend(fontsize=8)
+    return save(fig, out / "real_agent.png")
+
+
+def plot_crossing(curve: pd.DataFrame, cross: pd.DataFrame, out: Path) -> Path:
+    fig, ax = new_figure(figsize=(8, 4.4))
+    colors = {"independent_step": "tab:blue", "state_dependent": "tab:green"}
+    for chain, g in curve.groupby("chain"):
+        g = g.sort_values("vd")
+        c = colors.get(chain)
+        ax.plot(g["vd"], g["mean"], "o-", color=c, label=f"{chain}: targeted - uniform")
+        ax.fill_between(g["vd"], g["lo"], g["hi"], color=c, alpha=0.15)
+        r = cross[cross["chain"] == chain]
+        if len(r) and not np.isnan(r["crossing"].iloc[0]):
+            ax.axvline(r["crossing"].iloc[0], color=c, lw=1.5)
+            if not np.isnan(r["lo"].iloc[0]):
+                ax.axvspan(r["lo"].iloc[0], r["hi"].iloc[0], color=c, alpha=0.08)
+        if len(r):
+            ax.axvline(r["paper"].iloc[0], color=c, ls="--", lw=1, label=f"{chain}: paper {r['paper'].iloc[0]:.2f}")
+    ax.axhline(0, color="grey", lw=1)
+    ax.set(xlabel="verifier density V_d", ylabel="final score difference", title="where targeted credit passes "
+           "uniform (solid: measured crossing, band: bootstrap 95%)")
+    ax.legend(fontsize=7, loc="lower right")
+    return save(fig, out / "crossing.png")
+
+
+def plot_single_update(s: pd.DataFrame, out: Path) -> Path:
+    settings = s[["exposure", "C"]].drop_duplicates().values.tolist()
+    fig, axes = new_figure(1, len(settings), figsize=(4.2 * len(settings), 4.0), sharey=True, squeeze=False)
+    for ax, (ex, C) in zip(axes[0], settings, strict=True):
+        g = s[(s["exposure"] == ex) & (s["C"] == C)].set_index("arm").reindex(list(SINGLE_ARMS))
+        x = np.arange(len(g))
+        ax.bar(x, g["mean"], yerr=[g["mean"] - g["lo"], g["hi"] - g["mean"]], capsize=3,
+               color=[COLORS.get(a, "tab:gray") for a in g.index])
+        ax.set_xticks(x, list(g.index), rotation=35, ha="right", fontsize=8)
+        vd = 1.0 / C if ex == "final" else 1.0
+        ax.set_title(f"{'final write only' if ex == 'final' else 'every causal step'} (C={C}, V_d={vd:.2f})",
+                     fontsize=9)
+        ax.axhline(0, color="grey", lw=1)
+    axes[0][0].set_ylabel("held-out improvement of one update")
+    return save(fig, out / "single_update.png")
