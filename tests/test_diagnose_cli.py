@@ -40,6 +40,7 @@ def test_exit_0_on_a_clean_dump_and_1_on_a_failing_one(tmp_path):
     (["diagnose", "{tmp}/good.jsonl", "--out", "{tmp}/o", "--fail-on", "never"], "--fail-on: must be fail or warn"),
     (["diagnose", "{tmp}/good.jsonl", "--out", "{tmp}/o", "--max-turns", "1"], "--max-turns: must be >= 2"),
     (["diagnose", "{tmp}/good.jsonl", "--out", "{tmp}/o", "--check", "nope"], "--check: unknown check 'nope'"),
+    (["diagnose", "{tmp}/good.jsonl", "--out", "{tmp}/good.jsonl/o"], "--out: cannot create the directory"),
 ])
 def test_unreadable_input_exits_2_with_one_line(tmp_path, capsys, argv, match):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"step": 0, "group": 0, "reward": 1}) + "\n"

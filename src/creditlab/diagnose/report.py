@@ -71,7 +71,10 @@ def write_report(dump: Dump, results: Sequence[CheckResult], out: str | os.PathL
                  fail_on: str = "fail") -> list[Path]:
     """Write the PNGs, ``report.md`` and ``diagnose.json`` of ``results`` into ``out``; return the files."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError("--out", f"cannot create the directory {out}: {err.strerror or err}") from None
     files: list[Path] = []
     for r in results:
         p = plot_result(r, out)
