@@ -1,7 +1,7 @@
 """One CLI factory for every lab: the same options everywhere, a few lines per lab.
 
 ``lab_command(lab)(apply)`` registers ``creditlab lab <lab.name>`` with the options every lab has
-(``--quick --out --seeds --updates --workers --executor -e/--experiment --fresh``) plus the
+(``--quick --out --seeds --updates --workers --executor --ray-address -e/--experiment --fresh``) plus the
 lab-specific options declared as keyword parameters of ``apply(config, **options) -> config``.
 """
 
@@ -33,14 +33,19 @@ def _common_parameters(lab) -> list[inspect.Parameter]:
                                  "options resumes; one with other options refuses unless --fresh."),
         "seeds": typer.Option(None, "--seeds", help="Paired seeds per arm (default: the lab's, see --quick)."),
         "updates": typer.Option(None, "--updates", help="Policy updates per training run (default: the lab's)."),
-        "workers": typer.Option(1, "--workers", help="Worker processes for the cells (process executor)."),
+        "workers": typer.Option(1, "--workers", help="Worker processes for the cells (process executor; with "
+                                                     "--executor ray, the CPUs of a local Ray instance)."),
         "executor": typer.Option(None, "--executor",
-                                 help="Where cells run: serial, process (default: process when --workers > 1)."),
+                                 help="Where cells run: serial, process, ray (default: process when --workers > 1). "
+                                      'ray needs pip install "creditlab[ray]".'),
+        "ray_address": typer.Option(None, "--ray-address", metavar="ADDR",
+                                    help="Ray cluster of --executor ray (auto, HOST:PORT, ray://HOST:PORT); default: "
+                                         "a local Ray instance for this run."),
         "experiment": typer.Option(None, "--experiment", "-e", help=f"Run only these experiments ({exps})."),
         "fresh": typer.Option(False, "--fresh", help="Discard a previous run in --out (its store and outputs)."),
     }
     types = {"quick": bool, "out": Path, "seeds": int | None, "updates": int | None, "workers": int,
-             "executor": str | None, "experiment": list[str] | None, "fresh": bool}
+             "executor": str | None, "ray_address": str | None, "experiment": list[str] | None, "fresh": bool}
     return [P(name, P.KEYWORD_ONLY, default=default, annotation=types[name]) for name, default in opts.items()]
 
 
@@ -82,12 +87,13 @@ def lab_command(lab, *, doc: str | None = None) -> Callable[[Callable[..., Any]]
                 cfg = cfg.with_options(experiments=tuple(experiments))
             cfg = cfg.with_options(seeds=kw.pop("seeds"), updates=kw.pop("updates"))
             out, workers, executor, fresh = kw.pop("out"), kw.pop("workers"), kw.pop("executor"), kw.pop("fresh")
+            ray_address = kw.pop("ray_address")
             try:
                 cfg = apply(cfg, **kw)
                 cfg.validate()
             except ConfigError as err:
                 raise _flagged(err, cfg_type, [*kw, "seeds", "updates", "experiments"]) from None
-            ex = make_executor(workers, executor)
+            ex = make_executor(workers, executor, ray_address)
             console = Console()
             t0 = time.perf_counter()
             res = run_lab(lab, cfg, out, ex, fresh=fresh, status=lambda m: console.print(m, highlight=False))

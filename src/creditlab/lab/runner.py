@@ -5,9 +5,12 @@ batched in one tensor program). ``run_cells`` runs only the cells missing from t
 each one the moment it finishes, and shows a progress bar. Results depend only on the cell's
 arguments (each cell seeds itself), so a rerun after a crash gives identical numbers.
 
-Executors: :class:`SerialExecutor` (in process) and :class:`ProcessPoolExecutorBackend` (local
-process pool, the default when ``workers > 1``). A distributed backend (e.g. Ray) plugs in by
-implementing :class:`Executor` — ``submit_all`` yielding ``(cell, rows)`` as cells finish.
+Executors: :class:`SerialExecutor` (in process), :class:`ProcessPoolExecutorBackend` (local
+process pool, the default when ``workers > 1``) and :class:`RayExecutor` (cells as Ray tasks, on a
+local Ray instance or a cluster; ``pip install "creditlab[ray]"``). Any other backend plugs in by
+implementing :class:`Executor` — ``submit_all`` yielding ``(cell, rows)`` as cells finish; the
+driver (``run_cells``) stores each cell the moment it is yielded, so whatever the backend, a lost
+worker or an interrupted driver loses no finished cell.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from typing import Any, Protocol
 import pandas as pd
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from creditlab.errors import InputError
+from creditlab.errors import ConfigError, CreditlabError, InputError
 from creditlab.lab.store import ResultStore
 
-__all__ = ["EXECUTORS", "Cell", "Executor", "ProcessPoolExecutorBackend", "SerialExecutor", "digest", "make_executor",
-           "run_cells"]
+__all__ = ["EXECUTORS", "Cell", "CellLost", "Executor", "ProcessPoolExecutorBackend", "RayExecutor", "SerialExecutor",
+           "digest", "make_executor", "run_cells"]
 
 
 def digest(value: Any) -> str:
@@ -107,20 +110,128 @@ class ProcessPoolExecutorBackend:
                 raise
 
 
+class CellLost(CreditlabError):
+    """A cell could not be computed because the machinery running it failed (a worker process or node
+    died and the backend's retries were spent). Cells finished before it are stored: rerun to compute
+    the missing ones."""
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--executor", 'ray is not installed: pip install "creditlab[ray]"') from None
+    return ray
+
+
+class RayExecutor:
+    """Cells as Ray tasks (one CPU each), on the Ray cluster at ``address`` or on a local instance.
+
+    Each cell is a task running :meth:`Cell.run`; finished cells come back to the driver (any order)
+    as soon as Ray reports them, and the driver stores them, so a killed worker or driver loses no
+    finished cell. A task whose worker process dies is retried ``max_retries`` times by Ray (the cell
+    seeds itself, so a retry gives the same rows); past that :class:`CellLost` names the cell. At most
+    ``max_pending`` tasks are submitted at once (default: twice the cluster's CPUs), so an interrupted
+    driver has little to cancel and a sweep of thousands of cells does not flood the scheduler.
+
+    Args:
+        address: ``None`` starts a local Ray instance for the sweep (stopped at its end) unless this
+            process is already connected to one, which is then used as it is; otherwise a Ray
+            address (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``). creditlab (and every module a cell
+            function lives in) must be importable on the cluster's workers.
+        num_cpus: CPUs of a local instance (default: all); ignored when connecting to a cluster.
+        max_retries: retries of a task whose worker died (Ray's ``max_retries``).
+        max_pending: most tasks submitted and not yet collected.
+        runtime_env: Ray runtime environment of the tasks (e.g. ``{"pip": [...]}``), passed through.
+    """
+
+    def __init__(self, address: str | None = None, *, num_cpus: int | None = None, max_retries: int = 2,
+                 max_pending: int | None = None, runtime_env: dict[str, Any] | None = None):
+        if num_cpus is not None and (isinstance(num_cpus, bool) or not isinstance(num_cpus, int) or num_cpus < 1):
+            raise ConfigError("--workers", f"must be an integer >= 1, got {num_cpus!r}")
+        if max_retries < 0:
+            raise ConfigError("max_retries", f"must be >= 0, got {max_retries}")
+        if max_pending is not None and max_pending < 1:
+            raise ConfigError("max_pending", f"must be >= 1, got {max_pending}")
+        self.ray = _import_ray()
+        self.address = address
+        self.num_cpus = num_cpus
+        self.max_retries = max_retries
+        self.max_pending = max_pending
+        self.runtime_env = runtime_env
+
+    def _connect(self) -> bool:
+        """Connect (or start a local instance); True when this call started the connection."""
+        ray = self.ray
+        if ray.is_initialized():
+            return False
+        opts: dict[str, Any] = {"include_dashboard": False, "logging_level": "WARNING"}
+        if self.address is None:
+            opts["num_cpus"] = self.num_cpus
+        try:
+            ray.init(address=self.address, **opts)
+        except (ConnectionError, ValueError, RuntimeError) as err:
+            where = self.address or "a local instance"
+            raise ConfigError("--ray-address", f"cannot connect to Ray at {where}: {err}") from None
+        return True
+
+    def submit_all(self, cells: Sequence[Cell]) -> Iterator[tuple[Cell, list[dict]]]:
+        if not cells:
+            return
+        ray = self.ray
+        started = self._connect()
+        try:
+            task = ray.remote(num_cpus=1, max_retries=self.max_retries)(_run_cell)
+            if self.runtime_env:
+                task = task.options(runtime_env=self.runtime_env)
+            window = self.max_pending or max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+            queue = list(reversed(cells))
+            pending: dict[Any, Cell] = {}
+            try:
+                while queue or pending:
+                    while queue and len(pending) < window:
+                        cell = queue.pop()
+                        pending[task.remote(cell)] = cell
+                    # a bounded wait returns to Python regularly, so Ctrl-C is seen at once
+                    ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+                    for ref in ready:
+                        cell = pending.pop(ref)
+                        try:
+                            rows = ray.get(ref)
+                        except ray.exceptions.RayTaskError:
+                            raise  # the cell's own exception (an instance of its type as well)
+                        except ray.exceptions.RayError as err:
+                            raise CellLost(f"cell {cell.key!r} was lost ({type(err).__name__}: "
+                                           f"{str(err).splitlines()[0] if str(err) else ''}); the cells finished "
+                                           "before it are stored: rerun to compute the rest") from None
+                        yield cell, rows
+            finally:
+                # Cancel what is left (a Ctrl-C, or a lost cell): queued tasks are dropped, running ones are
+                # interrupted in their worker, which stays alive for the next sweep.
+                for ref in pending:
+                    ray.cancel(ref)
+        finally:
+            if started:
+                ray.shutdown()
+
+
 #: Executor names of ``--executor``.
-EXECUTORS = ("serial", "process")
+EXECUTORS = ("serial", "process", "ray")
 
 
-def make_executor(workers: int = 1, kind: str | None = None) -> Executor:
-    """``serial`` (in process) or ``process`` (a local pool of ``workers`` processes); ``kind=None``
-    picks ``process`` when ``workers > 1``."""
-    from creditlab.errors import ConfigError
-
+def make_executor(workers: int = 1, kind: str | None = None, address: str | None = None) -> Executor:
+    """``serial`` (in process), ``process`` (a local pool of ``workers`` processes) or ``ray`` (Ray tasks
+    on the cluster at ``address``, or on a local instance of ``workers`` CPUs when ``workers > 1``, of all
+    CPUs otherwise); ``kind=None`` picks ``process`` when ``workers > 1``."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ConfigError("--workers", f"must be an integer >= 1, got {workers!r}")
     kind = kind or ("process" if workers > 1 else "serial")
     if kind not in EXECUTORS:
         raise ConfigError("--executor", f"unknown executor {kind!r}; valid: {', '.join(EXECUTORS)}")
+    if address is not None and kind != "ray":
+        raise ConfigError("--ray-address", f"needs --executor ray (got --executor {kind})")
+    if kind == "ray":
+        return RayExecutor(address, num_cpus=workers if workers > 1 and address is None else None)
     return SerialExecutor() if kind == "serial" else ProcessPoolExecutorBackend(workers)
 
 
