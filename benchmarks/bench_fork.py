@@ -1,31 +1,49 @@
-"""FORK scoring throughput and fault tolerance against a loopback chat-completions server.
+"""FORK scoring throughput and fault tolerance against loopback chat-completions servers.
 
-The server runs in its own process (so it does not compete with the client for the GIL) and
+Each server runs in its own process (so it does not compete with the client for the GIL) and
 answers every request after a fixed latency (default 50 ms), like a remote model. Measured:
 
-1. requests per response (the budget is <= 5: one per judge stage);
-2. throughput as a fraction of the ideal ``concurrency / latency`` requests per second;
-3. a rerun from the cache: requests made (should be 0);
-4. with injected faults (500, 429, timeouts, malformed / truncated JSON, wrong ids) on a share of
-   requests: every item ends with a score or an explicit error, nothing crashes, and reruns of the
-   failed items complete them.
+1. ``clients``: the same items through creditlab's client (``OpenAIJudge``, both transports) and
+   through the official ``openai`` SDK (``AsyncOpenAI``, driven the way a user would write a judge
+   with it: one ``chat.completions.create`` per stage under a semaphore of the same concurrency),
+   against the same server: wall time, requests per response (the budget is <= 5), throughput as a
+   fraction of the ideal ``concurrency / latency``, client CPU per request, and the ratio of the
+   SDK's wall time to creditlab's (> 1: creditlab is faster). The runs alternate, ``--repeat``
+   times each, so a change in the machine's load hits both;
+2. ``endpoints``: one endpoint against three (three server processes, ``--endpoint-concurrency``
+   each), then three with one of them killed (SIGKILL) when half the items are done: every item is
+   still scored, and the per-endpoint summary shows where the requests went;
+3. ``cache``: a rerun from the cache makes no request and gives identical rewards;
+4. ``faults``: injected faults (500, 429, timeouts, malformed / truncated JSON, wrong ids) on a share
+   of requests: every item ends with a score or an explicit error, nothing crashes, and reruns of
+   the failed items complete them.
 
-    python benchmarks/bench_fork.py                 # 1000 responses x 20 rubrics x ~15 units
-    python benchmarks/bench_fork.py --items 200     # smaller
+    python benchmarks/bench_fork.py                       # 1000 responses x 20 rubrics x ~15 units
+    python benchmarks/bench_fork.py --items 200 -s clients
+    python benchmarks/bench_fork.py --profile             # where creditlab's client time goes (cProfile)
+
+Figures move with the machine's load (printed with them): read them side by side within one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
+import os
+import pstats
 import random
 import tempfile
 import time
 import urllib.request
+from collections import Counter
+from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
-from creditlab.judge import JudgeCache, OpenAIJudge
+from creditlab.judge import JudgeCache, OpenAIJudge, current_usage
+from creditlab.judge.prompts import build_messages, extract_json, parse_reply, payload_for, reply_schema
 from creditlab.judge.testing import serve_in_subprocess
 from creditlab.rewards import ForkItem, FORKReward, Rubric
 
@@ -53,6 +71,60 @@ def make_items(n: int, rubrics: int, units: int, seed: int = 0) -> list[ForkItem
     return items
 
 
+class SDKJudge:
+    """The five FORK stages through ``openai.AsyncOpenAI``: the judge a user would write with the SDK.
+
+    Same prompts, reply schemas and validation as :class:`OpenAIJudge`; one ``chat.completions.create``
+    per stage under a semaphore of ``concurrency`` (the SDK's own retries left at their default).
+    """
+
+    can_judge_correctness = True
+    quality = "llm judge"
+
+    def __init__(self, base_url: str, model: str, *, concurrency: int, timeout: float):
+        from openai import AsyncOpenAI
+
+        self.name = f"openai-sdk:{model}"
+        self.model = model
+        self.client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=timeout)
+        self.sem = asyncio.Semaphore(concurrency)
+        self.formats = {s: {"type": "json_schema", "json_schema": {"name": f"fork_{s}", "schema": reply_schema(s),
+                                                                   "strict": True}}
+                        for s in ("unitize", "coverage", "match", "correctness", "threshold")}
+
+    async def _ask(self, stage: str, payload: dict):
+        messages = build_messages(stage, payload)
+        usage = current_usage()
+        if usage is not None:
+            usage.requests += 1
+        async with self.sem:
+            resp = await self.client.chat.completions.create(model=self.model, messages=messages, temperature=0,
+                                                             response_format=self.formats[stage])
+        return parse_reply(stage, extract_json(resp.choices[0].message.content), payload)
+
+    async def unitize(self, prompt, response):
+        return await self._ask("unitize", payload_for("unitize", prompt=prompt, response=response))
+
+    async def coverage(self, prompt, response, rubrics):
+        return await self._ask("coverage", payload_for("coverage", prompt=prompt, response=response, rubrics=rubrics))
+
+    async def match(self, prompt, rubrics, units):
+        if not units:
+            return [[] for _ in rubrics]
+        return await self._ask("match", payload_for("match", prompt=prompt, rubrics=rubrics, units=units))
+
+    async def correctness(self, prompt, units):
+        if not units:
+            return []
+        return await self._ask("correctness", payload_for("correctness", prompt=prompt, units=units))
+
+    async def threshold(self, prompt, units, credits):
+        return await self._ask("threshold", payload_for("threshold", prompt=prompt, units=units, credits=credits))
+
+    async def aclose(self):
+        await self.client.close()
+
+
 def server_stats(url: str) -> dict:
     with urllib.request.urlopen(url.rsplit("/v1", 1)[0] + "/stats") as r:
         return json.loads(r.read())
@@ -68,79 +140,211 @@ async def score_all(reward: FORKReward, items: list[ForkItem]):
     return results
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--items", type=int, default=1000)
-    ap.add_argument("--rubrics", type=int, default=20)
-    ap.add_argument("--units", type=int, default=15)
-    ap.add_argument("--latency", type=float, default=0.05)
-    ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--fault-rate", type=float, default=0.2)
-    ap.add_argument("--transports", nargs="+", default=["httpx", "asyncio"], choices=["httpx", "asyncio"])
-    args = ap.parse_args()
-    items = make_items(args.items, args.rubrics, args.units)
-    tmp = Path(tempfile.mkdtemp(prefix="bench_fork_"))
+def load() -> str:
+    return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
 
-    print(f"{args.items} responses x {args.rubrics} rubrics x ~{args.units} units; latency "
-          f"{args.latency * 1000:.0f} ms; concurrency {args.concurrency}")
+
+def print_endpoints(judge: OpenAIJudge, tag: str) -> None:
+    for s in judge.endpoint_stats():
+        lat = f"{s['latency_mean_s'] * 1000:.0f} ms mean, {s['latency_p95_s'] * 1000:.0f} ms p95" \
+            if s["latency_mean_s"] is not None else "no reply"
+        print(f"{tag}  {s['base_url']}: {s['state']}, {s['requests']} requests, {s['errors']} errors, {lat}")
+
+
+# -- 1. creditlab's client against the openai SDK ------------------------------------------------------
+
+def bench_clients(args, items: list[ForkItem]) -> None:
+    clients = ["creditlab/asyncio", "creditlab/httpx", "openai-sdk"]
+    walls: dict[str, list[float]] = {c: [] for c in clients}
+    print(f"\n== clients: {len(items)} items, concurrency {args.concurrency}, latency {args.latency * 1000:.0f} ms, "
+          f"one server process")
     with serve_in_subprocess(latency=args.latency) as url:
-        for transport in args.transports:
-            cache = JudgeCache(tmp / f"cache-{transport}.sqlite")
-            before = server_requests(url)
-            server_cpu = server_stats(url)["cpu_seconds"]
-            judge = OpenAIJudge(url, "bench", concurrency=args.concurrency, timeout=10, cache=cache,
-                                transport=transport)
-            reward = FORKReward(judge)
-            t0, c0 = time.perf_counter(), time.process_time()
-            results = asyncio.run(score_all(reward, items))
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            n_req = server_requests(url) - before
-            server_cpu = server_stats(url)["cpu_seconds"] - server_cpu
-            errors = sum(r.error is not None for r in results)
-            ideal = n_req * args.latency / args.concurrency
-            mean_units = sum(r.n_units for r in results) / len(results)
-            tag = f"[{transport}]".ljust(10)
-            print(f"{tag}requests/response: {n_req / len(items):.2f} (max per item "
-                  f"{max(r.requests for r in results)}), units/response {mean_units:.1f}, errors {errors}")
-            print(f"{tag}wall {wall:.2f} s, ideal {ideal:.2f} s -> throughput fraction of ideal {ideal / wall:.2f} "
-                  f"({n_req / wall:.0f} req/s vs ideal {args.concurrency / args.latency:.0f}); client CPU "
-                  f"{cpu / n_req * 1000:.2f} ms/request, server CPU {server_cpu / n_req * 1000:.2f} ms/request")
-            t0 = time.perf_counter()
-            before = server_requests(url)
-            again = asyncio.run(score_all(FORKReward(OpenAIJudge(url, "bench", concurrency=args.concurrency,
-                                                                 cache=cache, transport=transport)), items))
-            print(f"{tag}cache rerun: {server_requests(url) - before} requests, {time.perf_counter() - t0:.2f} s, "
-                  f"identical rewards: {[r.reward for r in again] == [r.reward for r in results]}")
+        for rep in range(args.repeat):
+            for client in clients:
+                if client == "openai-sdk":
+                    judge = SDKJudge(url, "bench", concurrency=args.concurrency, timeout=10)
+                else:
+                    judge = OpenAIJudge(url, "bench", concurrency=args.concurrency, timeout=10,
+                                        transport=client.split("/")[1])
+                before, server_cpu = server_requests(url), server_stats(url)["cpu_seconds"]
+                t0, c0 = time.perf_counter(), time.process_time()
+                results = asyncio.run(score_all(FORKReward(judge), items))
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                n_req = server_requests(url) - before
+                server_cpu = server_stats(url)["cpu_seconds"] - server_cpu
+                errors = sum(r.error is not None for r in results)
+                ideal = n_req * args.latency / args.concurrency
+                walls[client].append(wall)
+                print(f"[{client}] run {rep + 1}: requests/response {n_req / len(items):.2f}, errors {errors}, "
+                      f"wall {wall:.2f} s, ideal {ideal:.2f} s -> fraction of ideal {ideal / wall:.2f} "
+                      f"({n_req / wall:.0f} req/s vs ideal {args.concurrency / args.latency:.0f}); client CPU "
+                      f"{cpu / n_req * 1000:.2f} ms/request, server CPU {server_cpu / n_req * 1000:.2f} ms/request; "
+                      f"{load()}")
+    best = {c: min(w) for c, w in walls.items()}
+    for c in clients[:2]:
+        print(f"[ratio] openai-sdk wall / {c} wall: {best['openai-sdk'] / best[c]:.2f} (best of {args.repeat}; "
+              f"> 1: creditlab faster)")
 
+
+def profile_client(args, items: list[ForkItem]) -> None:
+    """Where creditlab's client spends its CPU, by layer (cProfile's own time per function, grouped)."""
+    with serve_in_subprocess(latency=args.latency) as url:
+        judge = OpenAIJudge(url, "bench", concurrency=args.concurrency, timeout=10, transport=args.transport)
+        prof = cProfile.Profile()
+        prof.enable()
+        asyncio.run(score_all(FORKReward(judge), items))
+        prof.disable()
+    layers: Counter[str] = Counter()
+    torch_names = ("tensor", "sum", "isfinite", "any", "where", "clamp", "reshape", "zeros", "ones", "all")
+    for (path, _, name), (_, _, own, _, _) in pstats.Stats(prof).stats.items():
+        base = os.path.basename(path)
+        if "torch" in path or "creditlab/core" in path or (path == "~" and "torch" in name) or \
+                (path == "~" and any(f"'{t}" in name for t in torch_names)):
+            layer = "FORK math (torch, creditlab.core)"
+        elif "creditlab/rewards" in path:
+            layer = "FORK driver (creditlab.rewards)"
+        elif "json" in path or "json" in name:
+            layer = "json encode/decode"
+        elif "pydantic" in path or base == "prompts.py" or "validate_python" in name:
+            layer = "prompts + reply validation (pydantic)"
+        elif "epoll" in name or "select" in name:
+            layer = "waiting (epoll)"
+        elif name in ("<method 'send' of '_socket.socket' objects>",) or "socket" in name:
+            layer = "socket syscalls"
+        elif "asyncio" in path or "_contextvars" in name:
+            layer = "asyncio event loop"
+        elif base in ("openai_compat.py", "_http.py", "cache.py", "base.py"):
+            layer = "creditlab.judge client"
+        elif any(k in path for k in ("httpx", "httpcore", "anyio", "h11")):
+            layer = "httpx stack"
+        else:
+            layer = "other"
+        layers[layer] += own
+    total = sum(layers.values())
+    print(f"\n== profile of creditlab's client ({args.transport}), {len(items)} items, own time by layer; {load()}")
+    for layer, t in layers.most_common():
+        print(f"  {t:6.2f} s  {t / total:5.1%}  {layer}")
+
+
+# -- 2. several endpoints --------------------------------------------------------------------------
+
+async def score_and_kill(judge: OpenAIJudge, items: list[ForkItem], kill_at: int | None, victim) -> tuple:
+    reward = FORKReward(judge)
+    results, killed_at, sent_before = [], None, 0
+    async for res in reward.score_iter(items):
+        results.append(res)
+        if kill_at is not None and len(results) == kill_at:
+            victim.proc.kill()
+            killed_at = time.perf_counter()
+            sent_before = sum(s["requests"] for s in judge.endpoint_stats())
+    await judge.aclose()
+    return results, killed_at, sent_before
+
+
+def bench_endpoints(args, items: list[ForkItem]) -> None:
+    c = args.endpoint_concurrency
+    print(f"\n== endpoints: {len(items)} items, {c} requests in flight per endpoint, latency "
+          f"{args.latency * 1000:.0f} ms, one server process per endpoint")
+    with ExitStack() as stack:
+        servers = [serve_in_subprocess(latency=args.latency) for _ in range(3)]
+        urls = [stack.enter_context(s) for s in servers]
+        for name, use, kill in [("one endpoint", urls[:1], False), ("three endpoints", urls, False),
+                                ("three, one killed halfway", urls, True)]:
+            judge = OpenAIJudge(use, "bench", concurrency=c, timeout=5, max_retries=2, transport=args.transport,
+                                seed=0)
+            t0 = time.perf_counter()
+            results, killed_at, sent_before = asyncio.run(
+                score_and_kill(judge, items, len(items) // 2 if kill else None, servers[-1]))
+            wall = time.perf_counter() - t0
+            n_req = sum(s["requests"] for s in judge.endpoint_stats())
+            ok = sum(r.error is None for r in results)
+            if kill:  # the ideal with three endpoints until the kill, two after it
+                ideal = sent_before * args.latency / (3 * c) + (n_req - sent_before) * args.latency / (2 * c)
+            else:
+                ideal = n_req * args.latency / (len(use) * c)
+            tag = f"[{name}]"
+            print(f"{tag} {ok}/{len(items)} scored, {n_req} requests sent (retries included), wall {wall:.2f} s, "
+                  f"ideal {ideal:.2f} s -> fraction of ideal {ideal / wall:.2f} ({n_req / wall:.0f} req/s); {load()}")
+            print_endpoints(judge, tag)
+
+
+# -- 3. cache, 4. faults ---------------------------------------------------------------------------
+
+def bench_cache(args, items: list[ForkItem], tmp: Path) -> None:
+    print("\n== cache")
+    with serve_in_subprocess(latency=args.latency) as url:
+        cache = JudgeCache(tmp / "cache.sqlite")
+        first = asyncio.run(score_all(FORKReward(OpenAIJudge(url, "bench", concurrency=args.concurrency, cache=cache,
+                                                             transport=args.transport)), items))
+        t0, before = time.perf_counter(), server_requests(url)
+        again = asyncio.run(score_all(FORKReward(OpenAIJudge(url, "bench", concurrency=args.concurrency, cache=cache,
+                                                             transport=args.transport)), items))
+        print(f"[cache] rerun: {server_requests(url) - before} requests, {time.perf_counter() - t0:.2f} s, "
+              f"identical rewards: {[r.reward for r in again] == [r.reward for r in first]}")
+
+
+def bench_faults(args, items: list[ForkItem], tmp: Path) -> None:
+    print(f"\n== faults: {args.fault_rate:.0%} of requests faulted")
     with serve_in_subprocess(latency=args.latency, fault_rate=args.fault_rate, seed=1, hang=2.0) as url:
         cache = JudgeCache(tmp / "faults.sqlite")
 
         def faulty_reward() -> FORKReward:
             return FORKReward(OpenAIJudge(url, "bench", concurrency=args.concurrency, timeout=0.5, max_retries=2,
                                           max_reasks=1, backoff_base=0.05, backoff_max=0.5, cache=cache, seed=0,
-                                          transport=args.transports[-1]))
+                                          transport=args.transport))
 
         t0 = time.perf_counter()
         results = asyncio.run(score_all(faulty_reward(), items))
         ok = {r.id for r in results if r.error is None}
         failed = [r for r in results if r.error is not None]
         assert all(r.reward is None and r.error for r in failed) and len(results) == len(items)
-        kinds: dict[str, int] = {}
-        for r in failed:
-            k = r.error.split(":")[1].strip()
-            kinds[k] = kinds.get(k, 0) + 1
-        print(f"[faults]  ({args.transports[-1]}) {args.fault_rate:.0%} of requests faulted: {len(ok)} scored, "
-              f"{len(failed)} explicit errors {kinds}, {time.perf_counter() - t0:.2f} s, requests/response "
-              f"{server_requests(url) / len(items):.2f}")
+        kinds = Counter(r.error.split(":")[1].strip() for r in failed)
+        print(f"[faults] ({args.transport}) {len(ok)} scored, {len(failed)} explicit errors {dict(kinds)}, "
+              f"{time.perf_counter() - t0:.2f} s, requests/response {server_requests(url) / len(items):.2f}")
         for rerun in range(1, 6):
             todo = [it for it in items if it.id not in ok]
             if not todo:
                 break
             res = asyncio.run(score_all(faulty_reward(), todo))
             ok |= {r.id for r in res if r.error is None}
-            print(f"[faults]  rerun {rerun}: {len(todo)} retried, {sum(r.error is None for r in res)} completed, "
+            print(f"[faults] rerun {rerun}: {len(todo)} retried, {sum(r.error is None for r in res)} completed, "
                   f"{len(items) - len(ok)} still failing")
-        print(f"[faults]  final: {len(ok)}/{len(items)} scored")
+        print(f"[faults] final: {len(ok)}/{len(items)} scored")
+
+
+SECTIONS = ("clients", "endpoints", "cache", "faults")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--items", type=int, default=1000)
+    ap.add_argument("--rubrics", type=int, default=20)
+    ap.add_argument("--units", type=int, default=15)
+    ap.add_argument("--latency", type=float, default=0.05)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--endpoint-concurrency", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--fault-rate", type=float, default=0.2)
+    ap.add_argument("--transport", default="asyncio", choices=["httpx", "asyncio"],
+                    help="creditlab transport of the endpoints, cache, faults and profile sections")
+    ap.add_argument("-s", "--section", action="append", choices=SECTIONS, help="run only these sections")
+    ap.add_argument("--profile", action="store_true", help="profile creditlab's client instead")
+    args = ap.parse_args(argv)
+    items = make_items(args.items, args.rubrics, args.units)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_fork_"))
+    print(f"{args.items} responses x {args.rubrics} rubrics x ~{args.units} units; {os.cpu_count()} CPUs; {load()}")
+    if args.profile:
+        profile_client(args, items)
+        return
+    sections = args.section or SECTIONS
+    if "clients" in sections:
+        bench_clients(args, items)
+    if "endpoints" in sections:
+        bench_endpoints(args, items)
+    if "cache" in sections:
+        bench_cache(args, items, tmp)
+    if "faults" in sections:
+        bench_faults(args, items, tmp)
 
 
 if __name__ == "__main__":

@@ -79,8 +79,15 @@ def _check_output(out: Path, inp: Path) -> None:
         raise ConfigError("--out", f"{out} is not writable")
 
 
+DEFAULT_BASE_URL = "http://localhost:8000/v1"
+#: Settings recorded in every row but not compared on resume: where the judge model was served. The
+#: endpoints serve the model named by ``model``, so a rerun against another set of URLs (a restarted
+#: server on another port, one more replica, one fewer) resumes.
+UNCOMPARED = ("base_url",)
+
+
 def _settings(**values) -> dict:
-    """What produced a row; a resumed run reuses a row only when every value matches."""
+    """What produced a row; a resumed run reuses a row only when every compared value matches."""
     from creditlab import __version__
 
     return {**values, "creditlab_version": __version__}
@@ -93,8 +100,54 @@ def _settings_mismatch(rows: list[dict], settings: dict) -> list[str]:
         old = r.get("settings")
         if not isinstance(old, dict):
             return ["settings (rows written without them, by another creditlab version)"]
-        diff |= {k for k in set(old) | set(settings) if old.get(k) != settings.get(k)}
+        diff |= {k for k in set(old) | set(settings) if k not in UNCOMPARED and old.get(k) != settings.get(k)}
     return sorted(diff)
+
+
+def _base_urls(flags: list[str] | None, path: Path | None) -> list[str]:
+    """The endpoint URLs of ``--base-url`` (repeatable) and ``--base-urls-file`` (one per line, ``#``
+    comments), in order; the default endpoint when neither is given."""
+    urls: list[tuple[str, str]] = [(u.strip(), f"--base-url {u.strip()}") for u in flags or []]
+    if path is not None:
+        if not path.is_file():
+            raise ConfigError("--base-urls-file", f"no such file: {path}" if not path.exists()
+                              else f"{path} is a directory, not a file of URLs")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError("--base-urls-file", f"cannot read {path}: {err}") from None
+        found = 0
+        for n, line in enumerate(text.splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if line:
+                urls.append((line, f"{path}:{n}"))
+                found += 1
+        if not found:
+            raise ConfigError("--base-urls-file", f"{path} holds no URL (one per line, '#' starts a comment)")
+    if not urls:
+        return [DEFAULT_BASE_URL]
+    seen: dict[str, str] = {}
+    for url, where in urls:
+        flag = "--base-url" if where.startswith("--") else "--base-urls-file"
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(flag, f"{where}: {url!r} must start with http:// or https://")
+        key = url.rstrip("/")
+        if key in seen:
+            raise ConfigError(flag, f"{where}: {url} is given twice (also {seen[key]})")
+        seen[key] = where
+    return [u.rstrip("/") for u, _ in urls]
+
+
+def _endpoint_lines(judge) -> list[str]:
+    """Requests, errors and latency per endpoint of this run, one line each."""
+    lines = []
+    for st in judge.endpoint_stats():
+        lat = (f"latency {st['latency_mean_s'] * 1000:.0f} ms mean, {st['latency_p95_s'] * 1000:.0f} ms p95"
+               if st["latency_mean_s"] is not None else "no reply")
+        why = f" ({st['reason']})" if st["reason"] else ""
+        lines.append(f"  {st['base_url']}: {st['state']}, {st['requests']} requests, {st['errors']} errors, "
+                     f"{lat}{why}")
+    return lines
 
 
 @fork_app.command("score")
@@ -104,7 +157,12 @@ def score(
     judge: str = typer.Option("openai", "--judge",
                               help="openai (any OpenAI-compatible endpoint) or offline (APPROXIMATE: an embedding "
                                    "model that measures topic, not truth; see docs/fork.md)."),
-    base_url: str = typer.Option("http://localhost:8000/v1", "--base-url", help="Endpoint of the openai judge."),
+    base_url: list[str] = typer.Option(None, "--base-url",
+                                       help=f"Endpoint of the openai judge (default {DEFAULT_BASE_URL}); repeat it "
+                                            "for several endpoints serving the same model."),
+    base_urls_file: Path = typer.Option(None, "--base-urls-file",
+                                        help="File of endpoint URLs, one per line ('#' comments), added to "
+                                             "--base-url."),
     model: str = typer.Option("judge", "--model", help="Model name for the openai judge."),
     api_key_env: str = typer.Option("OPENAI_API_KEY", "--api-key-env", help="Environment variable with the API key."),
     beta: float = typer.Option(1.0, "--beta", help="F-beta parameter (beta > 1 favours recall)."),
@@ -113,7 +171,7 @@ def score(
     pitfall_only: str = typer.Option("error", "--pitfall-only",
                                      help="Items with only negative (pitfall) rubrics: error (cannot be scored) or "
                                           "absence (reward 1 when no pitfall is violated, else 0)."),
-    concurrency: int = typer.Option(16, "--concurrency", help="Most judge requests in flight."),
+    concurrency: int = typer.Option(16, "--concurrency", help="Most judge requests in flight, per endpoint."),
     timeout: float = typer.Option(30.0, "--timeout", help="Seconds per judge request (see docs/fork.md for the "
                                                           "defaults' reason)."),
     max_retries: int = typer.Option(2, "--max-retries", help="Retries of 429/5xx/timeouts per request."),
@@ -129,10 +187,12 @@ def score(
                                help="Rescore every item into --out even if it holds rows made with other settings "
                                     "(they are discarded)."),
 ) -> None:
-    """Score a JSONL file of rubric-graded responses with FORK. Rerunning with the same settings skips
-    the ids already scored and retries the failed ones; rerunning with other settings (judge, model,
-    URL, mode, beta, tau...) into the same --out refuses unless --force. Exits 1 when some lines or
-    items failed, 2 on bad options or files."""
+    """Score a JSONL file of rubric-graded responses with FORK. Several endpoints serving the same model
+    (--base-url repeated, or --base-urls-file) share the requests by load; one that keeps failing is
+    taken out of rotation while the others go on. Rerunning with the same settings skips the ids
+    already scored and retries the failed ones; rerunning with other settings (judge, model, mode,
+    beta, tau...) into the same --out refuses unless --force (the endpoint URLs may change). Exits 1
+    when some lines or items failed, 2 on bad options or files."""
     from creditlab.core.precision import COMBINE_MODES
     from creditlab.judge.prompts import PROMPT_VERSION
     from creditlab.rewards import iter_jsonl_items
@@ -156,7 +216,9 @@ def score(
     if pitfall_only not in ("error", "absence"):
         raise ConfigError("--pitfall-only", f"unknown {pitfall_only!r}; valid: error, absence")
     if judge == "openai":
-        settings = _settings(judge="openai", model=model, base_url=base_url.rstrip("/"), prompt_version=PROMPT_VERSION,
+        urls = _base_urls(base_url, base_urls_file)
+        settings = _settings(judge="openai", model=model, base_url=urls[0] if len(urls) == 1 else urls,
+                             prompt_version=PROMPT_VERSION,
                              mode=mode, beta=beta, tau=tau_v, assume_correct=assume_correct,
                              pitfall_only=pitfall_only)
     elif judge == "offline":
@@ -198,7 +260,7 @@ def score(
 
     jcache = JudgeCache(cache) if cache is not None else None
     if judge == "openai":
-        j = OpenAIJudge(base_url, model, api_key_env=api_key_env, concurrency=concurrency, timeout=timeout,
+        j = OpenAIJudge(urls, model, api_key_env=api_key_env, concurrency=concurrency, timeout=timeout,
                         max_retries=max_retries, cache=jcache, transport=transport)
     else:
         j = EmbeddingJudge()
@@ -206,9 +268,11 @@ def score(
         from creditlab.judge import JudgeError
 
         try:
-            asyncio.run(j.preflight(timeout=min(10.0, timeout)))
+            problems = asyncio.run(j.preflight(timeout=min(10.0, timeout)))
         except JudgeError as err:
             raise ConfigError("--base-url", f"{err} (nothing was scored; --no-preflight skips this check)") from None
+        for problem in problems:
+            console.print(f"endpoint: {problem}", highlight=False, markup=False)
     reward = FORKReward(j, beta=beta, tau=tau_v, mode=mode, assume_correct=assume_correct, pitfall_only=pitfall_only)
 
     async def run_all() -> None:
@@ -254,6 +318,9 @@ def score(
     ]:
         table.add_row(name, value)
     Console().print(table)
+    if judge == "openai" and items:
+        Console(soft_wrap=True).print("\n".join(["judge endpoints (this run):", *_endpoint_lines(j)]),
+                                      highlight=False, markup=False)
     if not_sent:
         console.print(f"stopped submitting: {getattr(j, 'down', None)}; {len(ok)} finished row(s) kept in {out}, "
                       f"{len(not_sent)} item(s) not scored: rerun the same command when the endpoint is back",

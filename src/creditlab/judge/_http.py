@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import sys
 from typing import Any
 from urllib.parse import urlsplit
 
 from creditlab.errors import ConfigError
 
 __all__ = ["HTTPError", "LeanClient", "LeanResponse"]
+
+_HAS_TIMEOUT = sys.version_info >= (3, 11)
 
 
 class HTTPError(Exception):
@@ -61,6 +64,9 @@ class LeanClient:
     async def post(self, body: bytes) -> LeanResponse:
         async with self._slots:
             try:
+                if _HAS_TIMEOUT:  # no extra task per request, unlike wait_for before Python 3.12
+                    async with asyncio.timeout(self.timeout):
+                        return await self._post(body)
                 return await asyncio.wait_for(self._post(body), self.timeout)
             except asyncio.TimeoutError:
                 raise HTTPError(f"no reply within {self.timeout}s", timeout=True) from None
@@ -68,14 +74,15 @@ class LeanClient:
     async def _post(self, body: bytes) -> LeanResponse:
         request = (f"POST {self.path} HTTP/1.1\r\n{self.head}Content-Length: {len(body)}\r\n\r\n").encode() + body
         for attempt in range(2):  # a pooled connection may have been closed by the server: one fresh try
-            reused = bool(self._idle)
-            conn = self._idle.pop() if reused else await self._connect()
-            reader, writer = conn
+            conn = self._pooled()
+            reused = conn is not None
+            reader, writer = conn if conn is not None else await self._connect()
             try:
                 writer.write(request)
-                await writer.drain()
+                if writer.transport.get_write_buffer_size():
+                    await writer.drain()
                 resp, keep = await self._read(reader)
-            except (ConnectionError, asyncio.IncompleteReadError, HTTPError) as err:
+            except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, HTTPError) as err:
                 writer.close()
                 if reused and attempt == 0 and not isinstance(err, HTTPError):
                     continue
@@ -84,11 +91,20 @@ class LeanClient:
                 writer.close()  # cancelled (timeout) mid-request: the connection state is unknown
                 raise
             if keep:
-                self._idle.append(conn)
+                self._idle.append((reader, writer))
             else:
                 writer.close()
             return resp
         raise HTTPError("connection closed")
+
+    def _pooled(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """An idle keep-alive connection the server has not closed, if any."""
+        while self._idle:
+            reader, writer = self._idle.pop()
+            if not reader.at_eof() and not writer.is_closing():
+                return reader, writer
+            writer.close()
+        return None
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
@@ -99,22 +115,17 @@ class LeanClient:
 
     @staticmethod
     async def _read(reader: asyncio.StreamReader) -> tuple[LeanResponse, bool]:
-        status_line = await reader.readline()
-        if not status_line:
-            raise ConnectionResetError("connection closed before a reply")
-        parts = status_line.decode("latin-1").split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
-            raise HTTPError(f"not an HTTP/1.x status line: {status_line[:60]!r}")
+        head = await reader.readuntil(b"\r\n\r\n")  # status line and headers in one read
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+            raise HTTPError(f"not an HTTP/1.x status line: {lines[0][:60]!r}")
         status = int(parts[1])
         headers: dict[str, str] = {}
-        while True:
-            line = await reader.readline()
-            if line in (b"\r\n", b"\n"):
-                break
-            if not line:
-                raise asyncio.IncompleteReadError(b"", None)
-            k, _, v = line.decode("latin-1").partition(":")
-            headers[k.strip().lower()] = v.strip()
+        for line in lines[1:]:
+            if line:
+                k, _, v = line.partition(":")
+                headers[k.strip().lower()] = v.strip()
         if headers.get("transfer-encoding", "").lower() == "chunked":
             chunks = []
             while True:

@@ -1,8 +1,9 @@
-"""``OpenAIJudge``: the five FORK judge stages over any OpenAI-compatible chat-completions endpoint.
+"""``OpenAIJudge``: the five FORK judge stages over OpenAI-compatible chat-completions endpoints.
 
 Works with vLLM, SGLang, Ollama and hosted APIs (``POST {base_url}/chat/completions``), through
-httpx. Temperature 0. The API key is read from an environment variable at construction and only
-ever placed in the ``Authorization`` header; it is never logged nor put in an error message.
+httpx or a minimal asyncio HTTP/1.1 client. Temperature 0. The API key is read from an environment
+variable at construction and only ever placed in the ``Authorization`` header; it is never logged
+nor put in an error message.
 
 Reliability, per request:
 
@@ -14,10 +15,20 @@ Reliability, per request:
 * then a typed :class:`~creditlab.judge.base.JudgeError`. Other HTTP errors (401, 404...) fail at
   once.
 
-Throughput: one ``asyncio`` concurrency limit per endpoint (judges of the same URL share it), held
-only while a request is on the wire (not while backing off); identical requests in flight share one call;
-an optional :class:`~creditlab.judge.cache.JudgeCache` serves validated replies without a request.
-Stage requests with more than ``max_rubrics_per_request`` rubrics are split into chunks.
+Several endpoints (``base_url`` a list of URLs serving the same model): each request goes to the
+endpoint with the least outstanding load (requests in flight over its limit) that has a free slot;
+each endpoint has its own concurrency limit and health. An endpoint whose requests keep failing
+(timeouts, refused connections) is taken out of rotation, and tried again with one request after
+``retry_endpoint_after`` seconds (doubling after each failed try, up to 8 times that) while the
+others keep scoring; a retry goes to another endpoint than the one that just failed when one has a
+free slot. The judge is down, and every later request fails at once, only when every endpoint is
+out of rotation at the same moment. :meth:`OpenAIJudge.endpoint_stats` reports requests, errors and
+latency per endpoint.
+
+Throughput: one concurrency limit per endpoint (judges of the same URL in one event loop share it),
+held only while a request is on the wire (not while backing off); identical requests in flight share
+one call; an optional :class:`~creditlab.judge.cache.JudgeCache` serves validated replies without a
+request. Stage requests with more than ``max_rubrics_per_request`` rubrics are split into chunks.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import os
 import random
 import time
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,8 +63,60 @@ __all__ = ["OpenAIJudge"]
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 _SHARD = 8  # connections per httpx client (see OpenAIJudge._bind)
-_ENDPOINT_LIMITS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Semaphore]] = \
+_LATENCIES = 4096  # latencies kept per endpoint for the quantiles of endpoint_stats
+_SCHEMAS: dict[str, dict[str, Any]] = {}  # reply schema per stage (built once, never mutated)
+
+
+class _Slots:
+    """The concurrency limit of one endpoint in one event loop, shared by the judges of that URL.
+
+    Unlike an ``asyncio.Semaphore`` a waiter can wait on several endpoints at once: it registers one
+    future with each, and the first endpoint to free a slot hands it over (``set_result(self)``).
+    """
+
+    __slots__ = ("limit", "used", "waiters")
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self.waiters: deque[asyncio.Future] = deque()
+
+    def release(self) -> None:
+        waiters = self.waiters
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():  # skip waiters served by another endpoint, or cancelled
+                fut.set_result(self)  # the slot passes to the waiter: ``used`` is unchanged
+                return
+        self.used -= 1
+
+
+_ENDPOINT_SLOTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, _Slots]] = \
     weakref.WeakKeyDictionary()
+
+
+class _Endpoint:
+    """One base URL of a judge: its transport, its slot pool, its health and its counters."""
+
+    def __init__(self, base_url: str, cooldown: float):
+        self.base_url = base_url
+        self.url = base_url + "/chat/completions"
+        #: why it was taken out of rotation (None while in rotation)
+        self.down: str | None = None
+        self.retry_at = 0.0
+        self.cooldown = cooldown
+        self.probing = False
+        self.streak = 0
+        self.streak_start = 0.0
+        self.requests = 0
+        self.errors = 0
+        self.replies = 0
+        self.latency_sum = 0.0
+        self.latencies: deque[float] = deque(maxlen=_LATENCIES)
+        self.slots = _Slots(1)
+        self.lean: LeanClient | None = None
+        self.clients: list[httpx.AsyncClient] = []
+        self.busy: list[int] = []
 
 
 class _Transient(Exception):
@@ -63,13 +127,15 @@ class _Transient(Exception):
 
 
 class OpenAIJudge:
-    """FORK judge over an OpenAI-compatible endpoint.
+    """FORK judge over one or several OpenAI-compatible endpoints serving the same model.
 
     Args:
-        base_url: endpoint root, e.g. ``http://localhost:8000/v1`` (``/chat/completions`` is appended).
+        base_url: endpoint root, e.g. ``http://localhost:8000/v1`` (``/chat/completions`` is appended),
+            or a list of them (see the module docstring).
         model: model name sent with every request.
-        api_key_env: name of the environment variable holding the API key (unset: no auth header).
-        concurrency: most requests on the wire at once.
+        api_key_env: name of the environment variable holding the API key (unset: no auth header);
+            the same key is sent to every endpoint.
+        concurrency: most requests on the wire at once, per endpoint.
         timeout: seconds per request (connect + read).
         max_retries: retries of a transient failure (429, 5xx, timeout) per request.
         max_reasks: re-asks after an invalid reply per stage call.
@@ -80,26 +146,38 @@ class OpenAIJudge:
         cache: optional cache of validated replies.
         max_rubrics_per_request: chunk size for very large rubric sets.
         seed: seed of the jitter generator (deterministic backoff in tests).
-        max_consecutive_failures, down_after: the endpoint is taken as down (every later request
-            fails at once with ``endpoint_down``, nothing more is sent) after this many consecutive
-            failed attempts (timeouts, refused connections), or once a streak of at least two has
-            lasted ``down_after`` seconds; any success ends the streak.
+        max_consecutive_failures, down_after: an endpoint is taken out of rotation after this many
+            consecutive failed attempts (timeouts, refused connections), or once a streak of at least
+            two has lasted ``down_after`` seconds; any success ends the streak. With one endpoint
+            (or once every endpoint is out) the judge is down: every later request fails at once
+            with ``endpoint_down`` and nothing more is sent.
+        retry_endpoint_after: seconds before an endpoint taken out of rotation gets one request
+            again (doubled after each failed try, up to 8 times this), while others answer.
         transport: ``httpx`` (default; proxies, redirects, HTTP/2-capable stack) or ``asyncio``, the
             minimal keep-alive HTTP/1.1 client of :mod:`creditlab.judge._http`, several times cheaper
-            in CPU per request when thousands of requests per second go to a local server.
+            in CPU per request when thousands of requests per second go to local servers.
     """
 
     can_judge_correctness = True
     #: What this judge's verdicts are worth (shown in every result row and summary).
     quality = "llm judge"
 
-    def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY",
+    def __init__(self, base_url: str | Sequence[str], model: str, *, api_key_env: str = "OPENAI_API_KEY",
                  concurrency: int = 16, timeout: float = 60.0, max_retries: int = 4, max_reasks: int = 2,
                  backoff_base: float = 0.5, backoff_max: float = 8.0, structured: bool = True,
                  cache: JudgeCache | None = None, max_rubrics_per_request: int = 64, seed: int | None = None,
-                 transport: str = "httpx", max_consecutive_failures: int = 8, down_after: float = 60.0):
-        if not base_url.startswith(("http://", "https://")):
-            raise ConfigError("base_url", f"must start with http:// or https://, got {base_url!r}")
+                 transport: str = "httpx", max_consecutive_failures: int = 8, down_after: float = 60.0,
+                 retry_endpoint_after: float = 30.0):
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ConfigError("base_url", "give at least one endpoint URL")
+        seen: set[str] = set()
+        for u in urls:
+            if not isinstance(u, str) or not u.startswith(("http://", "https://")):
+                raise ConfigError("base_url", f"must start with http:// or https://, got {u!r}")
+            if u.rstrip("/") in seen:
+                raise ConfigError("base_url", f"{u} is given twice")
+            seen.add(u.rstrip("/"))
         if concurrency < 1:
             raise ConfigError("concurrency", f"must be >= 1, got {concurrency}")
         if max_retries < 0 or max_reasks < 0:
@@ -112,9 +190,15 @@ class OpenAIJudge:
             raise ConfigError("transport", f"unknown {transport!r}; valid: httpx, asyncio")
         if max_consecutive_failures < 1 or not down_after > 0:
             raise ConfigError("max_consecutive_failures", "max_consecutive_failures must be >= 1, down_after > 0")
+        if not retry_endpoint_after > 0:
+            raise ConfigError("retry_endpoint_after", f"must be > 0, got {retry_endpoint_after}")
         self.transport = transport
         self.name = f"openai:{model}"
-        self.url = base_url.rstrip("/") + "/chat/completions"
+        self._endpoints = [_Endpoint(u.rstrip("/"), retry_endpoint_after) for u in urls]
+        #: the endpoint roots, in the order given
+        self.base_urls = tuple(ep.base_url for ep in self._endpoints)
+        self.base_url = self.base_urls[0]
+        self.url = self._endpoints[0].url
         self.model = model
         self.concurrency = concurrency
         self.timeout = timeout
@@ -125,25 +209,21 @@ class OpenAIJudge:
         self.structured = structured
         self.cache = cache
         self.max_rubrics_per_request = max_rubrics_per_request
-        self.base_url = base_url.rstrip("/")
         self.max_consecutive_failures = max_consecutive_failures
         self.down_after = down_after
-        #: why the endpoint was taken as down (None while it answers)
+        self.retry_endpoint_after = retry_endpoint_after
+        #: why the judge was taken as down: every endpoint out of rotation (None while one answers)
         self.down: str | None = None
-        self._streak = 0
-        self._streak_start = 0.0
         self.params: dict[str, Any] = {"temperature": 0}
         self._key = os.environ.get(api_key_env) or None
         self._rng = random.Random(seed)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._clients: list[httpx.AsyncClient] = []
-        self._lean: LeanClient | None = None
-        self._busy: list[int] = []
-        self._sem: asyncio.Semaphore | None = None
-        self._inflight: dict[str, asyncio.Future] = {}
+        self._inflight: dict[tuple[str, ...], asyncio.Future] = {}
+        self._heads: dict[tuple[str, bool], tuple[Any, str]] = {}
 
     def __repr__(self) -> str:  # never shows the key
-        return f"OpenAIJudge(url={self.url!r}, model={self.model!r}, auth={'yes' if self._key else 'no'})"
+        where = f"url={self.url!r}" if len(self._endpoints) == 1 else f"urls={[e.url for e in self._endpoints]!r}"
+        return f"OpenAIJudge({where}, model={self.model!r}, auth={'yes' if self._key else 'no'})"
 
     # -- per-event-loop resources (the TRL-style callable runs one loop per call) -------------------
     def _bind(self) -> None:
@@ -153,68 +233,131 @@ class OpenAIJudge:
         headers = {"Content-Type": "application/json"}
         if self._key:
             headers["Authorization"] = f"Bearer {self._key}"
-        if self.transport == "asyncio":
-            self._lean = LeanClient(self.url, headers, self.timeout, self.concurrency)
-            self._clients, self._busy = [], []
-        else:
-            # httpx's connection pool scans all its connections for every queued request, which costs
-            # O(concurrency^2) CPU per request at high concurrency; shards of <= 8 connections, each
-            # request going to the least busy shard, keep it cheaper at concurrency 64+.
-            n = -(-self.concurrency // _SHARD)
-            per = -(-self.concurrency // n)
-            limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
-            self._clients = [httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(self.timeout), limits=limits)
-                             for _ in range(n)]
-            self._busy = [0] * n
-            self._lean = None
-        # One limit per endpoint: judges of the same URL in the same event loop share it (the first
-        # judge's ``concurrency`` sets it).
-        limits = _ENDPOINT_LIMITS.setdefault(loop, {})
-        self._sem = limits.setdefault(self.url, asyncio.Semaphore(self.concurrency))
+        shared = _ENDPOINT_SLOTS.setdefault(loop, {})
+        for ep in self._endpoints:
+            if self.transport == "asyncio":
+                ep.lean = LeanClient(ep.url, headers, self.timeout, self.concurrency)
+                ep.clients, ep.busy = [], []
+            else:
+                # httpx's connection pool scans all its connections for every queued request, which costs
+                # O(concurrency^2) CPU per request at high concurrency; shards of <= 8 connections, each
+                # request going to the least busy shard, keep it cheaper at concurrency 64+.
+                n = -(-self.concurrency // _SHARD)
+                per = -(-self.concurrency // n)
+                limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
+                ep.clients = [httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(self.timeout), limits=limits)
+                              for _ in range(n)]
+                ep.busy = [0] * n
+                ep.lean = None
+            # One limit per endpoint: judges of the same URL in the same event loop share it (the first
+            # judge's ``concurrency`` sets it).
+            ep.slots = shared.setdefault(ep.url, _Slots(self.concurrency))
         self._inflight = {}
         self._loop = loop
 
     async def aclose(self) -> None:
         """Close the HTTP connections of the current event loop."""
         if self._loop is asyncio.get_running_loop():
-            for c in self._clients:
-                await c.aclose()
-            if self._lean is not None:
-                await self._lean.aclose()
-        self._clients, self._lean = [], None
+            for ep in self._endpoints:
+                for c in ep.clients:
+                    await c.aclose()
+                if ep.lean is not None:
+                    await ep.lean.aclose()
+        for ep in self._endpoints:
+            ep.clients, ep.lean = [], None
         self._loop = None
 
-    async def preflight(self, timeout: float = 10.0) -> None:
-        """One cheap request (``GET <base_url>/models``) to check the endpoint answers at all.
+    async def preflight(self, timeout: float = 10.0) -> list[str]:
+        """One cheap request per endpoint (``GET <base_url>/models``) to check that they answer at all.
 
-        Any HTTP reply counts as alive (servers without a ``/models`` route answer 404); a refused
-        connection or no reply within ``timeout`` seconds raises :class:`JudgeError` naming the URL,
-        and 401/403 raises naming the API key.
+        Any HTTP reply counts as alive (servers without a ``/models`` route answer 404). When no
+        endpoint answers (a refused connection or no reply within ``timeout`` seconds) this raises
+        :class:`JudgeError` naming the URLs; a 401/403 raises naming the API key. Endpoints that do
+        not answer while others do are taken out of rotation (tried again later) and described in
+        the returned list (empty when every endpoint answers).
         """
         headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
-        url = self.base_url + "/models"
-        try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(timeout)) as client:
-                resp = await client.get(url, headers=headers)
-        except httpx.TimeoutException:
-            raise JudgeError("preflight", "timeout", f"{self.base_url} did not answer within {timeout:g}s") from None
-        except httpx.TransportError as err:
-            raise JudgeError("preflight", "connection", f"cannot connect to {self.base_url} "
-                                                        f"({type(err).__name__})") from None
-        if resp.status_code in (401, 403):
-            raise JudgeError("preflight", f"http_{resp.status_code}", f"{self.base_url} refused the request: check "
-                                                                      "the API key (--api-key-env)")
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout)) as client:
+            found = await asyncio.gather(*(self._preflight_one(client, ep, headers, timeout)
+                                           for ep in self._endpoints))
+        problems = [(ep, f) for ep, f in zip(self._endpoints, found, strict=True) if f is not None]
+        for _, (kind, message) in problems:
+            if kind in ("http_401", "http_403"):
+                raise JudgeError("preflight", kind, message)
+        if len(problems) == len(self._endpoints):
+            if len(problems) == 1:
+                raise JudgeError("preflight", *problems[0][1])
+            raise JudgeError("preflight", problems[0][1][0], "no endpoint answers: " +
+                             "; ".join(message for _, (_, message) in problems))
+        for ep, (_, message) in problems:
+            self._take_out(ep, f"preflight: {message}")
+        return [f"{message}: taken out of rotation, tried again in {self.retry_endpoint_after:g}s"
+                for _, (_, message) in problems]
 
-    def _failed(self, t0: float, err: Exception) -> None:
-        """Count a failed attempt towards taking the endpoint as down."""
+    @staticmethod
+    async def _preflight_one(client: httpx.AsyncClient, ep: _Endpoint, headers: dict[str, str],
+                             timeout: float) -> tuple[str, str] | None:
+        try:
+            resp = await client.get(ep.base_url + "/models", headers=headers)
+        except httpx.TimeoutException:
+            return "timeout", f"{ep.base_url} did not answer within {timeout:g}s"
+        except httpx.TransportError as err:
+            return "connection", f"cannot connect to {ep.base_url} ({type(err).__name__})"
+        if resp.status_code in (401, 403):
+            return f"http_{resp.status_code}", (f"{ep.base_url} refused the request: check the API key "
+                                                "(--api-key-env)")
+        return None
+
+    # -- health and counters per endpoint ----------------------------------------------------------
+    def endpoint_stats(self) -> list[dict[str, Any]]:
+        """Per endpoint, in the order given: ``base_url``, ``state`` (``up``, ``out of rotation`` or
+        ``down``), ``requests`` (attempts sent), ``errors`` (attempts that failed), ``latency_mean_s``,
+        ``latency_p50_s`` and ``latency_p95_s`` of the answered requests (over the last 4096), and
+        ``reason`` (why it is out, or None)."""
+        out = []
         now = time.monotonic()
-        if self._streak == 0:
-            self._streak_start = t0
-        self._streak += 1
-        age = now - self._streak_start
-        if self._streak >= self.max_consecutive_failures or (self._streak >= 2 and age >= self.down_after):
-            self.down = (f"{self._streak} consecutive failed requests to {self.base_url} over {age:.0f}s "
-                         f"(last: {err})")
+        for ep in self._endpoints:
+            lat = sorted(ep.latencies)
+            if ep.down is None:
+                state = "up"
+            elif self.down is not None:
+                state = "down"
+            else:
+                state = f"out of rotation (tried again in {max(0.0, ep.retry_at - now):.0f}s)"
+            out.append({"base_url": ep.base_url, "state": state, "requests": ep.requests, "errors": ep.errors,
+                        "latency_mean_s": ep.latency_sum / ep.replies if ep.replies else None,
+                        "latency_p50_s": lat[len(lat) // 2] if lat else None,
+                        "latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
+                        "reason": ep.down})
+        return out
+
+    def _take_out(self, ep: _Endpoint, reason: str) -> None:
+        """Take ``ep`` out of rotation; the judge is down once every endpoint is out."""
+        ep.down = reason
+        ep.retry_at = time.monotonic() + ep.cooldown
+        ep.cooldown = min(2 * ep.cooldown, 8 * self.retry_endpoint_after)
+        if all(e.down is not None for e in self._endpoints):
+            eps = self._endpoints
+            self.down = eps[0].down if len(eps) == 1 else "every endpoint is down: " + "; ".join(
+                f"{e.down}" for e in eps)
+
+    def _failed(self, ep: _Endpoint, t0: float, err: Exception, probe: bool) -> None:
+        """Count a failed attempt (no reply) towards taking ``ep`` out of rotation."""
+        now = time.monotonic()
+        if ep.streak == 0:
+            ep.streak_start = t0
+        ep.streak += 1
+        age = now - ep.streak_start
+        if probe or (ep.down is None and (ep.streak >= self.max_consecutive_failures
+                                          or (ep.streak >= 2 and age >= self.down_after))):
+            self._take_out(ep, f"{ep.streak} consecutive failed requests to {ep.base_url} over {age:.0f}s "
+                               f"(last: {err})")
+
+    def _answered(self, ep: _Endpoint) -> None:
+        """``ep`` sent an HTTP reply (of any status): an endpoint out of rotation is back in it."""
+        if ep.down is not None and self.down is None:
+            ep.down = None
+            ep.cooldown = self.retry_endpoint_after
 
     # -- stages ------------------------------------------------------------------------------------
     async def unitize(self, prompt: str, response: str) -> list[str]:
@@ -252,11 +395,12 @@ class OpenAIJudge:
     async def _ask(self, stage: str, payload: dict[str, Any]) -> Any:
         self._bind()
         messages = build_messages(stage, payload)
-        schema = reply_schema(stage) if self.structured else None
-        key = cache_key(model=self.model, params=self.params, messages=messages, schema=schema,
-                        prompt_version=PROMPT_VERSION)
+        schema = _schema(stage) if self.structured else None
         usage = current_usage()
+        key = None
         if self.cache is not None:
+            key = cache_key(model=self.model, params=self.params, messages=messages, schema=schema,
+                            prompt_version=PROMPT_VERSION)
             data = self.cache.get(key)
             if data is not None:
                 try:
@@ -267,14 +411,17 @@ class OpenAIJudge:
                     if usage is not None:
                         usage.cache_hits += 1
                     return result
-        pending = self._inflight.get(key)
+        # Model, parameters and schema are the judge's own: the messages identify a request (no hash
+        # of the whole request when there is no cache).
+        share = (stage, *(m["content"] for m in messages))
+        pending = self._inflight.get(share)
         if pending is not None:
             if usage is not None:
                 usage.shared += 1
             data = await asyncio.shield(pending)
             return parse_reply(stage, data, payload)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._inflight[key] = fut
+        self._inflight[share] = fut
         try:
             data, result = await self._ask_fresh(stage, messages, schema, payload)
         except BaseException as err:
@@ -290,7 +437,7 @@ class OpenAIJudge:
                 self.cache.put(key, data)
             return result
         finally:
-            self._inflight.pop(key, None)
+            self._inflight.pop(share, None)
 
     async def _ask_fresh(self, stage: str, messages: list[dict[str, str]], schema: dict[str, Any] | None,
                          payload: dict[str, Any]) -> tuple[Any, Any]:
@@ -311,59 +458,142 @@ class OpenAIJudge:
                                                      "the corrected JSON object."}]
         raise JudgeError(stage, "invalid_reply", f"{last} (after {self.max_reasks + 1} replies)")
 
-    # -- one HTTP request with bounded retries ---------------------------------------------------------
+    def _body(self, stage: str, messages: list[dict[str, str]], schema: dict[str, Any] | None) -> bytes:
+        """The request body: the per-stage part (model, parameters, reply schema) is encoded once."""
+        params = tuple(self.params.items())
+        cached = self._heads.get((stage, schema is not None))
+        if cached is None or cached[0] != (self.model, params):
+            fields: dict[str, Any] = {"model": self.model, **self.params}
+            if schema is not None:
+                fields["response_format"] = {"type": "json_schema",
+                                             "json_schema": {"name": f"fork_{stage}", "schema": schema, "strict": True}}
+            cached = ((self.model, params), json.dumps(fields)[:-1] + ', "messages": [')
+            self._heads[(stage, schema is not None)] = cached
+        return (cached[1] + ", ".join(json.dumps(m) for m in messages) + "]}").encode()
+
+    # -- one HTTP request with bounded retries, on the least loaded endpoint ------------------------------
+    def _take(self, avoid: _Endpoint | None) -> tuple[_Endpoint, bool] | None:
+        """A free slot on the endpoint with the least load (``avoid`` last), or on one out of rotation
+        whose retry time has come (a probe, only when no endpoint in rotation has a free slot)."""
+        best, best_load, now = None, 4.0, 0.0
+        for ep in self._endpoints:
+            s = ep.slots
+            if s.used >= s.limit:
+                continue
+            load = s.used / s.limit
+            if ep.down is not None:
+                if ep.probing:
+                    continue
+                now = now or time.monotonic()
+                if now < ep.retry_at:
+                    continue
+                load += 2.0
+            if ep is avoid:
+                load += 1.0
+            if load < best_load:
+                best, best_load = ep, load
+        if best is None:
+            return None
+        best.slots.used += 1
+        probe = best.down is not None
+        if probe:
+            best.probing = True
+        return best, probe
+
+    async def _acquire(self, stage: str, avoid: _Endpoint | None) -> tuple[_Endpoint, bool]:
+        while True:
+            if self.down is not None:
+                raise JudgeError(stage, "endpoint_down", f"not sent: the endpoint is down ({self.down})")
+            taken = self._take(avoid)
+            if taken is not None:
+                return taken
+            assert self._loop is not None
+            fut = self._loop.create_future()
+            for ep in self._endpoints:
+                if ep.down is None:
+                    ep.slots.waiters.append(fut)
+            if not any(ep.down is None for ep in self._endpoints):  # every one waits for its retry time
+                await asyncio.sleep(max(0.0, min(ep.retry_at for ep in self._endpoints) - time.monotonic()))
+                continue
+            try:
+                slots = await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():
+                    fut.result().release()
+                raise
+            for ep in self._endpoints:
+                if ep.slots is slots and ep.down is None:
+                    return ep, False
+            slots.release()  # handed a slot of an endpoint taken out meanwhile: choose again
+
     async def _post(self, stage: str, messages: list[dict[str, str]], schema: dict[str, Any] | None) -> str:
-        body: dict[str, Any] = {"model": self.model, "messages": messages, **self.params}
-        if schema is not None:
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": f"fork_{stage}", "schema": schema, "strict": True}}
+        body = self._body(stage, messages, schema)
         usage = current_usage()
-        assert self._sem is not None
+        avoid: _Endpoint | None = None
         for attempt in range(self.max_retries + 1):
             if attempt and usage is not None:
                 usage.retries += 1
+            ep, probe = await self._acquire(stage, avoid)
+            t0 = time.monotonic()
             try:
-                async with self._sem:
-                    if self.down is not None:
-                        raise JudgeError(stage, "endpoint_down", f"not sent: the endpoint is down ({self.down})")
-                    if usage is not None:
-                        usage.requests += 1
-                    t0 = time.monotonic()
-                    text = await self._post_once(stage, body)
-                    self._streak = 0
-                    return text
+                if usage is not None:
+                    usage.requests += 1
+                ep.requests += 1
+                text = await self._post_once(ep, stage, body)
             except _Transient as err:
+                ep.errors += 1
                 if err.kind in ("timeout", "connection"):
-                    self._failed(t0, err)
-                if self.down is not None:
-                    raise JudgeError(stage, "endpoint_down", self.down) from None
-                if attempt == self.max_retries:
-                    raise JudgeError(stage, err.kind, f"{err} (after {attempt + 1} attempts)") from None
-                delay = min(self.backoff_max, self.backoff_base * 2 ** attempt) * self._rng.uniform(0.5, 1.0)
-                if err.retry_after is not None:
-                    delay = max(delay, min(err.retry_after, self.backoff_max))
-                await asyncio.sleep(delay)
+                    self._failed(ep, t0, err, probe)
+                else:
+                    self._answered(ep)
+                failure = err
+            except JudgeError:
+                ep.errors += 1
+                self._answered(ep)
+                raise
+            else:
+                dt = time.monotonic() - t0
+                ep.streak = 0
+                ep.replies += 1
+                ep.latency_sum += dt
+                ep.latencies.append(dt)
+                self._answered(ep)
+                return text
+            finally:
+                if probe:
+                    ep.probing = False
+                ep.slots.release()
+            if self.down is not None:
+                raise JudgeError(stage, "endpoint_down", self.down) from None
+            if attempt == self.max_retries:
+                raise JudgeError(stage, failure.kind, f"{failure} (after {attempt + 1} attempts)") from None
+            avoid = ep
+            delay = min(self.backoff_max, self.backoff_base * 2 ** attempt) * self._rng.uniform(0.5, 1.0)
+            if failure.retry_after is not None:
+                delay = max(delay, min(failure.retry_after, self.backoff_max))
+            await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def _post_once(self, stage: str, body: dict[str, Any]) -> str:
-        if self._lean is not None:
+    async def _post_once(self, ep: _Endpoint, stage: str, body: bytes) -> str:
+        if ep.lean is not None:
             try:
-                resp: Any = await self._lean.post(json.dumps(body).encode())
+                resp: Any = await ep.lean.post(body)
             except HTTPError as err:
                 if err.timeout:
                     raise _Transient("timeout", f"no reply within {self.timeout}s") from None
                 raise _Transient("connection", str(err)) from None
             return self._content(stage, resp)
-        shard = min(range(len(self._busy)), key=self._busy.__getitem__)
-        self._busy[shard] += 1
+        busy = ep.busy
+        shard = min(range(len(busy)), key=busy.__getitem__)
+        busy[shard] += 1
         try:
-            resp = await self._clients[shard].post(self.url, json=body)
+            resp = await ep.clients[shard].post(ep.url, content=body)
         except httpx.TimeoutException:
             raise _Transient("timeout", f"no reply within {self.timeout}s") from None
         except httpx.TransportError as err:
             raise _Transient("connection", type(err).__name__) from None
         finally:
-            self._busy[shard] -= 1
+            busy[shard] -= 1
         return self._content(stage, resp)
 
     def _content(self, stage: str, resp: Any) -> str:
@@ -380,6 +610,13 @@ class OpenAIJudge:
         if not isinstance(content, str):
             raise _Transient("bad_envelope", "message content is not a string")
         return content
+
+
+def _schema(stage: str) -> dict[str, Any]:
+    schema = _SCHEMAS.get(stage)
+    if schema is None:
+        schema = _SCHEMAS[stage] = reply_schema(stage)
+    return schema
 
 
 def _short(text: str, n: int = 200) -> str:
