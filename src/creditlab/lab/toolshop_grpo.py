@@ -6,6 +6,12 @@ weights, one row of metrics per update. It touches no global state: the task str
 :func:`task_seeds` (seeded by ``cfg.seed`` and the update index), the sampling and the minibatch
 order from one ``torch.Generator`` seeded with ``cfg.seed``.
 
+:func:`train_grpo_stacked` trains ``M`` models as one tensor program
+(:class:`creditlab.models.tiny_lm.StackedTinyLM`), each with its own :class:`GRPOConfig` (its own
+engine and learner precision, correction arm and seed; every other field shared), with common
+random numbers: models with the same seed get the same tasks, the same sampling uniforms and the
+same minibatch order, so arms are paired draw for draw.
+
 Advantages (:data:`AdvantageFn`, ``(batch, rewards, update) -> (B,) | (B, L)``): the built-ins of
 :func:`make_advantage` (outcome GRPO broadcast, credit geometries over turns) and PRM mixing with
 a fixed or scheduled weight (:func:`make_prm_advantage`). Weights (:data:`WeightFn`): the
@@ -17,7 +23,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -26,17 +32,20 @@ from creditlab.errors import ConfigError
 from creditlab.lab.toolshop_rollout import (
     EVAL_SEED_OFFSET,
     RolloutBatch,
+    StackedRollout,
     evaluate,
     evidence_scores,
     make_tasks,
     rollout,
+    rollout_stacked,
     sequence_logprobs,
+    stacked_logprobs,
     turn_mask_of,
     turn_progress_deltas,
     turns_to_tokens,
 )
 from creditlab.models.quant import check_precision
-from creditlab.models.tiny_lm import TinyLM
+from creditlab.models.tiny_lm import StackedTinyLM, TinyLM
 
 __all__ = [
     "AdvantageFn",
@@ -48,6 +57,7 @@ __all__ = [
     "make_weights",
     "task_seeds",
     "train_grpo",
+    "train_grpo_stacked",
 ]
 
 AdvantageFn = Callable[["RolloutBatch", torch.Tensor, int], torch.Tensor]
@@ -307,3 +317,203 @@ def train_grpo(model: TinyLM, cfg: GRPOConfig, *, advantage: AdvantageFn | None 
         if on_update is not None:
             on_update(row)
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# M models as one program
+# ----------------------------------------------------------------------------------------------
+
+#: GRPOConfig fields each stacked model may set for itself; all others must agree (lock step).
+PER_MODEL_FIELDS = ("rollout_precision", "learner_precision", "correction", "seed")
+
+
+def _stream_seed(*parts: object) -> int:
+    return random.Random("-".join(map(str, parts))).getrandbits(63)
+
+
+def _uniforms(seeds: list[int], tag: str, update: int, B: int, L: int) -> torch.Tensor:
+    """``(M, B, L)`` sampling uniforms: one stream per distinct seed, shared by the models that have it."""
+    per = {s: torch.rand(B, L, generator=torch.Generator().manual_seed(_stream_seed("u", tag, s, update)),
+                         dtype=torch.float64) for s in dict.fromkeys(seeds)}
+    return torch.stack([per[s] for s in seeds])
+
+
+def _stacked_eval(stack: StackedTinyLM, cfg: GRPOConfig, precision: str | tuple[str, ...]
+                  ) -> dict[str, torch.Tensor]:
+    """Held-out evaluation of every model on the same tasks with the same uniforms (common random
+    numbers): per model success, progress, truncation, tool calls and their per-episode values."""
+    M = stack.n_models
+    seeds = list(range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + cfg.eval_tasks))
+    tasks = make_tasks(seeds, cfg.chain_lengths)
+    u = torch.rand(cfg.eval_tasks, cfg.max_len, generator=torch.Generator().manual_seed(_stream_seed("eval")),
+                   dtype=torch.float64)
+    b = rollout_stacked(stack, [tasks] * M, u.expand(M, -1, -1), precision=precision, max_len=cfg.max_len,
+                        max_turns=cfg.max_turns, max_action_len=cfg.max_action_len, temperature=cfg.temperature)
+    return {"success": b.success, "progress": b.progress, "truncated": b.truncated.float(),
+            "n_calls": b.n_calls.float(), "budget": b.budget.float()}
+
+
+def _eval_row(ev: dict[str, torch.Tensor], m: int) -> dict[str, float]:
+    succ, calls = ev["success"][m], ev["n_calls"][m]
+    fail = succ < 0.5
+    row = {f"eval/{k}": float(ev[k][m].mean()) for k in ("success", "progress", "truncated", "n_calls")}
+    # interaction cost: mean turns of the successful episodes; cap exhaustion: share of the failures
+    # that used the whole action budget
+    row["eval/interaction_cost"] = float(calls[~fail].mean()) if bool((~fail).any()) else float("nan")
+    row["eval/cap_exhaustion"] = float((calls[fail] >= ev["budget"][m][fail]).float().mean()) \
+        if bool(fail.any()) else float("nan")
+    return row
+
+
+def train_grpo_stacked(stack: StackedTinyLM, configs: list[GRPOConfig], *, eval_precision: str | None = "fp32",
+                       on_update: Callable[[int, list[dict[str, float]]], None] | None = None
+                       ) -> list[list[dict[str, float]]]:
+    """Train the ``M`` models of ``stack`` in place with multi-turn GRPO, model ``m`` under
+    ``configs[m]``; returns one list of rows per model (the keys of :func:`train_grpo`).
+
+    The configs may differ only in :data:`PER_MODEL_FIELDS`. Per update, every model runs what
+    :func:`train_grpo` runs (rollouts with its engine, old log-probs with its learner, outcome GRPO
+    advantages, its correction weights, ``minibatches`` AdamW steps with its own gradient-norm
+    clip), all models in each tensor operation. Sampling is by inversion of the CDF from uniforms
+    keyed by (seed, update), so it draws other trajectories than :func:`train_grpo`'s multinomial;
+    models with the same seed share tasks, uniforms and minibatch order.
+
+    Held-out evaluation every ``eval_every`` updates and after the last one (row ``update =
+    updates``): every model on the same ``eval_tasks`` tasks with the same uniforms, with the
+    engine of ``eval_precision`` (``fp32`` by default: the learned policy, not its engine; None:
+    each model's rollout precision). Eval rows add ``eval/interaction_cost`` (mean turns of
+    successful episodes) and ``eval/cap_exhaustion`` (share of failures that used the whole action
+    budget). ``time/*`` splits the update into rollout, learner log-probs, weights and metrics, and
+    the optimisation; ``time/decode_steps`` counts the engine's positions.
+    """
+    from creditlab.core.advantages import grpo_advantages
+    from creditlab.core.correction import mismatch_metrics
+    from creditlab.core.losses import policy_loss
+
+    M = stack.n_models
+    if len(configs) != M:
+        raise ConfigError("configs", f"expected one GRPOConfig per stacked model ({M}), got {len(configs)}")
+    base = configs[0]
+    shared = [f for f in base.__dataclass_fields__ if f not in PER_MODEL_FIELDS]
+    for c in configs[1:]:
+        diff = [f for f in shared if getattr(c, f) != getattr(base, f)]
+        if diff:
+            raise ConfigError(diff[0], f"stacked models must agree on {diff}")
+    if base.advantage != "grpo":
+        raise ConfigError("advantage", "train_grpo_stacked runs outcome GRPO (advantage='grpo')")
+    if eval_precision is not None:
+        check_precision(eval_precision)
+    cfg = base
+    engines = tuple(c.rollout_precision for c in configs)
+    learners = tuple(c.learner_precision for c in configs)
+    seeds = [c.seed for c in configs]
+    w_fns = [make_weights(c.correction) for c in configs]
+    opt = torch.optim.AdamW(stack.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
+    G, T = cfg.group_size, cfg.tasks_per_update
+    B = G * T
+    gids = (torch.arange(M)[:, None] * T + torch.arange(B)[None, :] // G).reshape(-1)  # groups never span models
+    rows: list[list[dict[str, float]]] = [[] for _ in range(M)]
+
+    def evaluate_all(k: int, into: list[dict[str, float]]) -> float:
+        t0 = time.perf_counter()
+        ev = _stacked_eval(stack, cfg, eval_precision or engines)
+        for m in range(M):
+            into[m].update(_eval_row(ev, m))
+        return time.perf_counter() - t0
+
+    for k in range(cfg.updates):
+        new = [{"update": float(k)} for _ in range(M)]
+        t_eval = evaluate_all(k, new) if cfg.eval_every and k % cfg.eval_every == 0 else 0.0
+        t0 = time.perf_counter()
+        stack.eval()
+        tasks = []
+        for s in seeds:
+            ts = task_seeds(replace(cfg, seed=s), k)
+            tasks.append([t for t in make_tasks(ts, cfg.chain_lengths) for _ in range(G)])
+        batch: StackedRollout = rollout_stacked(
+            stack, tasks, _uniforms(seeds, "train", k, B, cfg.max_len), precision=engines, max_len=cfg.max_len,
+            max_turns=cfg.max_turns, max_action_len=cfg.max_action_len, temperature=cfg.temperature)
+        t1 = time.perf_counter()
+        pm, vm, rlp = batch.policy_mask, batch.valid_mask, batch.rollout_logprobs
+        # minibatches: one order per seed (models with the same seed share it), (M, B) row indices
+        perm_gen = {s: torch.Generator().manual_seed(_stream_seed("perm", s, k)) for s in dict.fromkeys(seeds)}
+        orders = []
+        for _ in range(cfg.epochs):
+            perm = {s: torch.randperm(B, generator=g) for s, g in perm_gen.items()}
+            orders += list(torch.stack([perm[s] for s in seeds]).chunk(cfg.minibatches, dim=1))
+
+        def take(x: torch.Tensor, rows_: torch.Tensor) -> torch.Tensor:
+            return x.gather(1, rows_.view(M, -1, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
+
+        stack.train()
+        # The first minibatch's forward runs before any step, so its log-probs are old_logprobs of
+        # those rows: only the other rows need a separate no-grad pass (same values, less work).
+        first = orders[0]
+        lp_first = stacked_logprobs(stack, take(batch.tokens, first), learners, cfg.temperature)
+        rest = torch.cat(orders[1:cfg.minibatches], dim=1) if cfg.minibatches > 1 else None
+        old = torch.zeros(rlp.shape, dtype=lp_first.dtype)
+        old.scatter_(1, first[..., None].expand(-1, -1, old.size(2)), lp_first.detach())
+        if rest is not None:
+            with torch.no_grad():
+                old.scatter_(1, rest[..., None].expand(-1, -1, old.size(2)),
+                             stacked_logprobs(stack, take(batch.tokens, rest), learners, cfg.temperature))
+        t2 = time.perf_counter()
+        rewards = (batch.success if cfg.reward == "success" else batch.progress).float()
+        adv = grpo_advantages(rewards.reshape(-1), gids).view(M, B)
+        w = torch.ones_like(old)
+        for m in range(M):
+            wm_, wmet = w_fns[m](old[m], rlp[m], pm[m], vm[m])
+            w[m] = wm_
+            new[m].update(mismatch_metrics(old[m], rlp[m], pm[m], vm[m]))
+            new[m].update({n: float(v) for n, v in wmet.items() if n.startswith("correction/")})
+        t3 = time.perf_counter()
+        loss_m: list[dict[str, list[float]]] = [{} for _ in range(M)]
+        gnorms: list[torch.Tensor] = []
+        adv_tok = adv[:, :, None].expand_as(old)
+        for j, rows_ in enumerate(orders):
+            lp = lp_first if j == 0 else stacked_logprobs(stack, take(batch.tokens, rows_), learners, cfg.temperature)
+            old_c, adv_c, pm_c, w_c = take(old, rows_), take(adv_tok, rows_), take(pm, rows_), take(w, rows_)
+            total = lp.new_zeros(())
+            for m in range(M):
+                loss, lm = policy_loss(lp[m], old_c[m], adv_c[m], pm_c[m], clip_low=cfg.clip_low,
+                                       clip_high=cfg.clip_high, weights=w_c[m].to(lp.dtype), agg=cfg.agg)
+                total = total + loss
+                for n, v in lm.items():
+                    loss_m[m].setdefault(n, []).append(float(v))
+            opt.zero_grad(set_to_none=True)
+            total.backward()
+            gnorms.append(stack.clip_grad_norm_(cfg.grad_clip))
+            opt.step()
+        stack.eval()
+        t4 = time.perf_counter()
+        gn = torch.stack(gnorms).mean(0)
+        for m in range(M):
+            n_policy = int(pm[m].sum())
+            row = new[m]
+            row.update({n: float(np.mean(v)) for n, v in loss_m[m].items()})
+            row.update({
+                "reward/success": float(batch.success[m].mean()),
+                "reward/progress": float(batch.progress[m].mean()),
+                "episode/truncation_rate": float(batch.truncated[m].float().mean()),
+                "episode/tool_calls": float(batch.n_calls[m].float().mean()),
+                "episode/length": float(vm[m].sum(1).float().mean()),
+                "episode/policy_tokens": float(n_policy) / B,
+                "adv/abs_mean": float(adv[m][:, None].expand_as(pm[m])[pm[m]].abs().mean()) if n_policy else 0.0,
+                "grad_norm": float(gn[m]),
+                "time/eval_s": t_eval,
+                "time/rollout_s": t1 - t0,
+                "time/old_logprobs_s": t2 - t1,
+                "time/weights_metrics_s": t3 - t2,
+                "time/optimize_s": t4 - t3,
+                "time/update_s": t4 - t0,
+                "time/decode_steps": float(batch.decode_steps),
+            })
+            rows[m].append(row)
+        if on_update is not None:
+            on_update(k, [rows[m][-1] for m in range(M)])
+    final = [{"update": float(cfg.updates)} for _ in range(M)]
+    evaluate_all(cfg.updates, final)
+    for m in range(M):
+        rows[m].append(final[m])
+    return rows
+

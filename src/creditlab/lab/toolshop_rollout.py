@@ -15,6 +15,13 @@ Alignment: ``rollout_logprobs[b, t]`` and ``logprobs[b, t]`` are the log-probabi
 Tasks: :func:`make_tasks` builds one task per seed; held-out evaluation (:func:`evaluate`) uses the
 seeds from :data:`EVAL_SEED_OFFSET` on, training tasks are drawn below it.
 
+Stacked rollout (:func:`rollout_stacked`): the same engine for ``M`` models at once
+(:class:`creditlab.models.tiny_lm.StackedTinyLM`), one batch of tasks per model, in lock step over
+all ``M x B`` trajectories, with the bookkeeping vectorised (Python runs only for the trajectories
+whose action ended at that position). It samples by inversion of the CDF from uniforms given by the
+caller, so models that get the same uniforms see common random numbers: two nearly equal policies
+draw nearly the same trajectories, which is what paired comparisons between arms need.
+
 Turn helpers: a :class:`RolloutBatch` knows which turn each token belongs to, so per-turn values
 ``(B, T)`` go to tokens with :func:`turns_to_tokens`; :func:`turn_mask_of` (the turns taken),
 :func:`turn_progress_deltas` (the verifier's progress change per turn) and :func:`evidence_scores`
@@ -34,16 +41,19 @@ import torch
 from creditlab.envs.toolshop import EOA, PAD, Task, ToolshopEnv, TurnRecord, make_task, verify
 from creditlab.errors import ConfigError
 from creditlab.models.quant import check_precision
-from creditlab.models.tiny_lm import TinyLM
+from creditlab.models.tiny_lm import StackedTinyLM, TinyLM
 
 __all__ = [
     "EVAL_SEED_OFFSET",
     "RolloutBatch",
     "evaluate",
     "evidence_scores",
+    "StackedRollout",
     "make_tasks",
     "rollout",
+    "rollout_stacked",
     "sequence_logprobs",
+    "stacked_logprobs",
     "turn_mask_of",
     "turn_progress_deltas",
     "turns_to_tokens",
@@ -155,6 +165,137 @@ def rollout(model: TinyLM, tasks: Sequence[Task], *, precision: str = "fp32", ma
         turn_ids=torch.as_tensor(turn[:, :L]), records=[env.records for env in envs],
         success=torch.tensor(succ), progress=torch.tensor(prog), truncated=torch.tensor(trunc),
         n_calls=torch.tensor([len(env.records) for env in envs]), tasks=list(tasks), group_ids=gids)
+
+
+@dataclass
+class StackedRollout:
+    """``M x B`` trajectories of :func:`rollout_stacked`: tensors ``(M, B, L)`` / ``(M, B)`` with the
+    meaning of :class:`RolloutBatch`; ``records[m][b]``, ``tasks[m][b]``; ``budget`` ``(M, B)`` the
+    action budget of each episode."""
+
+    tokens: torch.Tensor            # (M, B, L) long
+    policy_mask: torch.Tensor       # (M, B, L) bool
+    valid_mask: torch.Tensor        # (M, B, L) bool
+    rollout_logprobs: torch.Tensor  # (M, B, L) float, 0 off policy tokens
+    turn_ids: torch.Tensor          # (M, B, L) long
+    records: list[list[list[TurnRecord]]]
+    success: torch.Tensor           # (M, B) float 0/1
+    progress: torch.Tensor          # (M, B) float
+    truncated: torch.Tensor         # (M, B) bool
+    n_calls: torch.Tensor           # (M, B) long
+    budget: torch.Tensor            # (M, B) long
+    tasks: list[list[Task]]
+    decode_steps: int = 0           # model calls (positions) the engine ran
+
+
+@torch.no_grad()
+def rollout_stacked(model: StackedTinyLM, tasks: Sequence[Sequence[Task]], uniforms: torch.Tensor, *,
+                    precision: str | Sequence[str] = "fp32", max_len: int = 160, max_turns: int | None = None,
+                    max_action_len: int = 8, temperature: float = 1.0) -> StackedRollout:
+    """Sample one trajectory per task for each of the ``M`` stacked models (``tasks[m]``: ``B`` tasks
+    of model ``m``), the engine of ``precision`` (one, or one per model).
+
+    ``uniforms`` ``(M, B, max_len)`` in ``[0, 1)``: the token sampled at position ``t`` of trajectory
+    ``(m, b)`` is the first whose cumulative probability exceeds ``uniforms[m, b, t]`` times the
+    total (inversion of the CDF). Same uniforms, same policy: same trajectory.
+    """
+    M = model.n_models
+    if len(tasks) != M or len({len(t) for t in tasks}) != 1:
+        raise ConfigError("tasks", f"expected {M} lists of tasks of one length")
+    B = len(tasks[0])
+    if tuple(uniforms.shape) != (M, B, max_len):
+        raise ConfigError("uniforms", f"expected shape {(M, B, max_len)}, got {tuple(uniforms.shape)}")
+    if temperature <= 0:
+        raise ConfigError("temperature", f"must be > 0, got {temperature}")
+    R = M * B
+    envs = [ToolshopEnv(t, max_turns) for row in tasks for t in row]
+    prompts = [env.reset() for env in envs]
+    qmax = max(64, max(len(p) for p in prompts))
+    qbuf = np.zeros((R, qmax), dtype=np.int64)  # forced tokens still to feed (prompt, then each observation)
+    qhead = np.zeros(R, dtype=np.int64)
+    qlen = np.zeros(R, dtype=np.int64)
+    tokens = np.full((R, max_len), PAD, dtype=np.int64)
+    for r, p in enumerate(prompts):
+        tokens[r, 0] = p[0]
+        qbuf[r, :len(p) - 1] = p[1:]
+        qlen[r] = len(p) - 1
+    policy = np.zeros((R, max_len), dtype=bool)
+    valid = np.zeros((R, max_len), dtype=bool)
+    valid[:, 0] = True
+    turn = np.full((R, max_len), -1, dtype=np.int64)
+    logp = np.zeros((R, max_len), dtype=np.float32)
+    abuf = np.zeros((R, max_action_len), dtype=np.int64)
+    alen = np.zeros(R, dtype=np.int64)
+    nrec = np.zeros(R, dtype=np.int64)
+    done = np.zeros(R, dtype=bool)  # the environment's episode is over
+    finished = np.zeros(R, dtype=bool)  # ... and its last observation was fed
+    u_all = uniforms.reshape(R, max_len).to(torch.float64)
+    cache = model.init_cache(B, precision, max_len)
+    cur = torch.as_tensor(tokens[:, 0]).view(M, B)
+    steps = 0
+    for t in range(max_len - 1):
+        logits = model.step(cur, cache).float().view(R, -1)  # next-token distribution at position t+1
+        steps += 1
+        need = ~finished & (qlen == 0)
+        if need.any():
+            idx = np.flatnonzero(need)
+            it = torch.as_tensor(idx)
+            lp = torch.log_softmax(logits[it] / temperature, dim=-1)
+            cdf = lp.exp().to(torch.float64).cumsum(-1)
+            u = u_all[it, t + 1] * cdf[:, -1]
+            draw = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp(max=cdf.size(1) - 1)
+            draw_lp = lp.gather(1, draw[:, None]).squeeze(1).numpy()
+            draw = draw.numpy()
+            tokens[idx, t + 1] = draw
+            policy[idx, t + 1] = valid[idx, t + 1] = True
+            logp[idx, t + 1] = draw_lp
+            turn[idx, t + 1] = nrec[idx]
+            abuf[idx, alen[idx]] = draw
+            alen[idx] += 1
+            for r in idx[(draw == EOA) | (alen[idx] >= max_action_len)]:
+                res = envs[r].step(abuf[r, :alen[r]].tolist())
+                alen[r] = 0
+                obs = res.observation
+                if len(obs) > qbuf.shape[1]:
+                    qbuf = np.concatenate([qbuf, np.zeros((R, len(obs)), dtype=np.int64)], axis=1)
+                qbuf[r, :len(obs)] = obs
+                qhead[r], qlen[r] = 0, len(obs)
+                nrec[r] += 1
+                done[r] = res.done
+        forced = ~finished & (qlen > 0) & ~need
+        if forced.any():
+            idx = np.flatnonzero(forced)
+            tokens[idx, t + 1] = qbuf[idx, qhead[idx]]
+            qhead[idx] += 1
+            qlen[idx] -= 1
+            valid[idx, t + 1] = True
+            turn[idx, t + 1] = np.where(nrec[idx] > 0, nrec[idx] - 1, -1)
+            finished[idx] = (qlen[idx] == 0) & done[idx]
+        if finished.all():
+            break
+        cur = torch.as_tensor(tokens[:, t + 1]).view(M, B)
+    L = int(np.flatnonzero(valid.any(0)).max()) + 1
+    res = [env.result() for env in envs]
+
+    def mb(a, dtype=None):
+        return torch.as_tensor(a, dtype=dtype).reshape(M, B, *np.shape(a)[1:])
+
+    return StackedRollout(
+        tokens=mb(tokens[:, :L]), policy_mask=mb(policy[:, :L]), valid_mask=mb(valid[:, :L]),
+        rollout_logprobs=mb(logp[:, :L]), turn_ids=mb(turn[:, :L]),
+        records=[[envs[m * B + b].records for b in range(B)] for m in range(M)],
+        success=mb([float(ok) for ok, _ in res], torch.float32), progress=mb([p for _, p in res], torch.float32),
+        truncated=mb([not env.wrote for env in envs]), n_calls=mb([len(env.records) for env in envs]),
+        budget=mb([env.max_turns for env in envs]), tasks=[list(row) for row in tasks], decode_steps=steps)
+
+
+def stacked_logprobs(model: StackedTinyLM, tokens: torch.Tensor, precision: str | Sequence[str] = "fp32",
+                     temperature: float = 1.0) -> torch.Tensor:
+    """Learner log-probs ``(M, B, L)`` of ``tokens`` ``(M, B, L)`` (position 0 gets 0), full forward,
+    as :func:`sequence_logprobs` per model."""
+    logits = model(tokens, precision)[:, :, :-1].float() / temperature  # (M, B, L-1, V)
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, :, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(lp[..., :1]), lp], dim=-1)
 
 
 def sequence_logprobs(model: TinyLM, tokens: torch.Tensor, precision: str = "fp32",

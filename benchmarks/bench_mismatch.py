@@ -1,0 +1,123 @@
+"""Where the mismatch lab's time goes, and what stacking the arms into one program buys.
+
+Run (one torch thread, as each lab worker):
+
+    python benchmarks/bench_mismatch.py [--dose nvfp4] [--updates 3] [--batch-tasks 8]
+
+Side by side in one run, from the lab's cached base policy (built on first use):
+
+1. a GRPO update of the seven quantized arms of one seed as one stack, split into rollout (the
+   engine's decode steps), learner log-probs, correction weights and metrics, and optimisation;
+2. the share of quantization: one learner forward of the same tokens in fp32 and in each
+   precision, one decode step likewise;
+3. the same updates run one arm at a time (seven stacks of one model): the speed-up of stacking;
+4. the estimated wall time of the full lab at one dose (3 seeds) with 1 and 2 workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from creditlab.lab.mismatch import ARMS, MismatchConfig, arm_triple
+from creditlab.lab.toolshop_base import base_policy, default_cache_dir
+from creditlab.lab.toolshop_grpo import train_grpo_stacked
+from creditlab.lab.toolshop_rollout import make_tasks, rollout_stacked, stacked_logprobs
+from creditlab.models.tiny_lm import StackedTinyLM
+
+
+def _configs(cfg: MismatchConfig, arms: list[str], dose: str, updates: int, tasks: int):
+    g = replace(cfg.grpo, updates=updates, tasks_per_update=tasks, eval_every=0)
+    out = []
+    for a in arms:
+        e, lp, c = arm_triple(a, dose)
+        out.append(replace(g, rollout_precision=e, learner_precision=lp, correction=c, seed=0))
+    return out
+
+
+def _train(base, configs) -> tuple[float, list[dict]]:
+    stack = StackedTinyLM([base] * len(configs))
+    t0 = time.perf_counter()
+    rows = train_grpo_stacked(stack, configs, eval_precision=None)
+    return time.perf_counter() - t0, [r for r in rows[0] if "time/update_s" in r]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dose", default="nvfp4")
+    ap.add_argument("--updates", type=int, default=3)
+    ap.add_argument("--batch-tasks", type=int, default=None, help="tasks per update (default: the lab's)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    cfg = MismatchConfig()
+    tasks = args.batch_tasks or cfg.grpo.tasks_per_update
+    base = base_policy(cfg.base, cache_dir=default_cache_dir(os.environ.get("CREDITLAB_CACHE")))
+    load = os.getloadavg()
+    print(f"dose {args.dose}, {tasks} tasks x {cfg.grpo.group_size} rollouts per update, {args.updates} updates, "
+          f"1 thread; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    arms = [a for a in ARMS if a != "fp32"]
+
+    # 1. one stack of the seven quantized arms
+    wall, rows = _train(base, _configs(cfg, arms, args.dose, args.updates, tasks))
+    parts = {k: float(np.mean([r[f"time/{k}"] for r in rows]))
+             for k in ("rollout_s", "old_logprobs_s", "weights_metrics_s", "optimize_s", "update_s")}
+    steps = float(np.mean([r["time/decode_steps"] for r in rows]))
+    print(f"\n1. one update of {len(arms)} arms as one stack: {parts['update_s']:.2f} s "
+          f"({parts['update_s'] / len(arms):.2f} s per arm)")
+    for k, label in (("rollout_s", f"rollout ({steps:.0f} decode steps, {1000 * parts['rollout_s'] / steps:.1f} ms each)"),
+                     ("old_logprobs_s", "learner log-probs (first minibatch with grad + the rest)"),
+                     ("weights_metrics_s", "correction weights and mismatch metrics"),
+                     ("optimize_s", "optimisation (forward + backward of the other minibatches, AdamW)")):
+        print(f"   {label:70s} {parts[k]:6.2f} s  {100 * parts[k] / parts['update_s']:4.0f}%")
+
+    # 2. quantization's share: the same tokens through the learner and the engine in each precision
+    stack = StackedTinyLM([base] * len(arms))
+    seeds = list(range(tasks))
+    batch_tasks = [t for t in make_tasks(seeds, cfg.grpo.chain_lengths) for _ in range(cfg.grpo.group_size)]
+    B = len(batch_tasks)
+    u = torch.rand(len(arms), B, cfg.grpo.max_len, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    batch = rollout_stacked(stack, [batch_tasks] * len(arms), u, precision=args.dose, max_len=cfg.grpo.max_len)
+    print(f"\n2. quantization: learner forward of {len(arms)} x {B} x {batch.tokens.size(-1)} tokens; one decode step "
+          f"of {len(arms)} x {B} rows at position 80")
+    base_fwd = None
+    for prec in ("fp32", "int8", "fp8", "nvfp4", "mxfp4"):
+        with torch.no_grad():
+            stacked_logprobs(stack, batch.tokens, prec)
+            t0 = time.perf_counter()
+            stacked_logprobs(stack, batch.tokens, prec)
+            fwd = time.perf_counter() - t0
+            cache = stack.init_cache(B, prec, cfg.grpo.max_len)
+            for t in range(80):
+                stack.step(batch.tokens[:, :, t], cache)
+            t0 = time.perf_counter()
+            for t in range(80, 90):
+                stack.step(batch.tokens[:, :, t], cache)
+            dec = (time.perf_counter() - t0) / 10
+        base_fwd = base_fwd or (fwd, dec)
+        print(f"   {prec:6s} forward {fwd:6.2f} s ({fwd / base_fwd[0]:4.1f}x fp32)   decode step {1000 * dec:6.1f} ms "
+              f"({dec / base_fwd[1]:4.1f}x fp32)")
+
+    # 3. one arm at a time
+    t_one = 0.0
+    for a in arms:
+        w, _ = _train(base, _configs(cfg, [a], args.dose, args.updates, tasks))
+        t_one += w
+    print(f"\n3. the same {args.updates} updates one arm at a time: {t_one:.1f} s, as one stack: {wall:.1f} s; "
+          f"stacking is {t_one / wall:.2f}x faster")
+
+    # 4. the full lab at one dose: training updates only (held-out evaluation comes on top)
+    g = cfg.grpo
+    per_model = parts["update_s"] / len(arms)
+    cell = len(arms) * g.updates * per_model
+    total = cfg.seeds * cell + cfg.seeds * g.updates * per_model  # + the fp32 cell (cheaper: no quantizer)
+    print(f"\n4. training updates of one dose ({cfg.seeds} seeds x {len(ARMS)} arms x {g.updates} updates) at this "
+          f"speed: about {total / 60:.0f} min with 1 worker, {max(total / 2, cell) / 60:.0f} min with --workers 2")
+
+
+if __name__ == "__main__":
+    main()

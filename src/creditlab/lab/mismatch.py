@@ -1,0 +1,537 @@
+"""The mismatch lab: does a multi-turn agent trained on quantized rollouts need execution-prefix correction?
+
+Reads top to bottom:
+
+1. build (or load from the cache) one base policy: the toolshop agent's supervised warm start on
+   chains of 5 to 8 tool calls (:func:`creditlab.lab.toolshop_base.base_policy`);
+2. train it with multi-turn outcome GRPO under every arm, a triple (rollout engine, learner,
+   correction): ``fp32`` (fp32, fp32, none), ``naive`` (P, fp32, none), ``qat`` (P, P-QAT, none)
+   and ``qat_tis``, ``qat_mis``, ``qat_prefix``, ``qat_global``, ``qat_interq`` (P, P-QAT, that
+   correction of :data:`creditlab.core.correction.CORRECTIONS`), where the engine precision ``P``
+   (fp8, int8, nvfp4, mxfp4) is the dose of residual mismatch;
+3. every arm starts from the same base policy and, seed for seed, sees the same tasks, the same
+   sampling uniforms and the same minibatch order (common random numbers,
+   :func:`creditlab.lab.toolshop_grpo.train_grpo_stacked`), and is evaluated on the same held-out
+   tasks by the same fp32 engine with the same sampling uniforms;
+4. tables: ``summary`` (per arm, dose and seed: final and best held-out success, rollback, AULC,
+   interaction cost, cap exhaustion, K3 early and late), ``curves`` (per update), ``by_turn`` (the
+   prefix and current log ratio by turn index), paired differences against QAT and against fp32;
+   plots: success over updates, K3 over updates, the prefix/current fingerprint, rollback and
+   final success against the dose.
+
+Cells: one per (dose, seed) holding the seven quantized arms of that seed as one stacked tensor
+program, and one holding the fp32 arm of every seed (it does not depend on the dose). A cell's
+rows depend only on its arguments; every finished cell is stored at once (resumable).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import pandas as pd
+
+from creditlab.core.diagnostics import aulc, rollback
+from creditlab.errors import ConfigError
+from creditlab.lab.plotting import new_figure, save
+from creditlab.lab.protocol import LabConfig, Table, register_lab
+from creditlab.lab.report import mean_ci, paired_diff, read_diff, small_run_note
+from creditlab.lab.runner import Cell
+from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir
+from creditlab.lab.toolshop_grpo import GRPOConfig, train_grpo_stacked
+
+__all__ = ["ARMS", "DOSES", "LAB", "MismatchConfig", "MismatchLab", "arm_triple", "run_stack", "score_curve"]
+
+#: Arm -> (rollout engine, learner, correction); "P" is the engine precision of the dose.
+ARMS: dict[str, tuple[str, str, str]] = {
+    "fp32": ("fp32", "fp32", "none"),
+    "naive": ("P", "fp32", "none"),
+    "qat": ("P", "P", "none"),
+    "qat_tis": ("P", "P", "tis"),
+    "qat_mis": ("P", "P", "mis"),
+    "qat_prefix": ("P", "P", "prefix"),
+    "qat_global": ("P", "P", "global"),
+    "qat_interq": ("P", "P", "interq"),
+}
+LABELS = {"fp32": "fp32", "naive": "naive", "qat": "QAT", "qat_tis": "QAT+TIS", "qat_mis": "QAT+MIS",
+          "qat_prefix": "QAT+prefix", "qat_global": "QAT+global", "qat_interq": "QAT+InterQ"}
+#: Engine precisions of the dose (``-e`` selects among them).
+DOSES = ("fp8", "int8", "nvfp4", "mxfp4")
+DEFAULT_DOSES = ("fp8", "int8", "nvfp4")
+CHAINS = (5, 6, 7, 8)
+UNIT, DIFF = (0.0, 1.0), (-1.0, 1.0)
+METRICS = ("final", "best", "rollback", "aulc")
+
+
+def arm_triple(arm: str, dose: str) -> tuple[str, str, str]:
+    """(rollout engine, learner precision, correction) of ``arm`` at engine precision ``dose``."""
+    if arm not in ARMS:
+        raise ConfigError("arms", f"unknown arm {arm!r}; valid: {', '.join(ARMS)}")
+    e, learner, corr = ARMS[arm]
+    return (dose if e == "P" else e, dose if learner == "P" else learner, corr)
+
+
+@dataclass(frozen=True)
+class MismatchConfig(LabConfig):
+    """Configuration of the mismatch lab."""
+
+    OPTIONS: ClassVar[dict[str, str]] = {"updates": "grpo.updates"}
+    EXPERIMENTS: ClassVar[tuple[str, ...]] = DOSES
+    SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "smooth")
+
+    base: BaseConfig = field(default_factory=lambda: BaseConfig(chain_lengths=CHAINS))
+    """Supervised warm start of the shared base policy (cached): chains of 5 to 8 tool calls."""
+    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(
+        updates=300, tasks_per_update=8, group_size=8, chain_lengths=CHAINS, eval_every=10, eval_tasks=256))
+    """Outcome GRPO shared by every arm (its precisions, correction and seed are set per arm)."""
+    seeds: int = 3
+    """Paired seeds per arm (task stream, sampling uniforms, minibatch order)."""
+    arms: tuple[str, ...] = tuple(ARMS)
+    """Arms to train (see ARMS)."""
+    smooth: int = 3
+    """Evaluation points averaged for final and best success (a window of smooth * eval_every updates);
+    it only changes the tables, so it is not part of the run's identity."""
+    experiments: tuple[str, ...] = DEFAULT_DOSES
+    """Engine precisions of the dose to run (fp8, int8, nvfp4, mxfp4)."""
+    cache_dir: str | None = None
+    """Where the base policy is cached (None: the user cache directory); never changes a number."""
+
+    @classmethod
+    def quick(cls) -> MismatchConfig:
+        return cls(grpo=GRPOConfig(updates=8, tasks_per_update=4, group_size=4, chain_lengths=CHAINS,
+                                   eval_every=4, eval_tasks=32),
+                   seeds=2, smooth=1, experiments=("nvfp4",))
+
+    def validate(self) -> None:
+        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
+            raise ConfigError("--seeds", f"must be an integer >= 1, got {self.seeds!r}")
+        if not self.arms or len(set(self.arms)) != len(self.arms):
+            raise ConfigError("arms", f"needs distinct arms, got {list(self.arms)}")
+        for a in self.arms:
+            arm_triple(a, "fp8")
+        if not self.experiments or any(e not in DOSES for e in self.experiments):
+            raise ConfigError("--experiment", f"got {list(self.experiments)}; valid: {', '.join(DOSES)}")
+        g = self.grpo
+        if g.eval_every < 1:
+            raise ConfigError("grpo.eval_every", "the lab scores held-out success over training: must be >= 1")
+        if self.smooth < 1 or self.smooth > g.updates // g.eval_every + 1:
+            raise ConfigError("smooth", f"must be in [1, {g.updates // g.eval_every + 1}], got {self.smooth}")
+        if g.max_len > self.base.max_len:
+            raise ConfigError("grpo.max_len", f"{g.max_len} exceeds the model's {self.base.max_len}")
+        if tuple(g.chain_lengths) != tuple(self.base.chain_lengths):
+            raise ConfigError("grpo.chain_lengths", "must equal base.chain_lengths (the base policy's tasks)")
+        if g.advantage != "grpo":
+            raise ConfigError("grpo.advantage", "the mismatch lab trains outcome GRPO (advantage='grpo')")
+
+    def cache(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else default_cache_dir(None)
+
+
+# --------------------------------------------------------------------------------------------
+# cells
+
+
+def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_dir: str) -> list[dict]:
+    """One cell: the arms x seeds of one engine precision trained as one stacked program from the
+    cached base policy. One row per model per update (and the final evaluation row)."""
+    from creditlab.models.tiny_lm import StackedTinyLM
+
+    cfg = MismatchConfig.from_dict(config)
+    base = base_policy(cfg.base, cache_dir=cache_dir)
+    members = [(a, s) for a in arms for s in seeds]
+    # consecutive models share a learner precision: one quantizer call per precision (StackedTinyLM)
+    members.sort(key=lambda m: (arm_triple(m[0], dose)[1] == "fp32", list(ARMS).index(m[0]), m[1]))
+    configs = []
+    for a, s in members:
+        engine, learner, corr = arm_triple(a, dose)
+        configs.append(replace(cfg.grpo, rollout_precision=engine, learner_precision=learner, correction=corr, seed=s))
+    stack = StackedTinyLM([base] * len(members))
+    rows = train_grpo_stacked(stack, configs, eval_precision="fp32")
+    out = []
+    for (a, s), model_rows in zip(members, rows, strict=True):
+        out += [{"arm": a, "dose": dose, "seed": s, **r} for r in model_rows]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# scores of a learning curve
+
+
+def score_curve(updates: np.ndarray, success: np.ndarray, smooth: int) -> dict[str, float]:
+    """Final, best, rollback and AULC of one held-out learning curve (eval points in update order).
+
+    ``final`` is the mean of the last ``smooth`` evaluation points, ``best`` the largest mean of
+    ``smooth`` consecutive points anywhere in the run, ``rollback = best - final``
+    (:func:`creditlab.core.diagnostics.rollback` on the smoothed curve); averaging a window keeps
+    the maximum of a noisy curve from reading as a rollback. ``aulc`` is the mean over all points
+    (:func:`creditlab.core.diagnostics.aulc`).
+    """
+    import torch
+
+    y = torch.tensor(np.asarray(success, dtype=np.float64))
+    w = min(smooth, len(y))
+    s = y.unfold(0, w, 1).mean(-1)
+    peak = int(torch.argmax(s))
+    return {"final": float(s[-1]), "best": float(s.max()), "rollback": float(rollback(s)), "aulc": float(aulc(y)),
+            "best_update": float(updates[peak + w - 1])}
+
+
+def _summary(df: pd.DataFrame, cfg: MismatchConfig) -> pd.DataFrame:
+    U = cfg.grpo.updates
+    rows = []
+    for (arm, dose, seed), g in df.groupby(["arm", "dose", "seed"], sort=False):
+        ev = g.dropna(subset=["eval/success"]).sort_values("update")
+        tr = g.dropna(subset=["mismatch/k3"]).sort_values("update")
+        last = ev[ev["update"] == ev["update"].max()].iloc[0]
+        early = tr[tr["update"] < U / 3]["mismatch/k3"].mean()
+        late = tr[tr["update"] >= 2 * U / 3]["mismatch/k3"].mean()
+        rows.append({"arm": arm, "dose": dose, "seed": int(seed),
+                     **score_curve(ev["update"].to_numpy(), ev["eval/success"].to_numpy(), cfg.smooth),
+                     "interaction_cost": last.get("eval/interaction_cost", math.nan),
+                     "cap_exhaustion": last.get("eval/cap_exhaustion", math.nan),
+                     "k3_early": early, "k3_late": late,
+                     "k3_growth": late / early if early > 0 else math.nan,
+                     "train_success_late": tr[tr["update"] >= 2 * U / 3]["reward/success"].mean()})
+    out = pd.DataFrame(rows)
+    out["arm"] = pd.Categorical(out["arm"], categories=list(ARMS), ordered=True)
+    return out.sort_values(["dose", "arm", "seed"]).reset_index(drop=True).assign(arm=lambda d: d["arm"].astype(str))
+
+
+def _with_fp32_per_dose(summary: pd.DataFrame, doses: list[str]) -> pd.DataFrame:
+    """The fp32 arm's rows repeated under every dose, so it pairs with each dose's arms."""
+    fp = summary[summary["arm"] == "fp32"]
+    rest = summary[summary["arm"] != "fp32"]
+    return pd.concat([rest] + [fp.assign(dose=d) for d in doses], ignore_index=True)
+
+
+def _means(summary: pd.DataFrame, doses: list[str]) -> pd.DataFrame:
+    rows = []
+    df = _with_fp32_per_dose(summary, doses)
+    for (dose, arm), g in df.groupby(["dose", "arm"], sort=False):
+        row = {"dose": dose, "arm": arm}
+        for m, bounds in (("final", UNIT), ("rollback", (0.0, 1.0)), ("aulc", UNIT), ("k3_late", (0.0, math.inf)),
+                          ("k3_growth", (0.0, math.inf))):
+            mean, lo, hi = mean_ci(g[m], bounds)
+            row.update({m: mean, f"{m}_lo": lo, f"{m}_hi": hi})
+        row["n"] = len(g)
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    order = {a: i for i, a in enumerate(ARMS)}
+    return out.sort_values(["dose", "arm"], key=lambda c: c.map(order) if c.name == "arm" else c).reset_index(drop=True)
+
+
+def _diffs(summary: pd.DataFrame, doses: list[str], ref: str) -> pd.DataFrame:
+    df = _with_fp32_per_dose(summary, doses)
+    arms = [a for a in ARMS if a != ref and a in set(df["arm"])]
+    if ref not in set(df["arm"]):
+        return pd.DataFrame()
+    out = []
+    for a in arms:
+        merged = None
+        for m in ("final", "rollback", "aulc"):
+            d = paired_diff(df, a, ref, ["dose"], m, bounds=DIFF).rename(
+                columns={"mean": m, "lo": f"{m}_lo", "hi": f"{m}_hi"})
+            merged = d if merged is None else merged.merge(d.drop(columns=["n"]), on=["diff", "dose"])
+        out.append(merged)
+    res = pd.concat(out, ignore_index=True)
+    cols = ["diff", "dose"] + [c for m in ("final", "rollback", "aulc") for c in (m, f"{m}_lo", f"{m}_hi")] + ["n"]
+    return res[cols]
+
+
+def _by_turn(df: pd.DataFrame, cfg: MismatchConfig) -> pd.DataFrame:
+    U = cfg.grpo.updates
+    turns = sorted({int(c.split("/")[1][4:]) for c in df.columns if c.startswith("mismatch/turn") and
+                    c.endswith("/prefix")})
+    rows = []
+    for (arm, dose), g in df.dropna(subset=["mismatch/k3"]).groupby(["arm", "dose"], sort=False):
+        for phase, sel in (("all", g), ("early", g[g["update"] < U / 3]), ("late", g[g["update"] >= 2 * U / 3])):
+            for k in turns:
+                pre, cur, n = (sel.get(f"mismatch/turn{k}/{w}") for w in ("prefix", "current", "tokens"))
+                if pre is None or pre.notna().sum() == 0:
+                    continue
+                per_seed = sel.assign(p=pre, c=cur).groupby("seed")[["p", "c"]].mean()
+                mp, plo, phi = mean_ci(per_seed["p"])
+                mc, clo, chi = mean_ci(per_seed["c"])
+                rows.append({"arm": arm, "dose": dose, "phase": phase, "turn": k, "prefix": mp, "prefix_lo": plo,
+                             "prefix_hi": phi, "current": mc, "current_lo": clo, "current_hi": chi,
+                             "tokens": float(n.mean()) if n is not None else math.nan})
+    return pd.DataFrame(rows)
+
+
+def _fingerprint(by_turn: pd.DataFrame) -> pd.DataFrame:
+    """Wide view of ``by_turn`` (phase ``all``): one row per arm, dose and ratio, one column per turn."""
+    if by_turn.empty:
+        return by_turn
+    d = by_turn[by_turn["phase"] == "all"]
+    rows = []
+    for (dose, arm), g in d.groupby(["dose", "arm"], sort=False):
+        for what in ("prefix", "current"):
+            rows.append({"dose": dose, "arm": arm, "log ratio": what,
+                         **{f"turn {int(t)}": v for t, v in zip(g["turn"], g[what], strict=True)}})
+    out = pd.DataFrame(rows)
+    order = {a: i for i, a in enumerate(ARMS)}
+    return out.sort_values(["dose", "arm", "log ratio"], key=lambda c: c.map(order) if c.name == "arm" else c,
+                           ascending=[True, True, False]).reset_index(drop=True)
+
+
+CURVE_COLUMNS = {"eval/success": "success", "reward/success": "train_success", "mismatch/k3": "k3",
+                 "mismatch/mean_abs_delta": "mean_abs_delta", "mismatch/seq_k3": "seq_k3",
+                 "correction/clip_rate": "clip_rate", "correction/weight_mean": "weight_mean",
+                 "correction/weight_min": "weight_min", "correction/weight_max": "weight_max",
+                 "loss/clip_frac": "ppo_clip_frac", "grad_norm": "grad_norm", "episode/tool_calls": "tool_calls"}
+
+
+# --------------------------------------------------------------------------------------------
+# the lab
+
+
+class MismatchLab:
+    """Quantized-rollout GRPO of the toolshop agent under each correction arm (module docstring)."""
+
+    name = "mismatch"
+    summary = "Quantized rollout engine vs learner in a multi-turn agent: QAT, TIS, MIS, prefix, InterQ-RL."
+    config_type = MismatchConfig
+
+    def describe(self, cfg: MismatchConfig) -> str:
+        g = cfg.grpo
+        arms = ", ".join(f"{LABELS[a]} ({'/'.join(arm_triple(a, 'P'))})" for a in cfg.arms)
+        return (
+            f"Multi-turn outcome GRPO of the tiny toolshop agent on chains of {', '.join(map(str, g.chain_lengths))} "
+            f"tool calls, from one supervised base policy ({cfg.base.n_demos} noisy demonstrations). Arms "
+            f"(rollout engine / learner / correction, P = the engine precision of the dose): {arms}. Doses: "
+            f"{', '.join(cfg.experiments)}. {g.updates} updates of {g.tasks_per_update} tasks x {g.group_size} "
+            f"rollouts, {g.minibatches} AdamW steps per update (lr {g.lr:g}), {cfg.seeds} paired seed(s): every arm "
+            "sees the same tasks, sampling uniforms and minibatch order seed for seed. Held-out success: "
+            f"{g.eval_tasks} fixed tasks every {g.eval_every} updates, sampled (temperature {g.temperature:g}) by the "
+            "fp32 engine with the same uniforms for every arm and every evaluation. Final success is the mean "
+            f"of the last {cfg.smooth} evaluation points, best the largest mean of {cfg.smooth} consecutive points, "
+            "rollback = best - final.")
+
+    def prepare(self, cfg: MismatchConfig, progress: bool = True) -> None:
+        """Build the base policy once in the driver (cached), with a progress bar."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        if (cfg.cache() / f"toolshop-base-{cfg.base.key()}.safetensors").exists():
+            return
+        with Progress(TextColumn("[bold]mismatch base policy"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), disable=not progress) as bar:
+            task = bar.add_task("base", total=cfg.base.steps, loss=float("nan"))
+            base_policy(cfg.base, cache_dir=cfg.cache(),
+                        progress=lambda k, loss: bar.update(task, completed=k + 1, loss=loss))
+
+    def cells(self, cfg: MismatchConfig) -> list[Cell]:
+        ident, ctx = cfg.identity(), {"cache_dir": str(cfg.cache())}
+        seeds = list(range(cfg.seeds))
+        cells = []
+        if "fp32" in cfg.arms:
+            cells.append(Cell("train", "fp32", run_stack, {"dose": "fp32", "arms": ["fp32"], "seeds": seeds,
+                                                           "config": ident}, ctx))
+        quantized = [a for a in cfg.arms if a != "fp32"]
+        if quantized:
+            for dose in cfg.experiments:
+                cells += [Cell("train", f"{dose}/seed={s}", run_stack,
+                               {"dose": dose, "arms": quantized, "seeds": [s], "config": ident}, ctx) for s in seeds]
+        return cells
+
+    def tables(self, rows: dict[str, pd.DataFrame], cfg: MismatchConfig) -> dict[str, Table]:
+        df = rows["train"]
+        df = df[df["dose"].isin(["fp32", *cfg.experiments]) & df["arm"].isin(cfg.arms)]
+        doses = [d for d in cfg.experiments if d in set(df["dose"])]
+        summary = _summary(df, cfg)
+        tabs = {"summary": Table(summary, "Summary per arm, dose and seed (held-out success, fp32 engine)", ".3g"),
+                "means": Table(_means(summary, doses), "Means over seeds with 95% intervals", ".3g", console=True)}
+        for ref in ("qat", "fp32"):
+            d = _diffs(summary, doses, ref)
+            if len(d):
+                tabs[f"diff_vs_{ref}"] = Table(d, f"Paired differences against {LABELS[ref]} (same seeds)", ".3g")
+        by_turn = _by_turn(df, cfg)
+        tabs["by_turn"] = Table(by_turn, "Prefix and current log ratio by turn", ".3g", report=False)
+        tabs["fingerprint"] = Table(_fingerprint(by_turn),
+                                    "Fingerprint: mean prefix and current log ratio by turn (all updates)", ".2g")
+        cols = ["arm", "dose", "seed", "update"] + [c for c in CURVE_COLUMNS if c in df.columns]
+        curves = df[cols].rename(columns=CURVE_COLUMNS).sort_values(["dose", "arm", "seed", "update"])
+        tabs["curves"] = Table(curves.reset_index(drop=True), "Every update of every run", ".3g", report=False)
+        return tabs
+
+    def plots(self, tabs: dict[str, Table], cfg: MismatchConfig, out: Path) -> list[Path]:
+        curves, means = tabs["curves"].frame, tabs["means"].frame
+        doses = [d for d in cfg.experiments if d in set(curves["dose"])]
+        made = [_plot_success(curves, doses, cfg, out), _plot_k3(curves, doses, cfg, out)]
+        if len(tabs["by_turn"].frame):
+            made.append(_plot_fingerprint(tabs["by_turn"].frame, doses, out))
+        made.append(_plot_dose(means, doses, out))
+        return made
+
+    def interpret(self, tabs: dict[str, Table], cfg: MismatchConfig) -> dict[str, str]:
+        few = small_run_note(cfg.seeds)
+        s, m = tabs["summary"].frame, tabs["means"].frame
+        text: dict[str, str] = {}
+        noise = _noise_floor(s)
+        text["summary"] = (
+            "One row per run. final: mean held-out success of the last evaluation points; best: the best such "
+            "window anywhere in training; rollback = best - final; AULC: mean held-out success over all evaluation "
+            "points; interaction cost: mean turns of the successful held-out episodes; cap exhaustion: share of the "
+            "failed held-out episodes that used the whole action budget; K3 early/late: mean K3(engine || learner) "
+            "per policy token over the first and last third of the updates, k3_growth = late / early. "
+            + (f"Rollback of the fp32 arm, which has no mismatch, is {noise:.3g} on average: rollbacks of that size "
+               "are the noise of the evaluation and of RL itself, not a collapse." if not math.isnan(noise) else "")
+            + few)
+        text["means"] = _read_means(m, cfg) + few
+        for ref in ("qat", "fp32"):
+            name = f"diff_vs_{ref}"
+            if name not in tabs:
+                continue
+            d = tabs[name].frame
+            parts = []
+            for metric in ("final", "rollback"):
+                sub = d.rename(columns={metric: "mean", f"{metric}_lo": "lo", f"{metric}_hi": "hi"})
+                for what, g in sub.groupby("diff", sort=False):
+                    parts.append(f"[{metric}] " + read_diff(g[["dose", "mean", "lo", "hi", "n"]], ["dose"], what))
+            text[name] = (f"Paired differences (arm - {LABELS[ref]}, same seeds, same evaluation) of final held-out "
+                          "success, rollback and AULC. " + " ".join(parts))
+        text["fingerprint"] = _read_fingerprint(tabs["by_turn"].frame)
+        return text
+
+
+LAB = register_lab(MismatchLab())
+
+
+def _noise_floor(summary: pd.DataFrame) -> float:
+    fp = summary[summary["arm"] == "fp32"]["rollback"]
+    return float(fp.mean()) if len(fp) else math.nan
+
+
+def _read_means(m: pd.DataFrame, cfg: MismatchConfig) -> str:
+    parts = []
+    for dose, g in m.groupby("dose", sort=False):
+        g = g.set_index("arm")
+        items = ", ".join(f"{LABELS[a]} {r.final:.2f}" for a, r in g.iterrows())
+        worst = g["rollback"].idxmax()
+        k3 = ", ".join(f"{LABELS[a]} {r.k3_late:.2g}" for a, r in g.iterrows() if a != "fp32")
+        parts.append(f"{dose}: final success {items}; largest mean rollback {g.loc[worst, 'rollback']:.3f} "
+                     f"({LABELS[worst]}); late K3 {k3}.")
+    return ("Means over seeds (95% intervals in the table), the fp32 arm repeated under every dose. "
+            + " ".join(parts))
+
+
+def _read_fingerprint(by_turn: pd.DataFrame) -> str:
+    if by_turn.empty:
+        return "No turn-level mismatch metrics were recorded."
+    d = by_turn[by_turn["phase"] == "all"]
+    parts = []
+    for (dose, arm), g in d.groupby(["dose", "arm"], sort=False):
+        if arm not in ("naive", "qat") or len(g) < 2:
+            continue
+        g = g.sort_values("turn")
+        parts.append(f"{LABELS[arm]} at {dose}: prefix {g['prefix'].iloc[0]:.2g} at turn 0 -> "
+                     f"{g['prefix'].iloc[-1]:.2g} at turn {int(g['turn'].iloc[-1])}, current "
+                     f"{g['current'].iloc[0]:.2g} -> {g['current'].iloc[-1]:.2g}")
+    return ("Mean log ratio (learner - engine) of the policy tokens of each turn (current) and of the whole "
+            "execution prefix up to them (prefix), over all updates and seeds. A prefix that grows with the turn "
+            "while the current ratio stays flat is the compounding the prefix corrections target. "
+            + "; ".join(parts) + ".")
+
+
+# --------------------------------------------------------------------------------------------
+# plots
+
+COLORS = {"fp32": "black", "naive": "tab:red", "qat": "tab:blue", "qat_tis": "tab:orange", "qat_mis": "tab:brown",
+          "qat_prefix": "tab:purple", "qat_global": "tab:olive", "qat_interq": "tab:green"}
+
+
+def _runs_for(curves: pd.DataFrame, dose: str) -> pd.DataFrame:
+    fp = curves[curves["arm"] == "fp32"].assign(dose=dose)
+    return pd.concat([fp, curves[(curves["dose"] == dose) & (curves["arm"] != "fp32")]])
+
+
+def _band(ax, df: pd.DataFrame, value: str, arm: str, log: bool = False) -> None:
+    g = df.dropna(subset=[value]).groupby("update")[value]
+    x = g.mean().index.to_numpy()
+    if log:
+        y = g.apply(lambda v: float(np.exp(np.log(np.maximum(v, 1e-12)).mean()))).to_numpy()
+    else:
+        y = g.mean().to_numpy()
+    ax.plot(x, y, color=COLORS[arm], label=LABELS[arm], lw=1.6 if arm in ("fp32", "qat", "qat_interq") else 1.1)
+    if g.size().min() > 1:
+        ax.fill_between(x, g.min().to_numpy(), g.max().to_numpy(), color=COLORS[arm], alpha=0.08)
+
+
+def _plot_success(curves: pd.DataFrame, doses: list[str], cfg: MismatchConfig, out: Path) -> Path:
+    fig, axes = new_figure(1, len(doses), figsize=(5.2 * len(doses), 4.2), squeeze=False)
+    for ax, dose in zip(axes[0], doses, strict=True):
+        runs = _runs_for(curves, dose)
+        for arm in [a for a in ARMS if a in set(runs["arm"])]:
+            _band(ax, runs[runs["arm"] == arm], "success", arm)
+        ax.set_title(f"engine {dose}: held-out success (fp32, sampled)")
+        ax.set_xlabel("update")
+        ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("success (mean over seeds; band: min-max)")
+    axes[0][-1].legend(loc="lower right", fontsize=8)
+    return save(fig, out / "mismatch_success.png")
+
+
+def _plot_k3(curves: pd.DataFrame, doses: list[str], cfg: MismatchConfig, out: Path) -> Path:
+    fig, axes = new_figure(1, len(doses), figsize=(5.2 * len(doses), 4.2), squeeze=False, sharey=True)
+    for ax, dose in zip(axes[0], doses, strict=True):
+        runs = curves[(curves["dose"] == dose) & (curves["arm"] != "fp32")].copy()
+        runs["k3"] = runs.groupby(["arm", "seed"])["k3"].transform(lambda v: v.rolling(5, min_periods=1).mean())
+        for arm in [a for a in ARMS if a in set(runs["arm"])]:
+            _band(ax, runs[runs["arm"] == arm], "k3", arm, log=True)
+        ax.set_yscale("log")
+        ax.set_title(f"engine {dose}: K3(engine || learner) per policy token")
+        ax.set_xlabel("update")
+    axes[0][0].set_ylabel("K3 (5-update rolling mean; geometric mean over seeds)")
+    axes[0][-1].legend(loc="upper right", fontsize=8)
+    return save(fig, out / "mismatch_k3.png")
+
+
+def _plot_fingerprint(by_turn: pd.DataFrame, doses: list[str], out: Path) -> Path:
+    """Top row: the naive arm (fp32 learner); bottom row: QAT and QAT+InterQ, on their own scale
+    (means over seeds; the per-seed spread is in the ``by_turn`` table)."""
+    fig, axes = new_figure(2, len(doses), figsize=(5.2 * len(doses), 7.2), squeeze=False)
+    d = by_turn[by_turn["phase"] == "all"]
+    for col, dose in enumerate(doses):
+        for row, arms in enumerate((("naive",), ("qat", "qat_interq"))):
+            ax = axes[row][col]
+            for arm in arms:
+                g = d[(d["dose"] == dose) & (d["arm"] == arm)].sort_values("turn")
+                if g.empty:
+                    continue
+                ax.plot(g["turn"], g["prefix"], "o-", color=COLORS[arm], label=f"{LABELS[arm]}: prefix")
+                ax.plot(g["turn"], g["current"], "s--", color=COLORS[arm], alpha=0.8, label=f"{LABELS[arm]}: current")
+            ax.axhline(0, color="gray", lw=0.8)
+            ax.set_title(f"engine {dose}: {' and '.join(LABELS[a] for a in arms)}")
+            ax.set_xlabel("turn index")
+            ax.legend(fontsize=8, loc="lower left")
+        axes[0][0].set_ylabel("mean log ratio learner - engine")
+        axes[1][0].set_ylabel("mean log ratio learner - engine")
+    return save(fig, out / "mismatch_fingerprint.png")
+
+
+def _plot_dose(means: pd.DataFrame, doses: list[str], out: Path) -> Path:
+    """Rollback and final success of each arm against the engine precision, the doses ordered by
+    the residual mismatch the QAT arm measured (its late K3)."""
+    qat = means[means["arm"] == "qat"].set_index("dose")["k3_late"]
+    doses = sorted(doses, key=lambda d: float(qat.get(d, math.nan)) if d in qat.index else math.inf)
+    fig, axes = new_figure(1, 2, figsize=(11, 4.2))
+    x = np.arange(len(doses))
+    arms = [a for a in ARMS if a in set(means["arm"])]
+    width = 0.8 / max(len(arms), 1)
+    ticks = [f"{d}\n(QAT K3 {qat[d]:.1e})" if d in qat.index else d for d in doses]
+    for ax, metric, label in ((axes[0], "rollback", "rollback = best - final"), (axes[1], "final", "final success")):
+        for i, arm in enumerate(arms):
+            g = means[means["arm"] == arm].set_index("dose").reindex(doses)
+            xs = x - 0.4 + width * (i + 0.5)
+            err = np.vstack([(g[metric] - g[f"{metric}_lo"]).fillna(0).clip(lower=0),
+                             (g[f"{metric}_hi"] - g[metric]).fillna(0).clip(lower=0)])
+            ax.bar(xs, g[metric], width, yerr=err, color=COLORS[arm], label=LABELS[arm], capsize=2,
+                   error_kw={"elinewidth": 0.8})
+        ax.set_xticks(x, ticks)
+        ax.set_xlabel("rollout engine precision (dose), by the residual mismatch under QAT")
+        ax.set_ylabel(f"{label} (mean, 95% interval over seeds)")
+    axes[1].set_ylim(0, 1)
+    axes[0].legend(fontsize=8, ncol=2)
+    return save(fig, out / "mismatch_dose.png")

@@ -1,0 +1,218 @@
+"""The mismatch lab: the stacked model, rollout and trainer it runs on, and the lab on the protocol."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from creditlab.errors import ConfigError
+from creditlab.lab.mismatch import ARMS, LAB, MismatchConfig, arm_triple, score_curve
+from creditlab.lab.protocol import run_lab
+from creditlab.lab.toolshop_base import BaseConfig, base_policy
+from creditlab.lab.toolshop_grpo import GRPOConfig, train_grpo_stacked
+from creditlab.lab.toolshop_rollout import make_tasks, rollout_stacked, stacked_logprobs
+from creditlab.models.quant import PRECISIONS
+from creditlab.models.tiny_lm import StackedTinyLM, TinyLM, TinyLMConfig
+
+TINY_BASE = BaseConfig(n_demos=64, steps=30, batch_size=16, d_model=32, n_layer=1, max_len=96, chain_lengths=(2, 3))
+TINY_GRPO = GRPOConfig(updates=2, tasks_per_update=2, group_size=2, chain_lengths=(2, 3), max_len=48, eval_every=1,
+                       eval_tasks=4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: these tensors are tiny, and two threads on shared cores spend their time waiting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, one_thread):
+    path = tmp_path_factory.mktemp("mismatch-cache")
+    base_policy(TINY_BASE, cache_dir=path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def base(cache):
+    return base_policy(TINY_BASE, cache_dir=cache)
+
+
+def _models(n=3):
+    out = []
+    for s in range(n):
+        m = TinyLM(TinyLMConfig(vocab_size=40, d_model=32, n_head=4, max_len=48), generator=torch.Generator().manual_seed(s))
+        with torch.no_grad():  # move off the tiny init so quantization matters
+            for p in m.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(100 + s)))
+        out.append(m.eval())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# StackedTinyLM: M models as one program
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_stacked_forward_and_decoding_equal_each_model(precision):
+    models = _models()
+    stack = StackedTinyLM(models)
+    idx = torch.randint(0, 40, (3, 2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = stack(idx, precision)
+        cache = stack.init_cache(2, precision)
+        inc = torch.stack([stack.step(idx[:, :, t], cache) for t in range(16)], dim=2)
+        for i, m in enumerate(models):
+            assert torch.allclose(full[i], m(idx[i], precision), atol=1e-5)
+            c = m.init_cache(2, precision)
+            ref = torch.stack([m.step(idx[i, :, t], c) for t in range(16)], dim=1)
+            assert torch.allclose(inc[i], ref, atol=1e-4)
+    if precision == "fp32":
+        assert torch.allclose(inc, full, atol=1e-5)
+
+
+def test_stacked_mixed_precisions_and_unstack():
+    models = _models()
+    stack = StackedTinyLM(models)
+    idx = torch.randint(0, 40, (3, 2, 12), generator=torch.Generator().manual_seed(2))
+    prec = ("fp32", "fp8", "nvfp4")
+    with torch.no_grad():
+        out = stack(idx, prec)
+    for i, (m, p) in enumerate(zip(models, prec, strict=True)):
+        assert torch.allclose(out[i], m(idx[i], p), atol=1e-5)
+        back = stack.unstack(i)
+        assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), m.state_dict().values(), strict=True))
+    with pytest.raises(ConfigError, match="precision"):
+        stack(idx, ("fp32", "fp8"))
+
+
+def test_stacked_gradients_are_per_model_and_clipped_per_model():
+    models = _models(2)
+    stack = StackedTinyLM(models)
+    idx = torch.randint(0, 40, (2, 2, 10), generator=torch.Generator().manual_seed(3))
+    loss = stack(idx, ("fp32", "nvfp4"))[0].logsumexp(-1).mean()  # model 0's loss only
+    loss.backward()
+    assert all(bool(p.grad[1].eq(0).all()) for p in stack.parameters() if p.grad is not None)
+    ref = models[0]
+    ref.zero_grad()
+    ref(idx[0]).logsumexp(-1).mean().backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    norms = stack.clip_grad_norm_(0.1)
+    assert norms[0] == pytest.approx(float(want), rel=1e-5) and norms[1] == 0
+    assert torch.allclose(stack.param("blocks.0.qkv.weight").grad[0], ref.blocks[0].qkv.weight.grad, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# rollout_stacked and train_grpo_stacked
+
+
+def test_stacked_rollout_logprobs_pairing_and_independence(base):
+    stack = StackedTinyLM([base, base])
+    tasks = make_tasks(range(6), (2, 3))
+    u = torch.rand(1, 6, 48, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    b = rollout_stacked(stack, [tasks, tasks], u.expand(2, -1, -1), precision=("fp32", "fp32"), max_len=48)
+    # same policy, same uniforms: the same trajectories (common random numbers)
+    assert torch.equal(b.tokens[0], b.tokens[1]) and bool(b.policy_mask.any())
+    lp = stacked_logprobs(stack, b.tokens)
+    assert torch.allclose(lp[b.policy_mask], b.rollout_logprobs[b.policy_mask], atol=1e-5)
+    # one model alone draws what it draws inside the stack
+    alone = rollout_stacked(StackedTinyLM([base]), [tasks], u, max_len=48)
+    L = alone.tokens.size(-1)
+    assert torch.equal(alone.tokens[0], b.tokens[0, :, :L]) and torch.equal(alone.success[0], b.success[0])
+    # the records are the actions of the tokens
+    for row, recs in zip(b.tokens[0], b.records[0], strict=True):
+        acts = [t for r in recs for t in r.action]
+        assert len(acts) <= int(b.policy_mask[0].sum())
+    q = rollout_stacked(stack, [tasks, tasks], u.expand(2, -1, -1), precision="nvfp4", max_len=48)
+    d = (stacked_logprobs(stack, q.tokens) - q.rollout_logprobs)[q.policy_mask]
+    assert d.abs().mean() > 1e-4  # an fp32 learner does not reproduce the FP4 engine
+
+
+def test_stacked_trainer_pairs_arms_and_is_independent_of_stack_mates(base):
+    cfgs = [replace(TINY_GRPO, rollout_precision=e, learner_precision=lp, correction=c)
+            for e, lp, c in (("fp8", "fp8", "none"), ("fp8", "fp8", "interq"), ("fp8", "fp32", "none"))]
+    rows = train_grpo_stacked(StackedTinyLM([base] * 3), cfgs)
+    first = [r[0] for r in rows]
+    # update 0: one engine, one base policy, same uniforms: the same rollouts in every arm
+    assert first[0]["reward/success"] == first[1]["reward/success"] == first[2]["reward/success"]
+    assert first[0]["mismatch/k3"] == pytest.approx(first[1]["mismatch/k3"], rel=1e-6)
+    assert first[2]["mismatch/k3"] > first[0]["mismatch/k3"] > 0  # naive fp32 learner vs QAT
+    assert first[0]["eval/success"] == first[1]["eval/success"] == first[2]["eval/success"]
+    assert {"eval/interaction_cost", "eval/cap_exhaustion", "time/rollout_s"} <= set(rows[0][-1]) | set(rows[0][0])
+    alone = train_grpo_stacked(StackedTinyLM([base]), cfgs[1:2])[0]
+    for a, b in zip(alone, rows[1], strict=True):
+        for k in ("reward/success", "mismatch/k3", "eval/success", "loss/policy"):
+            if k in a:
+                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    with pytest.raises(ConfigError, match="lr"):
+        train_grpo_stacked(StackedTinyLM([base] * 2), [cfgs[0], replace(cfgs[1], lr=1e-3)])
+
+
+# ---------------------------------------------------------------------------------------------
+# the lab
+
+
+def _tiny(cache, **kw):
+    return MismatchConfig(base=TINY_BASE, grpo=replace(TINY_GRPO, updates=4, eval_every=2), seeds=2, smooth=2,
+                          experiments=("fp8", "nvfp4"), cache_dir=str(cache), **kw)
+
+
+def test_lab_writes_every_table_and_plot_and_resumes(tmp_path, cache):
+    cfg = _tiny(cache, arms=("fp32", "naive", "qat", "qat_interq"))
+    out = tmp_path / "out"
+    res = run_lab(LAB, cfg, out, progress=False)
+    for name in ("summary", "means", "diff_vs_qat", "diff_vs_fp32", "by_turn", "fingerprint", "curves"):
+        assert (out / f"{name}.parquet").exists() and (out / f"{name}.md").exists(), name
+    assert {p.name for p in res.plots} == {"mismatch_success.png", "mismatch_k3.png", "mismatch_fingerprint.png",
+                                           "mismatch_dose.png"}
+    s = res.tables["summary"].frame
+    assert len(s) == 2 + 2 * 3 * 2  # fp32 x seeds + doses x quantized arms x seeds
+    assert (s["rollback"] >= 0).all() and (s["rollback"] == s["best"] - s["final"]).all()
+    assert (s[s["arm"] == "fp32"]["k3_late"] < 1e-9).all()
+    m = res.tables["means"].frame
+    assert set(m["dose"]) == {"fp8", "nvfp4"} and (m["arm"] == "fp32").sum() == 2  # fp32 under every dose
+    d = res.tables["diff_vs_qat"].frame
+    assert set(d["diff"]) == {"fp32 - qat", "naive - qat", "qat_interq - qat"}
+    report = (out / "report.md").read_text()
+    assert "Paired differences against QAT" in report and "rollback" in report
+    assert run_lab(LAB, cfg, out, progress=False).computed == 0
+    # one dose only: the same run (experiments are a selection), nothing recomputed
+    one = run_lab(LAB, replace(cfg, experiments=("fp8",)), out, progress=False)
+    assert one.computed == 0 and set(one.tables["means"].frame["dose"]) == {"fp8"}
+
+
+def test_score_curve_reads_a_rollback_and_the_arms_are_the_issue_s():
+    up = torch.arange(0, 60, 10).numpy()
+    s = score_curve(up, [0.2, 0.5, 0.8, 0.8, 0.5, 0.4], smooth=2)
+    assert s["best"] == pytest.approx(0.8) and s["final"] == pytest.approx(0.45)
+    assert s["rollback"] == pytest.approx(0.35) and s["best_update"] == 30 and s["aulc"] == pytest.approx(3.2 / 6)
+    assert arm_triple("naive", "nvfp4") == ("nvfp4", "fp32", "none")
+    assert arm_triple("qat_interq", "fp8") == ("fp8", "fp8", "interq")
+    assert arm_triple("fp32", "int8") == ("fp32", "fp32", "none")
+    assert list(ARMS) == ["fp32", "naive", "qat", "qat_tis", "qat_mis", "qat_prefix", "qat_global", "qat_interq"]
+    with pytest.raises(ConfigError, match="arms"):
+        arm_triple("qat_magic", "fp8")
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--seeds", "0"], "--seeds"),
+    (["-e", "fp16"], "--experiment"),
+])
+def test_cli_errors_name_the_flag(tmp_path, args, flag, capsys):
+    from creditlab.cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["lab", "mismatch", "--quick", "--out", str(tmp_path / "x"), *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_quick_config_is_valid_and_small():
+    q = MismatchConfig.quick()
+    q.validate()
+    MismatchConfig().validate()
+    assert q.grpo.updates * q.grpo.tasks_per_update * q.grpo.group_size < 1000
