@@ -97,3 +97,42 @@ def test_config_errors():
         ForkLabConfig(group_size=1).validate()
     with pytest.raises(ConfigError, match="f_min"):
         ForkLabConfig(f_min=4, f_max=3).validate()
+
+
+def test_strict_judge_matches_only_the_first_statement():
+    p = _prompts()
+    for lenient, want in ((True, [True, True, False]), (False, [True, False, False])):
+        env = BagOfUnits(f_min=1, f_max=4, max_units=4, lenient=lenient)
+        resp = env.reset(p)
+        gen = torch.Generator().manual_seed(0)
+        for t, a in enumerate([0, 0, env.FILLER]):  # fact 0 (known: always right) twice, then filler
+            env.step(p, resp, t, torch.tensor([a]), gen)
+        match, coverage = env.verdicts(p, resp)
+        assert match[0, 0, :3].tolist() == want and bool(coverage[0, 0])
+        assert env.anatomy(p, resp)["redundant"].item() == 1.0  # the truth does not depend on the judge
+
+
+def test_reward_arms_and_f_beta_names():
+    from creditlab.lab.fork import reward_of
+
+    assert reward_of("fork", 1.0) == ("fork", 1.0) and reward_of("f1.5", 1.0) == ("fork", 1.5)
+    assert reward_of("recall", 2.0) == ("recall", 1.0)
+    with pytest.raises(ConfigError, match="f<beta>"):
+        reward_of("precision", 1.0)
+
+
+def test_map_and_deletion_experiments(tmp_path):
+    cfg = ForkLabConfig(arms=("recall", "fork"), seeds=2, updates=4, prompts_per_update=4, group_size=4, eval_every=2,
+                        eval_prompts=16, max_units=8, experiments=("map", "deletion"), map_known=(0.5, 1.0),
+                        map_arms=("recall", "fork"), map_seeds=1, map_updates=3)
+    res = run_lab(LAB, cfg, tmp_path, progress=False)
+    m = res.tables["fork_map"].frame
+    assert len(m) == 2 * 2 * 2 and set(m["arm"]) == {"recall", "fork"}
+    rec = m[m["arm"] == "recall"]
+    assert (rec["length_ratio"] == 1.0).all() and (rec["rel_recall"] == 0.0).all()
+    d = res.tables["fork_deletion"].frame.set_index("predictor")["mean"]
+    assert d["truth"] >= d["direct guess"] - 1e-9  # the truth deletes every unnecessary unit first
+    curve = res.tables["fork_deletion_curve"].frame
+    assert curve.groupby("predictor")["recall"].apply(lambda r: r.is_monotonic_decreasing).all()
+    for png in ("fork_map.png", "fork_deletion.png"):
+        assert (tmp_path / png).stat().st_size > 5000

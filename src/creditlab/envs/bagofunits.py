@@ -66,10 +66,13 @@ class BagOfUnits:
         known_prob: probability that a fact is known (``c_f = 1``); otherwise ``c_f ~ U(0.05, 0.95)``.
         max_units: response length cap.
         max_points: rubric points are uniform integers in ``[1, max_points]``.
+        lenient: the judge's leniency on paraphrases. Lenient (default): every correct statement of
+            fact f matches rubric f, so K restatements split its credit (1/K each). Strict: only the
+            first correct statement matches; a restatement matches nothing (credit 0).
     """
 
     def __init__(self, f_min: int = 3, f_max: int = 6, known_prob: float = 0.5, max_units: int = 16,
-                 max_points: int = 3):
+                 max_points: int = 3, lenient: bool = True):
         if not 1 <= f_min <= f_max:
             raise ConfigError("f_min", f"need 1 <= f_min <= f_max, got {f_min}, {f_max}")
         if not 0.0 <= known_prob <= 1.0:
@@ -78,6 +81,7 @@ class BagOfUnits:
             raise ConfigError("max_units", f"must be >= 1, got {max_units}")
         self.f_min, self.f_max, self.known_prob = f_min, f_max, known_prob
         self.max_units, self.max_points = max_units, max_points
+        self.lenient = bool(lenient)
         self.n_actions = f_max + 2  # state f (f_max slots), filler, stop
         self.FILLER, self.STOP = f_max, f_max + 1
 
@@ -126,6 +130,8 @@ class BagOfUnits:
         f_ids = torch.arange(self.f_max)[None, :, None]
         match = (resp.fact[:, None, :] == f_ids) & resp.correct[:, None, :] & resp.unit_mask[:, None, :]
         match &= prompts.fact_mask[:, :, None]
+        if not self.lenient:  # only the first correct statement of each fact matches its rubric
+            match &= (torch.cumsum(match.to(torch.int32), dim=2) == 1)
         return match, match.any(dim=2)
 
     def score(self, prompts: Prompts, resp: Responses, mode: str, tau: float = 0.75, beta: float = 1.0) -> ForkScores:
@@ -136,7 +142,9 @@ class BagOfUnits:
     def anatomy(self, prompts: Prompts, resp: Responses) -> dict[str, torch.Tensor]:
         """Per response ``(B,)``: length, necessary (first correct statement of a fact), redundant
         (further correct statements of a covered fact), wrong and filler unit counts."""
-        match, _ = self.verdicts(prompts, resp)
+        f_ids = torch.arange(self.f_max)[None, :, None]  # the truth, whatever the judge's leniency
+        match = (resp.fact[:, None, :] == f_ids) & resp.correct[:, None, :] & resp.unit_mask[:, None, :]
+        match &= prompts.fact_mask[:, :, None]
         correct_per_fact = match.sum(dim=2)  # (B, F)
         first = (correct_per_fact > 0).sum(dim=1)
         length = resp.unit_mask.sum(dim=1)

@@ -243,6 +243,12 @@ def _check_out(out: Path, lab: Lab, config: LabConfig, fresh: bool) -> dict | No
         return old
     if old.get("lab") != lab.name:
         raise ConfigError("--out", f"{out} holds a run of the {old.get('lab')!r} lab; choose another --out")
+    from creditlab import __version__
+
+    if old.get("creditlab_version") != __version__:
+        raise ConfigError("--out", f"{out} holds a run made by creditlab {old.get('creditlab_version')} (this is "
+                                   f"{__version__}), whose code may compute other numbers; choose another --out, or "
+                                   "pass --fresh to discard it")
     if old.get("manifest_version") != MANIFEST_VERSION or old.get("identity") != config.identity():
         diff = _diff(old.get("identity") or {}, config.identity())
         raise ConfigError("--out", f"{out} holds a {lab.name} run with another configuration "
