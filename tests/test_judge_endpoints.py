@@ -242,6 +242,23 @@ def test_cli_endpoint_list_mistakes_are_one_line_errors(tmp_path):
     assert not out.exists()
 
 
+def test_cli_transport_auto_takes_the_minimal_client_only_without_proxies_or_tls(monkeypatch):
+    from creditlab.cli.fork_cmd import _transport
+
+    for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    local = ["http://127.0.0.1:8000/v1", "http://10.0.0.7:8000/v1"]
+    assert _transport("auto", local) == "asyncio"
+    assert _transport("auto", [*local, "https://api.example.com/v1"]) == "httpx"
+    assert _transport("httpx", local) == "httpx" and _transport("asyncio", local) == "asyncio"
+    monkeypatch.setenv("http_proxy", "http://proxy.invalid:3128")
+    assert _transport("auto", local) == "httpx"
+    monkeypatch.setenv("no_proxy", "127.0.0.1,10.0.0.7")
+    assert _transport("auto", local) == "asyncio"
+    with pytest.raises(ConfigError, match="--transport: unknown 'h2'"):
+        _transport("h2", local)
+
+
 # -- the benchmark compares like with like -------------------------------------------------------------
 
 def test_the_benchmarks_openai_sdk_judge_scores_like_creditlabs_client():

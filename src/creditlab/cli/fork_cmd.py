@@ -138,6 +138,26 @@ def _base_urls(flags: list[str] | None, path: Path | None) -> list[str]:
     return [u.rstrip("/") for u, _ in urls]
 
 
+def _transport(choice: str, urls: list[str]) -> str:
+    """``--transport``; ``auto`` takes the minimal asyncio client only where it needs nothing it lacks:
+    every URL plain http:// and not behind a proxy setting (https and proxies go through httpx)."""
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    if choice not in ("auto", "httpx", "asyncio"):
+        raise ConfigError("--transport", f"unknown {choice!r}; valid: auto, httpx, asyncio")
+    if choice != "auto":
+        return choice
+    proxies = urllib.request.getproxies()  # the environment's http_proxy / all_proxy / no_proxy, as httpx reads it
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme != "http":
+            return "httpx"
+        if (proxies.get("http") or proxies.get("all")) and not urllib.request.proxy_bypass(parts.hostname or ""):
+            return "httpx"
+    return "asyncio"
+
+
 def _endpoint_lines(judge) -> list[str]:
     """Requests, errors and latency per endpoint of this run, one line each."""
     lines = []
@@ -179,8 +199,10 @@ def score(
                                    help="Check with one cheap request (GET /models, 10 s) that the endpoint answers "
                                         "before scoring."),
     cache: Path = typer.Option(None, "--cache", help="sqlite cache of validated judge replies."),
-    transport: str = typer.Option("httpx", "--transport",
-                                  help="HTTP client: httpx, or asyncio (minimal, cheaper at high request rates)."),
+    transport: str = typer.Option("auto", "--transport",
+                                  help="HTTP client: httpx, asyncio (minimal HTTP/1.1, several times cheaper per "
+                                       "request), or auto: asyncio when every endpoint is plain http:// and no proxy "
+                                       "setting covers it, else httpx."),
     assume_correct: bool = typer.Option(False, "--assume-correct",
                                         help="Treat every unit as correct (required by the offline judge)."),
     force: bool = typer.Option(False, "--force",
@@ -261,7 +283,7 @@ def score(
     jcache = JudgeCache(cache) if cache is not None else None
     if judge == "openai":
         j = OpenAIJudge(urls, model, api_key_env=api_key_env, concurrency=concurrency, timeout=timeout,
-                        max_retries=max_retries, cache=jcache, transport=transport)
+                        max_retries=max_retries, cache=jcache, transport=_transport(transport, urls))
     else:
         j = EmbeddingJudge()
     if judge == "openai" and preflight and items:
