@@ -86,3 +86,29 @@ def test_a_correction_registered_elsewhere_runs_in_the_toolshop_lab(tmp_path):
     # float32 near 1: the deviation from 1 carries ~1e-3 relative rounding
     assert half["loss/weight_mean"] - 1 == pytest.approx(0.5 * (tis["loss/weight_mean"] - 1), rel=1e-3)
     assert tis["loss/weight_mean"] != 1.0
+
+
+def test_dump_writes_rollouts_that_diagnose_reads(tmp_path):
+    from creditlab.diagnose.report import diagnose
+
+    cfg = replace(_tiny(tmp_path / "cache", seeds=1), experiments=("grpo",), dump_dir=str(tmp_path / "dump"))
+    res = run_lab(LAB, cfg, tmp_path / "out", progress=False)
+    files = sorted((tmp_path / "dump").glob("*.jsonl"))
+    assert [f.name for f in files] == ["toolshop-seed=0.jsonl"]
+    rows = files[0].read_text().splitlines()
+    assert len(rows) == cfg.grpo.updates * cfg.grpo.tasks_per_update * cfg.grpo.group_size
+    d = diagnose(files, tmp_path / "diag")
+    status = {r.id: r.status for r in d.results}
+    assert status["mismatch.k3"] == "ok" and status["mismatch.placeholder_logprobs"] == "ok"  # fp32 engine
+    # the dump is not part of the run's identity: the same run without it reads every cell back
+    assert run_lab(LAB, replace(cfg, dump_dir=None), tmp_path / "out", progress=False).computed == 0
+    assert res.computed == 2
+
+
+def test_dump_is_refused_by_labs_without_rollouts(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "creditlab.cli.main", "lab", "fork", "--quick", "--out",
+                        str(tmp_path / "o"), "--dump", str(tmp_path / "d")], capture_output=True, text=True)
+    assert r.returncode == 2 and "--dump" in r.stderr and "Traceback" not in r.stderr

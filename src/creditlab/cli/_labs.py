@@ -7,6 +7,7 @@ lab-specific options declared as keyword parameters of ``apply(config, **options
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from collections.abc import Callable
@@ -43,9 +44,13 @@ def _common_parameters(lab) -> list[inspect.Parameter]:
                                          "a local Ray instance for this run."),
         "experiment": typer.Option(None, "--experiment", "-e", help=f"Run only these experiments ({exps})."),
         "fresh": typer.Option(False, "--fresh", help="Discard a previous run in --out (its store and outputs)."),
+        "dump": typer.Option(None, "--dump", metavar="DIR",
+                             help="Write the training rollouts in the `creditlab diagnose` schema into DIR (labs with "
+                                  "token-level rollouts; the cells this run computes)."),
     }
     types = {"quick": bool, "out": Path, "seeds": int | None, "updates": int | None, "workers": int,
-             "executor": str | None, "ray_address": str | None, "experiment": list[str] | None, "fresh": bool}
+             "executor": str | None, "ray_address": str | None, "experiment": list[str] | None, "fresh": bool,
+             "dump": Path | None}
     return [P(name, P.KEYWORD_ONLY, default=default, annotation=types[name]) for name, default in opts.items()]
 
 
@@ -88,6 +93,13 @@ def lab_command(lab, *, doc: str | None = None) -> Callable[[Callable[..., Any]]
             cfg = cfg.with_options(seeds=kw.pop("seeds"), updates=kw.pop("updates"))
             out, workers, executor, fresh = kw.pop("out"), kw.pop("workers"), kw.pop("executor"), kw.pop("fresh")
             ray_address = kw.pop("ray_address")
+            dump = kw.pop("dump")
+            if dump is not None:
+                if "dump_dir" not in {f.name for f in dataclasses.fields(cfg)}:
+                    raise ConfigError("--dump", f"the {lab.name} lab has no token-level rollouts to dump")
+                if dump.exists() and not dump.is_dir():
+                    raise ConfigError("--dump", f"{dump} exists and is not a directory")
+                cfg = cfg.with_options(dump_dir=str(dump))
             try:
                 cfg = apply(cfg, **kw)
                 cfg.validate()

@@ -51,7 +51,7 @@ class ToolshopLabConfig(LabConfig):
         "updates": "grpo.updates", "rollout_precision": "grpo.rollout_precision",
         "learner_precision": "grpo.learner_precision", "correction": "grpo.correction"}
     EXPERIMENTS: ClassVar[tuple[str, ...]] = EXPERIMENTS
-    SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir")
+    SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "dump_dir")
 
     base: BaseConfig = field(default_factory=BaseConfig)
     """Supervised warm start of the base policy (cached)."""
@@ -65,6 +65,9 @@ class ToolshopLabConfig(LabConfig):
     """``mismatch`` (engine/learner mismatch of the base policy) and ``grpo`` (outcome GRPO)."""
     cache_dir: str | None = None
     """Where the base policy is cached (None: the user cache directory); never changes a number."""
+    dump_dir: str | None = None
+    """Write every training update's rollouts in the ``creditlab diagnose`` schema here (one JSONL
+    file per seed, for the cells this run computes); never changes a number."""
 
     @classmethod
     def quick(cls) -> ToolshopLabConfig:
@@ -128,11 +131,22 @@ def run_mismatch_cell(config: dict, cache_dir: str) -> list[dict]:
                             ).to_dict("records")
 
 
-def run_seed(config: dict, seed: int, cache_dir: str) -> list[dict]:
+def run_seed(config: dict, seed: int, cache_dir: str, dump_dir: str | None = None) -> list[dict]:
     """One training run (a cell): GRPO from the cached base policy; one row per update."""
     cfg, model = _base(config, cache_dir)
     gcfg = replace(cfg.grpo, seed=seed)
-    rows = train_grpo(model, gcfg)
+    on_rollouts = None
+    if dump_dir:
+        from creditlab.lab.toolshop_dump import dump_rollouts
+
+        path = Path(dump_dir) / f"toolshop-seed={seed}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)  # this cell is computed again from scratch: so is its dump
+
+        def on_rollouts(k, batch, rewards, old):
+            dump_rollouts(batch, rewards, k, path, logprobs=old)
+
+    rows = train_grpo(model, gcfg, on_rollouts=on_rollouts)
     final = evaluate(model, range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + gcfg.eval_tasks), gcfg.chain_lengths,
                      precision=gcfg.rollout_precision, seed=gcfg.seed + 1, max_len=gcfg.max_len,
                      max_turns=gcfg.max_turns, max_action_len=gcfg.max_action_len)
@@ -181,7 +195,8 @@ class ToolshopLab:
         if "mismatch" in cfg.experiments:
             cells.append(Cell("mismatch", "mismatch", run_mismatch_cell, {"config": ident}, ctx))
         if "grpo" in cfg.experiments:
-            cells += [Cell("grpo", f"seed={s}", run_seed, {"config": ident, "seed": s}, ctx)
+            dump = {"dump_dir": cfg.dump_dir} if cfg.dump_dir else {}
+            cells += [Cell("grpo", f"seed={s}", run_seed, {"config": ident, "seed": s}, {**ctx, **dump})
                       for s in range(cfg.seeds)]
         return cells
 

@@ -231,8 +231,14 @@ def task_seeds(cfg: GRPOConfig, update: int) -> list[int]:
 
 def train_grpo(model: TinyLM, cfg: GRPOConfig, *, advantage: AdvantageFn | None = None,
                weights: WeightFn | None = None,
-               on_update: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+               on_update: Callable[[dict[str, float]], None] | None = None,
+               on_rollouts: Callable[[int, RolloutBatch, torch.Tensor, torch.Tensor], None] | None = None
+               ) -> list[dict[str, float]]:
     """Train ``model`` in place with multi-turn GRPO; returns one metrics row per update.
+
+    ``on_rollouts(update, batch, rewards, old_logprobs)`` is called with each update's rollouts
+    before the update uses them (e.g. :func:`creditlab.lab.toolshop_dump.dump_rollouts` for
+    ``creditlab diagnose``).
 
     Each update: sample ``tasks_per_update`` tasks x ``group_size`` rollouts with the engine of
     ``rollout_precision``; ``old_logprobs`` from the learner (``learner_precision``, no grad);
@@ -274,6 +280,8 @@ def train_grpo(model: TinyLM, cfg: GRPOConfig, *, advantage: AdvantageFn | None 
         with torch.no_grad():
             old = sequence_logprobs(model, batch.tokens, cfg.learner_precision, cfg.temperature)
         rewards = batch.success if cfg.reward == "success" else batch.progress
+        if on_rollouts is not None:
+            on_rollouts(k, batch, rewards.float(), old)
         adv = adv_fn(batch, rewards.float(), k)
         if adv.dim() == 1:
             adv = adv[:, None].expand_as(old)
