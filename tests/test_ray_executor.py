@@ -118,7 +118,7 @@ def test_ray_sweep_stores_exactly_the_serial_rows(cluster, tmp_path, serial_rows
 
 
 def test_killed_worker_is_retried_and_every_cell_stored_once(cluster, tmp_path, serial_rows):
-    cells = slow_cells(tmp_path / "log", delay=0.3)
+    cells = slow_cells(tmp_path / "log", delay=0.5)
     store = CountingStore(tmp_path / "store")
     killed: list[int] = []
     killer = kill_first_worker(tmp_path / "log", killed)
@@ -130,7 +130,7 @@ def test_killed_worker_is_retried_and_every_cell_stored_once(cluster, tmp_path, 
 
 
 def test_killed_worker_without_retries_loses_only_its_cell_and_a_rerun_completes(cluster, tmp_path, serial_rows):
-    cells = slow_cells(tmp_path / "log", delay=0.3)
+    cells = slow_cells(tmp_path / "log", delay=0.5)
     store = CountingStore(tmp_path / "store")
     killed: list[int] = []
     killer = kill_first_worker(tmp_path / "log", killed)

@@ -38,7 +38,7 @@ def _common_parameters(lab) -> list[inspect.Parameter]:
                                                      "--executor ray, the CPUs of a local Ray instance)."),
         "executor": typer.Option(None, "--executor",
                                  help="Where cells run: serial, process, ray (default: process when --workers > 1). "
-                                      'ray needs pip install "creditlab[ray]".'),
+                                      'ray needs pip install "creditlab\\[ray]".'),
         "ray_address": typer.Option(None, "--ray-address", metavar="ADDR",
                                     help="Ray cluster of --executor ray (auto, HOST:PORT, ray://HOST:PORT); default: "
                                          "a local Ray instance for this run."),
