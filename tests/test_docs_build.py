@@ -37,3 +37,5 @@ def test_doctest_blocks_and_grouped_parameters_render_as_written():
     assert griffe_docstrings.rewrite(text) == (
         "Sum.\n\nArgs:\n    a: the terms,\n        any numbers.\n    b: See `a`.\n    c: scale.\n\n"
         "```python\n>>> f(1, 2)\n[3]\n```\n\nEnd.")
+    assert griffe_docstrings.rewrite("A :class:`~creditlab.judge.base.JudgeError` or :func:`run_lab`.") == \
+        "A `JudgeError` or `run_lab`."

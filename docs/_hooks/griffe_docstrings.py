@@ -7,6 +7,9 @@
   becomes one entry per parameter, so each is checked against the signature and none is reported
   as unknown.
 
+* Sphinx roles (``:class:`~creditlab.judge.base.JudgeError```) become inline code of the name they
+  show (``JudgeError``), instead of a stray ``:class:`` before it.
+
 The docstrings themselves are unchanged; doctests still run them as written.
 """
 
@@ -17,6 +20,7 @@ import re
 import griffe
 
 _SECTION = re.compile(r"^(Args|Arguments|Parameters|Keyword Args|Keyword Arguments|Other Parameters):\s*$")
+_ROLE = re.compile(r":(?:class|func|meth|data|attr|mod|exc|obj|const):`(~?)([^`]+)`")
 _MULTI = re.compile(r"^(\s+)([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)+)(\s*(?:\([^)]*\))?\s*:\s*)(.*)$")
 
 
@@ -61,12 +65,18 @@ def rewrite(text: str) -> str:
             out += [f"{indent}{name}: See `{first}`." for name in rest]
             i = j
             continue
-        out.append(line)
+        out.append(_ROLE.sub(_role, line))
         i += 1
     return "\n".join(out)
 
 
+def _role(m: re.Match) -> str:
+    name = m.group(2)
+    return f"`{name.rsplit('.', 1)[-1] if m.group(1) else name}`"
+
+
 class DocstringHabits(griffe.Extension):
     def on_instance(self, *, obj: griffe.Object, **kwargs) -> None:
-        if obj.docstring is not None and (">>>" in obj.docstring.value or "," in obj.docstring.value):
+        if obj.docstring is not None and (">>>" in obj.docstring.value or "," in obj.docstring.value
+                                           or ":`" in obj.docstring.value):
             obj.docstring.value = rewrite(obj.docstring.value)
