@@ -66,7 +66,7 @@ def test_oracle_orders_the_rewards():
 
 def test_lab_is_deterministic_resumable_and_writes_outputs(tmp_path):
     cfg = ForkLabConfig(arms=("recall", "mean", "fork"), seeds=2, updates=6, prompts_per_update=4, group_size=4,
-                        eval_every=3, eval_prompts=16, max_units=8)
+                        eval_every=3, eval_prompts=16, max_units=8, experiments=("train", "oracle"))
     a = run_lab(LAB, cfg, tmp_path / "a", progress=False).tables
     for name in ("fork_curves.parquet", "fork_final.md", "fork_paired.md", "fork_oracle.md", "fork_curves.png",
                  "fork_anatomy.png", "report.md"):
