@@ -259,6 +259,108 @@ def test_cli_transport_auto_takes_the_minimal_client_only_without_proxies_or_tls
         _transport("h2", local)
 
 
+# -- the minimal HTTP client (transport="asyncio") ----------------------------------------------------
+
+class RawServer:
+    """A loopback server answering each request with the next canned reply (bytes), then optionally
+    closing the connection: replies no well-behaved test server sends."""
+
+    def __init__(self, replies, close_after=False):
+        import threading
+
+        self.replies, self.close_after = list(replies), close_after
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1/chat/completions"
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while self.replies:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                buf = b""
+                while self.replies:
+                    while b"\r\n\r\n" not in buf:
+                        chunk = conn.recv(65536)
+                        if not chunk:
+                            break
+                        buf += chunk
+                    if b"\r\n\r\n" not in buf:
+                        break
+                    head, _, buf = buf.partition(b"\r\n\r\n")
+                    length = int(next(h.split(b":")[1] for h in head.split(b"\r\n")
+                                      if h.lower().startswith(b"content-length")))
+                    while len(buf) < length:
+                        buf += conn.recv(65536)
+                    buf = buf[length:]
+                    conn.sendall(self.replies.pop(0))
+                    if self.close_after:
+                        break
+
+    def close(self):
+        self.sock.close()
+
+
+def lean_posts(url, n, timeout=2.0):
+    from creditlab.judge._http import LeanClient
+
+    async def go():
+        client = LeanClient(url, {"Content-Type": "application/json"}, timeout, 4)
+        try:
+            return [await client.post(b"{}") for _ in range(n)]
+        finally:
+            await client.aclose()
+
+    return run(go())
+
+
+def test_lean_client_reads_chunked_close_delimited_and_stale_connections():
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6;x=1\r\n world\r\n0\r\n\r\n"
+    srv = RawServer([chunked, chunked])
+    a, b = lean_posts(srv.url, 2)
+    assert a.content == b.content == b"hello world" and srv.connections == 1  # kept alive
+    srv.close()
+    srv = RawServer([b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{\"a\": 1}"], close_after=True)
+    assert lean_posts(srv.url, 1)[0].json() == {"a": 1}  # the body ends with the connection
+    srv.close()
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    srv = RawServer([ok, ok, ok], close_after=True)  # closes every connection without saying so
+    assert [r.content for r in lean_posts(srv.url, 3)] == [b"ok"] * 3 and srv.connections == 3
+    srv.close()
+    from creditlab.judge._http import HTTPError
+
+    srv = RawServer([b"SMTP ready\r\n\r\n"])
+    with pytest.raises(HTTPError, match="not an HTTP/1.x status line"):
+        lean_posts(srv.url, 1)
+    srv.close()
+
+
+def test_lean_client_timeout_bounds_the_server_not_a_busy_event_loop():
+    """A reply that arrives while the client's loop is blocked (longer than the timeout) still counts."""
+    from creditlab.judge._http import LeanClient
+
+    with ChatServer(latency=0.02) as srv:
+        async def go():
+            client = LeanClient(srv.url + "/chat/completions", {"Content-Type": "application/json"}, 0.2, 4)
+            body = json.dumps({"model": "m", "messages": [{"role": "user", "content": json.dumps(
+                {"task": "threshold", "question": "q", "units": []})}]}).encode()
+            await client.post(body)  # connected
+            task = asyncio.ensure_future(client.post(body))
+            await asyncio.sleep(0)  # the request is written
+            time.sleep(0.5)  # the loop is busy (e.g. preparing thousands of requests): the reply waits
+            resp = await task
+            await client.aclose()
+            return resp
+
+        assert run(go()).status_code == 200
+
+
 # -- the benchmark compares like with like -------------------------------------------------------------
 
 def test_the_benchmarks_openai_sdk_judge_scores_like_creditlabs_client():

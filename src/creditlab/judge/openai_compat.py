@@ -108,6 +108,7 @@ class _Endpoint:
         self.probing = False
         self.streak = 0
         self.streak_start = 0.0
+        self.last_reply = -1.0  # monotonic time of the last HTTP reply (of any status)
         self.requests = 0
         self.errors = 0
         self.replies = 0
@@ -147,8 +148,9 @@ class OpenAIJudge:
         max_rubrics_per_request: chunk size for very large rubric sets.
         seed: seed of the jitter generator (deterministic backoff in tests).
         max_consecutive_failures, down_after: an endpoint is taken out of rotation after this many
-            consecutive failed attempts (timeouts, refused connections), or once a streak of at least
-            two has lasted ``down_after`` seconds; any success ends the streak. With one endpoint
+            consecutive failed attempts (timeouts, refused connections) with no reply from it since
+            they were sent, or once such a streak of at least two has lasted ``down_after`` seconds;
+            any success ends the streak. With one endpoint
             (or once every endpoint is out) the judge is down: every later request fails at once
             with ``endpoint_down`` and nothing more is sent.
         retry_endpoint_after: seconds before an endpoint taken out of rotation gets one request
@@ -342,8 +344,16 @@ class OpenAIJudge:
                 f"{e.down}" for e in eps)
 
     def _failed(self, ep: _Endpoint, t0: float, err: Exception, probe: bool) -> None:
-        """Count a failed attempt (no reply) towards taking ``ep`` out of rotation."""
+        """Count a failed attempt (no reply) towards taking ``ep`` out of rotation.
+
+        A request sent before the endpoint's last reply is no evidence that it is dead: it answered
+        another request meanwhile (at high concurrency the timeouts of a few hung requests fire
+        together, after the replies that arrived around them). Only failures with no reply since
+        they were sent make the streak.
+        """
         now = time.monotonic()
+        if t0 < ep.last_reply and not probe:
+            return
         if ep.streak == 0:
             ep.streak_start = t0
         ep.streak += 1
@@ -355,6 +365,7 @@ class OpenAIJudge:
 
     def _answered(self, ep: _Endpoint) -> None:
         """``ep`` sent an HTTP reply (of any status): an endpoint out of rotation is back in it."""
+        ep.last_reply = time.monotonic()
         if ep.down is not None and self.down is None:
             ep.down = None
             ep.cooldown = self.retry_endpoint_after
@@ -580,7 +591,7 @@ class OpenAIJudge:
                 resp: Any = await ep.lean.post(body)
             except HTTPError as err:
                 if err.timeout:
-                    raise _Transient("timeout", f"no reply within {self.timeout}s") from None
+                    raise _Transient("timeout", str(err)) from None
                 raise _Transient("connection", str(err)) from None
             return self._content(stage, resp)
         busy = ep.busy
