@@ -45,7 +45,9 @@ def cluster():
         # (the environment variable reaches Ray's own processes, the constant this already-imported module).
         mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False, raising=False)
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        if ray.is_initialized():  # left connected by another module: start clean
+            ray.shutdown()
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", object_store_memory=200 * 2**20)
         # the cell functions of this module travel by value: Ray's workers do not see tests/ on their path
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
         try:
