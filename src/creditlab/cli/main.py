@@ -29,7 +29,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, prog_name="creditlab")
     except CreditlabError as err:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {err}", highlight=False)
+        from rich.markup import escape
+
+        # escaped: a message may hold brackets (pip install "creditlab[ray]") that rich would eat as markup
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(err))}", highlight=False)
         sys.exit(2)
 
 
