@@ -69,7 +69,8 @@ def main() -> None:
     steps = float(np.mean([r["time/decode_steps"] for r in rows]))
     print(f"\n1. one update of {len(arms)} arms as one stack: {parts['update_s']:.2f} s "
           f"({parts['update_s'] / len(arms):.2f} s per arm)")
-    for k, label in (("rollout_s", f"rollout ({steps:.0f} decode steps, {1000 * parts['rollout_s'] / steps:.1f} ms each)"),
+    per_step = 1000 * parts["rollout_s"] / steps
+    for k, label in (("rollout_s", f"rollout ({steps:.0f} decode steps, {per_step:.1f} ms each)"),
                      ("old_logprobs_s", "learner log-probs (first minibatch with grad + the rest)"),
                      ("weights_metrics_s", "correction weights and mismatch metrics"),
                      ("optimize_s", "optimisation (forward + backward of the other minibatches, AdamW)")):

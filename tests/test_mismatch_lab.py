@@ -43,7 +43,8 @@ def base(cache):
 def _models(n=3):
     out = []
     for s in range(n):
-        m = TinyLM(TinyLMConfig(vocab_size=40, d_model=32, n_head=4, max_len=48), generator=torch.Generator().manual_seed(s))
+        cfg = TinyLMConfig(vocab_size=40, d_model=32, n_head=4, max_len=48)
+        m = TinyLM(cfg, generator=torch.Generator().manual_seed(s))
         with torch.no_grad():  # move off the tiny init so quantization matters
             for p in m.parameters():
                 p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(100 + s)))
@@ -121,10 +122,18 @@ def test_stacked_rollout_logprobs_pairing_and_independence(base):
     alone = rollout_stacked(StackedTinyLM([base]), [tasks], u, max_len=48)
     L = alone.tokens.size(-1)
     assert torch.equal(alone.tokens[0], b.tokens[0, :, :L]) and torch.equal(alone.success[0], b.success[0])
-    # the records are the actions of the tokens
-    for row, recs in zip(b.tokens[0], b.records[0], strict=True):
+    # the environment saw the sampled tokens: the actions are the policy tokens without their EOA
+    from creditlab.envs.toolshop import EOA
+
+    for toks, pm, recs in zip(b.tokens[0], b.policy_mask[0], b.records[0], strict=True):
+        sampled = [int(t) for t in toks[pm] if int(t) != EOA]
         acts = [t for r in recs for t in r.action]
-        assert len(acts) <= int(b.policy_mask[0].sum())
+        assert acts and sampled[:len(acts)] == acts
+    # dropping finished rows from the engine's batch keeps every trajectory
+    c = rollout_stacked(stack, [tasks, tasks], u.expand(2, -1, -1), precision=("fp32", "fp32"), max_len=48,
+                        compact=0.9)
+    assert torch.equal(c.tokens, b.tokens) and torch.allclose(c.rollout_logprobs, b.rollout_logprobs, atol=1e-5)
+    assert c.decode_rows < b.decode_rows == 2 * 6 * b.decode_steps
     q = rollout_stacked(stack, [tasks, tasks], u.expand(2, -1, -1), precision="nvfp4", max_len=48)
     d = (stacked_logprobs(stack, q.tokens) - q.rollout_logprobs)[q.policy_mask]
     assert d.abs().mean() > 1e-4  # an fp32 learner does not reproduce the FP4 engine
@@ -163,10 +172,14 @@ def test_lab_writes_every_table_and_plot_and_resumes(tmp_path, cache):
     cfg = _tiny(cache, arms=("fp32", "naive", "qat", "qat_interq"))
     out = tmp_path / "out"
     res = run_lab(LAB, cfg, out, progress=False)
-    for name in ("summary", "means", "diff_vs_qat", "diff_vs_fp32", "by_turn", "fingerprint", "curves"):
+    tables = ("knobs", "dose", "summary", "means", "diff_vs_qat", "diff_vs_fp32", "by_turn", "fingerprint", "curves")
+    for name in tables:
         assert (out / f"{name}.parquet").exists() and (out / f"{name}.md").exists(), name
     assert {p.name for p in res.plots} == {"mismatch_success.png", "mismatch_k3.png", "mismatch_fingerprint.png",
                                            "mismatch_dose.png"}
+    dose = res.tables["dose"].frame
+    assert set(dose["engine"]) == {"fp32", "fp8", "int8", "nvfp4", "mxfp4"} and len(dose) == 9
+    assert dose.set_index(["engine", "learner"])["k3"][("fp32", "fp32")] < 1e-9
     s = res.tables["summary"].frame
     assert len(s) == 2 + 2 * 3 * 2  # fp32 x seeds + doses x quantized arms x seeds
     assert (s["rollback"] >= 0).all() and (s["rollback"] == s["best"] - s["final"]).all()

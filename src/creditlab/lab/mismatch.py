@@ -156,6 +156,37 @@ def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_
     return out
 
 
+def run_dose_cell(config: dict, cache_dir: str, tasks: int = 256) -> list[dict]:
+    """The dose before training: K3 between each engine and an fp32 / a QAT learner on the base
+    policy's own trajectories (``tasks`` held-out tasks, one rollout each), and the success of the
+    base policy executed by that engine."""
+    import torch
+
+    from creditlab.core.correction import mismatch_metrics
+    from creditlab.lab.toolshop_rollout import EVAL_SEED_OFFSET, make_tasks, rollout, sequence_logprobs
+
+    cfg = MismatchConfig.from_dict(config)
+    g = cfg.grpo
+    model = base_policy(cfg.base, cache_dir=cache_dir)
+    ts = make_tasks(range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + tasks), g.chain_lengths)
+    rows = []
+    with torch.no_grad():
+        for engine in ("fp32", *DOSES):
+            batch = rollout(model, ts, precision=engine, max_len=g.max_len, max_turns=g.max_turns,
+                            max_action_len=g.max_action_len, generator=torch.Generator().manual_seed(0))
+            for learner in (("fp32",) if engine == "fp32" else ("fp32", engine)):
+                old = sequence_logprobs(model, batch.tokens, learner)
+                m = mismatch_metrics(old, batch.rollout_logprobs, batch.policy_mask, batch.valid_mask)
+                last = max(k for k in range(8) if f"mismatch/turn{k}/prefix" in m)
+                rows.append({"engine": engine, "learner": "QAT" if learner == engine != "fp32" else "fp32",
+                             "k3": m["mismatch/k3"], "mean_abs_delta": m["mismatch/mean_abs_delta"],
+                             "seq_k3": m["mismatch/seq_k3"], "prefix_turn0": m["mismatch/turn0/prefix"],
+                             "prefix_last": m[f"mismatch/turn{last}/prefix"],
+                             "current_last": m[f"mismatch/turn{last}/current"], "last_turn": last,
+                             "engine_success": float(batch.success.mean())})
+    return rows
+
+
 # --------------------------------------------------------------------------------------------
 # scores of a learning curve
 
@@ -194,10 +225,23 @@ def _summary(df: pd.DataFrame, cfg: MismatchConfig) -> pd.DataFrame:
                      "cap_exhaustion": last.get("eval/cap_exhaustion", math.nan),
                      "k3_early": early, "k3_late": late,
                      "k3_growth": late / early if early > 0 else math.nan,
-                     "train_success_late": tr[tr["update"] >= 2 * U / 3]["reward/success"].mean()})
-    out = pd.DataFrame(rows)
-    out["arm"] = pd.Categorical(out["arm"], categories=list(ARMS), ordered=True)
-    return out.sort_values(["dose", "arm", "seed"]).reset_index(drop=True).assign(arm=lambda d: d["arm"].astype(str))
+                     "train_success_late": tr[tr["update"] >= 2 * U / 3]["reward/success"].mean(),
+                     # how much the arm corrects, and how far the policy moves per update
+                     "weight_min": _mean_of(tr, "correction/weight_min"),
+                     "weight_max": _mean_of(tr, "correction/weight_max"),
+                     "clip_rate": _mean_of(tr, "correction/clip_rate"),
+                     "update_kl": _mean_of(tr, "loss/approx_kl")})
+    return _ordered(pd.DataFrame(rows), ["dose", "arm", "seed"])
+
+
+def _mean_of(df: pd.DataFrame, col: str) -> float:
+    return float(df[col].mean()) if col in df.columns else math.nan
+
+
+def _ordered(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """Sorted by ``by``, arms in the order of :data:`ARMS`."""
+    order = {a: i for i, a in enumerate(ARMS)}
+    return df.sort_values(by, key=lambda c: c.map(order) if c.name == "arm" else c).reset_index(drop=True)
 
 
 def _with_fp32_per_dose(summary: pd.DataFrame, doses: list[str]) -> pd.DataFrame:
@@ -216,11 +260,11 @@ def _means(summary: pd.DataFrame, doses: list[str]) -> pd.DataFrame:
                           ("k3_growth", (0.0, math.inf))):
             mean, lo, hi = mean_ci(g[m], bounds)
             row.update({m: mean, f"{m}_lo": lo, f"{m}_hi": hi})
+        row["interaction_cost"] = float(g["interaction_cost"].mean())
+        row["cap_exhaustion"] = float(g["cap_exhaustion"].mean())
         row["n"] = len(g)
         rows.append(row)
-    out = pd.DataFrame(rows)
-    order = {a: i for i, a in enumerate(ARMS)}
-    return out.sort_values(["dose", "arm"], key=lambda c: c.map(order) if c.name == "arm" else c).reset_index(drop=True)
+    return _ordered(pd.DataFrame(rows), ["dose", "arm"])
 
 
 def _diffs(summary: pd.DataFrame, doses: list[str], ref: str) -> pd.DataFrame:
@@ -277,6 +321,41 @@ def _fingerprint(by_turn: pd.DataFrame) -> pd.DataFrame:
                            ascending=[True, True, False]).reset_index(drop=True)
 
 
+def _knobs(cfg: MismatchConfig) -> pd.DataFrame:
+    g, b = cfg.grpo, cfg.base
+    rows = [
+        ("chain lengths", ", ".join(map(str, g.chain_lengths)),
+         "5 to 8 tool calls (7 turns on average, up to C + 2): a long interaction history for the mismatch to "
+         "compound over, and a base policy at about 0.4 held-out success that GRPO does not saturate at once "
+         "(at C = 4 outcome GRPO reached 0.96 in 100 updates)."),
+        ("base policy", f"{b.n_demos} demos, noise {b.noise:g}, {b.steps} steps",
+         "the toolshop defaults, only the chain lengths changed; one base policy shared by every arm and seed."),
+        ("updates", str(g.updates),
+         "held-out success of fp32 rises for about the first 50-70 updates and creeps after that (pilot); the rest "
+         "of the run is late training, where a rollback would show. Fewer than the paper's 400: the time of a run "
+         "is linear in updates."),
+        ("rollouts per update", f"{g.tasks_per_update} tasks x {g.group_size}",
+         "a quarter of the toolshop lab's 256, for time: the cost of a run is linear in rollouts per update."),
+        ("optimisation", f"lr {g.lr:g}, {g.minibatches} minibatches, clip {g.clip_low:g}/{g.clip_high:g}, "
+                         f"grad clip {g.grad_clip:g}",
+         "GRPOConfig defaults, as in the toolshop lab; not tuned."),
+        ("held-out evaluation", f"{g.eval_tasks} tasks every {g.eval_every} updates, fp32 engine, sampled",
+         "one evaluation for every arm (the fp32 engine measures the learned policy, not its engine); sampled at "
+         f"temperature {g.temperature:g} like training, with the same uniforms for every arm and evaluation, so "
+         "arms and evaluation points differ only by their policies."),
+        ("final / best window", f"{cfg.smooth} evaluation points",
+         "a single point has a standard error of about 0.03 at 256 tasks, so best-minus-last of raw points reads "
+         "noise as rollback; means of a window (and the fp32 arm as the no-mismatch reference) keep it honest."),
+        ("seeds", str(cfg.seeds), "the minimum the issue asks for, for time; arms are paired seed by seed."),
+        ("correction parameters", "core defaults",
+         "TIS cap 2, MIS [0.5, 2], InterQ eps 0.025 / 0.05, alpha_g 0.5 (prefix: alpha 1); not tuned."),
+        ("doses", ", ".join(cfg.experiments),
+         "engine precisions of current serving stacks: FP8 W8A8-KV8, INT8 W8A8, FP4 W4A4-KV8 (NVFP4: E2M1 in "
+         "blocks of 16 with FP8 scales; MXFP4, blocks of 32 with power-of-two scales, is available as -e mxfp4)."),
+    ]
+    return pd.DataFrame(rows, columns=["knob", "value", "why"])
+
+
 CURVE_COLUMNS = {"eval/success": "success", "reward/success": "train_success", "mismatch/k3": "k3",
                  "mismatch/mean_abs_delta": "mean_abs_delta", "mismatch/seq_k3": "seq_k3",
                  "correction/clip_rate": "clip_rate", "correction/weight_mean": "weight_mean",
@@ -325,7 +404,7 @@ class MismatchLab:
     def cells(self, cfg: MismatchConfig) -> list[Cell]:
         ident, ctx = cfg.identity(), {"cache_dir": str(cfg.cache())}
         seeds = list(range(cfg.seeds))
-        cells = []
+        cells = [Cell("dose", "base", run_dose_cell, {"config": ident}, ctx)]
         if "fp32" in cfg.arms:
             cells.append(Cell("train", "fp32", run_stack, {"dose": "fp32", "arms": ["fp32"], "seeds": seeds,
                                                            "config": ident}, ctx))
@@ -341,7 +420,11 @@ class MismatchLab:
         df = df[df["dose"].isin(["fp32", *cfg.experiments]) & df["arm"].isin(cfg.arms)]
         doses = [d for d in cfg.experiments if d in set(df["dose"])]
         summary = _summary(df, cfg)
-        tabs = {"summary": Table(summary, "Summary per arm, dose and seed (held-out success, fp32 engine)", ".3g"),
+        tabs = {"knobs": Table(_knobs(cfg), "Knobs chosen for this lab, and why")}
+        if "dose" in rows:
+            tabs["dose"] = Table(rows["dose"], "The dose: engine/learner mismatch of the base policy", ".3g")
+        tabs |= {
+                "summary": Table(summary, "Summary per arm, dose and seed (held-out success, fp32 engine)", ".3g"),
                 "means": Table(_means(summary, doses), "Means over seeds with 95% intervals", ".3g", console=True)}
         for ref in ("qat", "fp32"):
             d = _diffs(summary, doses, ref)
@@ -368,7 +451,12 @@ class MismatchLab:
     def interpret(self, tabs: dict[str, Table], cfg: MismatchConfig) -> dict[str, str]:
         few = small_run_note(cfg.seeds)
         s, m = tabs["summary"].frame, tabs["means"].frame
-        text: dict[str, str] = {}
+        text: dict[str, str] = {
+            "knobs": "Every setting of this run that a person chose, with the reason; none was tuned to make an arm "
+                     "win or lose. Settings not listed are the defaults of GRPOConfig and BaseConfig (the toolshop "
+                     "lab's) and of the correction arms in creditlab.core.correction."}
+        if "dose" in tabs:
+            text["dose"] = _read_dose(tabs["dose"].frame, cfg)
         noise = _noise_floor(s)
         text["summary"] = (
             "One row per run. final: mean held-out success of the last evaluation points; best: the best such "
@@ -402,6 +490,16 @@ LAB = register_lab(MismatchLab())
 def _noise_floor(summary: pd.DataFrame) -> float:
     fp = summary[summary["arm"] == "fp32"]["rollback"]
     return float(fp.mean()) if len(fp) else math.nan
+
+
+def _read_dose(d: pd.DataFrame, cfg: MismatchConfig) -> str:
+    k3 = d.set_index(["engine", "learner"])["k3"]
+    parts = [f"{e}: {k3[(e, 'fp32')]:.2g} naive, {k3[(e, 'QAT')]:.2g} QAT ({1 - k3[(e, 'QAT')] / k3[(e, 'fp32')]:.0%} "
+             "removed)" for e in DOSES if (e, "QAT") in k3.index]
+    return ("K3(engine || learner) per policy token and the prefix log ratio at the first and last turn, measured "
+            "on the base policy's own trajectories (256 held-out tasks) before any training, for every engine "
+            "against an fp32 learner and a quantization-aware one; engine_success is the base policy's success "
+            "when that engine runs it. " + "; ".join(parts) + ".")
 
 
 def _read_means(m: pd.DataFrame, cfg: MismatchConfig) -> str:

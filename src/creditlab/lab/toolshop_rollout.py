@@ -186,18 +186,27 @@ class StackedRollout:
     budget: torch.Tensor            # (M, B) long
     tasks: list[list[Task]]
     decode_steps: int = 0           # model calls (positions) the engine ran
+    decode_rows: int = 0            # rows x positions it computed (less than M * B * decode_steps when compacting)
 
 
 @torch.no_grad()
 def rollout_stacked(model: StackedTinyLM, tasks: Sequence[Sequence[Task]], uniforms: torch.Tensor, *,
                     precision: str | Sequence[str] = "fp32", max_len: int = 160, max_turns: int | None = None,
-                    max_action_len: int = 8, temperature: float = 1.0) -> StackedRollout:
+                    max_action_len: int = 8, temperature: float = 1.0, compact: float | None = None
+                    ) -> StackedRollout:
     """Sample one trajectory per task for each of the ``M`` stacked models (``tasks[m]``: ``B`` tasks
     of model ``m``), the engine of ``precision`` (one, or one per model).
 
     ``uniforms`` ``(M, B, max_len)`` in ``[0, 1)``: the token sampled at position ``t`` of trajectory
     ``(m, b)`` is the first whose cumulative probability exceeds ``uniforms[m, b, t]`` times the
     total (inversion of the CDF). Same uniforms, same policy: same trajectory.
+
+    ``compact`` (e.g. 0.75): when the finished trajectories leave at most that share of the current
+    batch width busy in every model, the engine drops them from its batch (gathering the KV cache
+    rows of the others), so the last decode steps cost only the trajectories still running (10-27%
+    less rollout time measured). The matrix products then run on fewer rows, which moves log-probs
+    by float rounding (about 1e-6; the sampled tokens were the same in the test), so it is off by
+    default (None) and the lab leaves it off to keep its stored runs reproducible.
     """
     M = model.n_models
     if len(tasks) != M or len({len(t) for t in tasks}) != 1:
@@ -231,16 +240,19 @@ def rollout_stacked(model: StackedTinyLM, tasks: Sequence[Sequence[Task]], unifo
     finished = np.zeros(R, dtype=bool)  # ... and its last observation was fed
     u_all = uniforms.reshape(R, max_len).to(torch.float64)
     cache = model.init_cache(B, precision, max_len)
+    live = np.arange(R).reshape(M, B)  # the engine's batch: global row of each (model, slot)
+    pos = np.arange(R)  # slot of each global row in the flattened batch (valid while the row runs)
     cur = torch.as_tensor(tokens[:, 0]).view(M, B)
-    steps = 0
+    steps = rows_done = 0
     for t in range(max_len - 1):
-        logits = model.step(cur, cache).float().view(R, -1)  # next-token distribution at position t+1
+        logits = model.step(cur, cache).float().view(live.size, -1)  # next-token distribution at t+1
         steps += 1
+        rows_done += live.size
         need = ~finished & (qlen == 0)
         if need.any():
             idx = np.flatnonzero(need)
             it = torch.as_tensor(idx)
-            lp = torch.log_softmax(logits[it] / temperature, dim=-1)
+            lp = torch.log_softmax(logits[torch.as_tensor(pos[idx])] / temperature, dim=-1)
             cdf = lp.exp().to(torch.float64).cumsum(-1)
             u = u_all[it, t + 1] * cdf[:, -1]
             draw = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp(max=cdf.size(1) - 1)
@@ -273,7 +285,17 @@ def rollout_stacked(model: StackedTinyLM, tasks: Sequence[Sequence[Task]], unifo
             finished[idx] = (qlen[idx] == 0) & done[idx]
         if finished.all():
             break
-        cur = torch.as_tensor(tokens[:, t + 1]).view(M, B)
+        if compact is not None:
+            busy = (~finished[live]).sum(1)  # (M,) running trajectories of each model
+            width = max(int(busy.max()), 1)
+            if width <= compact * live.shape[1]:
+                keep = np.argsort(finished[live], axis=1, kind="stable")[:, :width]  # running rows first
+                flat = torch.as_tensor((np.arange(M)[:, None] * live.shape[1] + keep).reshape(-1))
+                cache.k, cache.v = cache.k.index_select(1, flat), cache.v.index_select(1, flat)
+                cache.last = cache.last.gather(1, torch.as_tensor(keep))
+                live = np.take_along_axis(live, keep, axis=1)
+                pos[live.reshape(-1)] = np.arange(live.size)
+        cur = torch.as_tensor(tokens[live, t + 1])
     L = int(np.flatnonzero(valid.any(0)).max()) + 1
     res = [env.result() for env in envs]
 
@@ -286,7 +308,8 @@ def rollout_stacked(model: StackedTinyLM, tasks: Sequence[Sequence[Task]], unifo
         records=[[envs[m * B + b].records for b in range(B)] for m in range(M)],
         success=mb([float(ok) for ok, _ in res], torch.float32), progress=mb([p for _, p in res], torch.float32),
         truncated=mb([not env.wrote for env in envs]), n_calls=mb([len(env.records) for env in envs]),
-        budget=mb([env.max_turns for env in envs]), tasks=[list(row) for row in tasks], decode_steps=steps)
+        budget=mb([env.max_turns for env in envs]), tasks=[list(row) for row in tasks], decode_steps=steps,
+        decode_rows=rows_done)
 
 
 def stacked_logprobs(model: StackedTinyLM, tokens: torch.Tensor, precision: str | Sequence[str] = "fp32",
