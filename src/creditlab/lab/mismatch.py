@@ -322,8 +322,16 @@ def _fingerprint(by_turn: pd.DataFrame) -> pd.DataFrame:
 
 
 def _knobs(cfg: MismatchConfig) -> pd.DataFrame:
+    """Each knob with its value in this run, the lab's default, and why the default is what it is."""
+    here = _knob_rows(cfg)
+    default = _knob_rows(MismatchConfig())
+    return pd.DataFrame([(k, v, d, why) for (k, v, why), (_, d, _) in zip(here, default, strict=True)],
+                        columns=["knob", "this run", "lab default", "why the default"])
+
+
+def _knob_rows(cfg: MismatchConfig) -> list[tuple[str, str, str]]:
     g, b = cfg.grpo, cfg.base
-    rows = [
+    return [
         ("chain lengths", ", ".join(map(str, g.chain_lengths)),
          "5 to 8 tool calls (7 turns on average, up to C + 2): a long interaction history for the mismatch to "
          "compound over, and a base policy at about 0.4 held-out success that GRPO does not saturate at once "
@@ -353,7 +361,6 @@ def _knobs(cfg: MismatchConfig) -> pd.DataFrame:
          "engine precisions of current serving stacks: FP8 W8A8-KV8, INT8 W8A8, FP4 W4A4-KV8 (NVFP4: E2M1 in "
          "blocks of 16 with FP8 scales; MXFP4, blocks of 32 with power-of-two scales, is available as -e mxfp4)."),
     ]
-    return pd.DataFrame(rows, columns=["knob", "value", "why"])
 
 
 CURVE_COLUMNS = {"eval/success": "success", "reward/success": "train_success", "mismatch/k3": "k3",
