@@ -80,7 +80,7 @@ class MismatchConfig(LabConfig):
 
     OPTIONS: ClassVar[dict[str, str]] = {"updates": "grpo.updates"}
     EXPERIMENTS: ClassVar[tuple[str, ...]] = DOSES
-    SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "smooth")
+    SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "smooth", "dose_tasks")
 
     base: BaseConfig = field(default_factory=lambda: BaseConfig(chain_lengths=CHAINS))
     """Supervised warm start of the shared base policy (cached): chains of 5 to 8 tool calls."""
@@ -91,6 +91,9 @@ class MismatchConfig(LabConfig):
     """Paired seeds per arm (task stream, sampling uniforms, minibatch order)."""
     arms: tuple[str, ...] = tuple(ARMS)
     """Arms to train (see ARMS)."""
+    dose_tasks: int = 256
+    """Held-out trajectories of the base policy per engine in the dose table (passed to that cell,
+    so it is in that cell's key, not in the run's identity)."""
     smooth: int = 3
     """Evaluation points averaged for final and best success (a window of smooth * eval_every updates);
     it only changes the tables, so it is not part of the run's identity."""
@@ -103,7 +106,7 @@ class MismatchConfig(LabConfig):
     def quick(cls) -> MismatchConfig:
         return cls(grpo=GRPOConfig(updates=8, tasks_per_update=4, group_size=4, chain_lengths=CHAINS,
                                    eval_every=4, eval_tasks=32),
-                   seeds=2, smooth=1, experiments=("nvfp4",))
+                   seeds=2, smooth=1, dose_tasks=32, experiments=("nvfp4",))
 
     def validate(self) -> None:
         if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
@@ -117,6 +120,8 @@ class MismatchConfig(LabConfig):
         g = self.grpo
         if g.eval_every < 1:
             raise ConfigError("grpo.eval_every", "the lab scores held-out success over training: must be >= 1")
+        if self.dose_tasks < 1:
+            raise ConfigError("dose_tasks", f"must be >= 1, got {self.dose_tasks}")
         if self.smooth < 1 or self.smooth > g.updates // g.eval_every + 1:
             raise ConfigError("smooth", f"must be in [1, {g.updates // g.eval_every + 1}], got {self.smooth}")
         if g.max_len > self.base.max_len:
@@ -156,7 +161,7 @@ def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_
     return out
 
 
-def run_dose_cell(config: dict, cache_dir: str, tasks: int = 256) -> list[dict]:
+def run_dose_cell(config: dict, tasks: int, cache_dir: str) -> list[dict]:
     """The dose before training: K3 between each engine and an fp32 / a QAT learner on the base
     policy's own trajectories (``tasks`` held-out tasks, one rollout each), and the success of the
     base policy executed by that engine."""
@@ -411,7 +416,7 @@ class MismatchLab:
     def cells(self, cfg: MismatchConfig) -> list[Cell]:
         ident, ctx = cfg.identity(), {"cache_dir": str(cfg.cache())}
         seeds = list(range(cfg.seeds))
-        cells = [Cell("dose", "base", run_dose_cell, {"config": ident}, ctx)]
+        cells = [Cell("dose", "base", run_dose_cell, {"config": ident, "tasks": cfg.dose_tasks}, ctx)]
         if "fp32" in cfg.arms:
             cells.append(Cell("train", "fp32", run_stack, {"dose": "fp32", "arms": ["fp32"], "seeds": seeds,
                                                            "config": ident}, ctx))
@@ -504,8 +509,8 @@ def _read_dose(d: pd.DataFrame, cfg: MismatchConfig) -> str:
     parts = [f"{e}: {k3[(e, 'fp32')]:.2g} naive, {k3[(e, 'QAT')]:.2g} QAT ({1 - k3[(e, 'QAT')] / k3[(e, 'fp32')]:.0%} "
              "removed)" for e in DOSES if (e, "QAT") in k3.index]
     return ("K3(engine || learner) per policy token and the prefix log ratio at the first and last turn, measured "
-            "on the base policy's own trajectories (256 held-out tasks) before any training, for every engine "
-            "against an fp32 learner and a quantization-aware one; engine_success is the base policy's success "
+            f"on the base policy's own trajectories ({cfg.dose_tasks} held-out tasks) before any training, for every "
+            "engine against an fp32 learner and a quantization-aware one; engine_success is the base policy's success "
             "when that engine runs it. " + "; ".join(parts) + ".")
 
 
