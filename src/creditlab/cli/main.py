@@ -18,6 +18,7 @@ from creditlab.cli import lab_coverage  # noqa: E402,F401  isort: skip
 from creditlab.cli import lab_fork  # noqa: E402,F401  isort: skip
 from creditlab.cli import lab_toolshop  # noqa: E402,F401  isort: skip
 from creditlab.cli import lab_mismatch  # noqa: E402,F401  isort: skip
+from creditlab.cli import lab_granularity  # noqa: E402,F401  isort: skip
 from creditlab.cli import fork_cmd  # noqa: E402,F401  isort: skip
 from creditlab.cli import diagnose_cmd  # noqa: E402,F401  isort: skip
 

@@ -80,7 +80,7 @@ class MismatchConfig(LabConfig):
 
     OPTIONS: ClassVar[dict[str, str]] = {"updates": "grpo.updates"}
     EXPERIMENTS: ClassVar[tuple[str, ...]] = DOSES
-    SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "smooth", "dose_tasks")
+    SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "smooth", "dose_tasks", "dump_dir")
 
     base: BaseConfig = field(default_factory=lambda: BaseConfig(chain_lengths=CHAINS))
     """Supervised warm start of the shared base policy (cached): chains of 5 to 8 tool calls."""
@@ -101,6 +101,9 @@ class MismatchConfig(LabConfig):
     """Engine precisions of the dose to run (fp8, int8, nvfp4, mxfp4)."""
     cache_dir: str | None = None
     """Where the base policy is cached (None: the user cache directory); never changes a number."""
+    dump_dir: str | None = None
+    """Write every training update's rollouts in the ``creditlab diagnose`` schema here (one JSONL
+    file per dose, arm and seed, for the cells this run computes); never changes a number."""
 
     @classmethod
     def quick(cls) -> MismatchConfig:
@@ -139,9 +142,12 @@ class MismatchConfig(LabConfig):
 # cells
 
 
-def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_dir: str) -> list[dict]:
+def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_dir: str,
+              dump_dir: str | None = None) -> list[dict]:
     """One cell: the arms x seeds of one engine precision trained as one stacked program from the
-    cached base policy. One row per model per update (and the final evaluation row)."""
+    cached base policy. One row per model per update (and the final evaluation row). With
+    ``dump_dir``, every update's rollouts of each model go to ``mismatch-<dose>-<arm>-seed=<s>.jsonl``
+    there, in the ``creditlab diagnose`` schema (learner and engine log-probs, turns)."""
     from creditlab.models.tiny_lm import StackedTinyLM
 
     cfg = MismatchConfig.from_dict(config)
@@ -154,7 +160,19 @@ def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_
         engine, learner, corr = arm_triple(a, dose)
         configs.append(replace(cfg.grpo, rollout_precision=engine, learner_precision=learner, correction=corr, seed=s))
     stack = StackedTinyLM([base] * len(members))
-    rows = train_grpo_stacked(stack, configs, eval_precision="fp32")
+    on_rollouts = None
+    if dump_dir:
+        from creditlab.lab.toolshop_dump import dump_rollouts
+
+        paths = [Path(dump_dir) / f"mismatch-{dose}-{a}-seed={s}.jsonl" for a, s in members]
+        for p in paths:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.unlink(missing_ok=True)  # this cell is computed again from scratch: so is its dump
+
+        def on_rollouts(k, m, batch, rewards, old):
+            dump_rollouts(batch, rewards, k, paths[m], logprobs=old)
+
+    rows = train_grpo_stacked(stack, configs, eval_precision="fp32", on_rollouts=on_rollouts)
     out = []
     for (a, s), model_rows in zip(members, rows, strict=True):
         out += [{"arm": a, "dose": dose, "seed": s, **r} for r in model_rows]
@@ -417,6 +435,8 @@ class MismatchLab:
         ident, ctx = cfg.identity(), {"cache_dir": str(cfg.cache())}
         seeds = list(range(cfg.seeds))
         cells = [Cell("dose", "base", run_dose_cell, {"config": ident, "tasks": cfg.dose_tasks}, ctx)]
+        if cfg.dump_dir:
+            ctx = {**ctx, "dump_dir": cfg.dump_dir}
         if "fp32" in cfg.arms:
             cells.append(Cell("train", "fp32", run_stack, {"dose": "fp32", "arms": ["fp32"], "seeds": seeds,
                                                            "config": ident}, ctx))

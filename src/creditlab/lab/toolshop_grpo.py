@@ -335,6 +335,16 @@ def train_grpo(model: TinyLM, cfg: GRPOConfig, *, advantage: AdvantageFn | None 
 PER_MODEL_FIELDS = ("rollout_precision", "learner_precision", "correction", "seed")
 
 
+def _model_batch(batch: StackedRollout, m: int, group_size: int) -> RolloutBatch:
+    """Model ``m``'s trajectories of a stacked rollout as a :class:`RolloutBatch` (groups of ``group_size``)."""
+    B = batch.tokens.size(1)
+    return RolloutBatch(tokens=batch.tokens[m], policy_mask=batch.policy_mask[m], valid_mask=batch.valid_mask[m],
+                        rollout_logprobs=batch.rollout_logprobs[m], turn_ids=batch.turn_ids[m],
+                        records=batch.records[m], success=batch.success[m], progress=batch.progress[m],
+                        truncated=batch.truncated[m], n_calls=batch.n_calls[m], tasks=list(batch.tasks[m]),
+                        group_ids=torch.arange(B) // group_size)
+
+
 def _stream_seed(*parts: object) -> int:
     return random.Random("-".join(map(str, parts))).getrandbits(63)
 
@@ -374,10 +384,15 @@ def _eval_row(ev: dict[str, torch.Tensor], m: int) -> dict[str, float]:
 
 
 def train_grpo_stacked(stack: StackedTinyLM, configs: list[GRPOConfig], *, eval_precision: str | None = "fp32",
-                       on_update: Callable[[int, list[dict[str, float]]], None] | None = None
+                       on_update: Callable[[int, list[dict[str, float]]], None] | None = None,
+                       on_rollouts: Callable[[int, int, RolloutBatch, torch.Tensor, torch.Tensor], None] | None = None
                        ) -> list[list[dict[str, float]]]:
     """Train the ``M`` models of ``stack`` in place with multi-turn GRPO, model ``m`` under
     ``configs[m]``; returns one list of rows per model (the keys of :func:`train_grpo`).
+
+    ``on_rollouts(update, m, batch, rewards, old_logprobs)`` is called for each model with its
+    rollouts of the update (a :class:`RolloutBatch`) before the update uses them, e.g.
+    :func:`creditlab.lab.toolshop_dump.dump_rollouts` for ``creditlab diagnose``.
 
     The configs may differ only in :data:`PER_MODEL_FIELDS`. Per update, every model runs what
     :func:`train_grpo` runs (rollouts with its engine, old log-probs with its learner, outcome GRPO
@@ -467,6 +482,9 @@ def train_grpo_stacked(stack: StackedTinyLM, configs: list[GRPOConfig], *, eval_
                              stacked_logprobs(stack, take(batch.tokens, rest), learners, cfg.temperature))
         t2 = time.perf_counter()
         rewards = (batch.success if cfg.reward == "success" else batch.progress).float()
+        if on_rollouts is not None:
+            for m in range(M):
+                on_rollouts(k, m, _model_batch(batch, m, G), rewards[m], old[m])
         adv = grpo_advantages(rewards.reshape(-1), gids).view(M, B)
         w = torch.ones_like(old)
         for m in range(M):

@@ -1,0 +1,951 @@
+"""The granularity lab: when does credit finer than the outcome help, and when does it hurt?
+
+Reads top to bottom:
+
+1. the world: toolshop tasks of two horizons trained together and reported apart: ``short``
+   chains (C = 2, 3, 4 tool calls) and ``long`` chains (C = 7, 8: a case or ticket id to resolve
+   through seven reads before the write, up to C + 2 turns), each task drawing one chain length
+   (:data:`TASK_TYPES`);
+2. one supervised base policy for every arm (:func:`creditlab.lab.toolshop_base.base_policy` on
+   those chain lengths);
+3. the process reward: :func:`creditlab.rewards.process.evidence_scores`, a separate scorer that
+   sees only the turns (1 for a read that returned something new, ``repeat`` for a read that
+   returned nothing new, 0 for errors and writes): useful early, hackable late;
+4. the arms, trained from the base policy on the same tasks and seeds for the same number of updates
+   (:data:`ARMS`): outcome GRPO; GRPO + the process reward mixed per turn with a fixed weight
+   (``prm_fixed``, lambda = 0.5) or a decayed one (``prm_decay``: 0.5, cubic decay to 0 between
+   40% and 60% of the run, the schedule of 20 -> 30 of 50 updates scaled to the run length;
+   :func:`creditlab.core.advantages.prm_mixed_advantages`, :func:`creditlab.core.schedules.decay`);
+   on-policy self-distillation from a frozen copy of the base policy that sees privileged tokens
+   (:func:`train_opsd`, :func:`creditlab.core.losses.opsd_loss`): the reference answer
+   (``opsd_ref``: the final write's action in its instruction) or per-turn advice (``opsd_advice``:
+   the next correct action before each of the student's actions);
+5. tables: per arm and task type, held-out success with 95% intervals, truncation, tool calls,
+   interaction turns and the turn mixing score; curves of outcome and process reward, truncation,
+   tool calls and response length over updates; for OPSD, teacher-student KL, gradient norm, clip
+   count and the concentration of the KL over turns; and, with ``--dump``, what
+   ``creditlab diagnose`` says about each arm's rollouts.
+
+Turn judge (:func:`judge_turns`, for the mixing score): a turn is *good* when it is a call of the
+task's correct episode (the noiseless scripted agent's calls: same tool and same arguments) made
+for the first time in the episode, *bad* otherwise (an error, a wrong entity, a repeat, a wrong
+write). The mixing score of a rollout is ``2 min(good, bad) / (good + bad)``
+(:func:`creditlab.core.diagnostics.mixing_score`).
+
+Cells: one per (arm, seed); a cell's rows depend only on its arguments, and every finished cell is
+stored at once (resumable).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import pandas as pd
+import torch
+
+from creditlab.core.diagnostics import concentration, mixing_score
+from creditlab.envs.toolshop import PAD, TOK, TOOL_TABLE, Task, TurnRecord, make_task, run_scripted
+from creditlab.errors import ConfigError, InputError
+from creditlab.lab.plotting import new_figure, save
+from creditlab.lab.protocol import LabConfig, Table, register_lab
+from creditlab.lab.report import mean_ci, paired_diff, read_diff, small_run_note
+from creditlab.lab.runner import Cell
+from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir
+from creditlab.lab.toolshop_grpo import GRPOConfig, make_prm_advantage, task_seeds, train_grpo
+from creditlab.lab.toolshop_rollout import (
+    EVAL_SEED_OFFSET,
+    RolloutBatch,
+    make_tasks,
+    rollout,
+)
+from creditlab.rewards.process import evidence_scores
+
+__all__ = [
+    "ARMS",
+    "LAB",
+    "TASK_TYPES",
+    "GranularityConfig",
+    "GranularityLab",
+    "correct_actions",
+    "judge_turns",
+    "process_scores",
+    "teacher_contexts",
+    "train_opsd",
+]
+
+#: Task types: name -> chain lengths (a task of the type draws one, cycling over the list).
+TASK_TYPES: dict[str, tuple[int, ...]] = {"short": (2, 3, 4), "long": (7, 8)}
+CHAINS = (2, 3, 4, 7, 8)
+#: Arm -> (kind, what); kinds: grpo (outcome), prm (mixed process reward), opsd (self-distillation).
+ARMS: dict[str, tuple[str, str]] = {
+    "grpo": ("grpo", "outcome"),
+    "prm_fixed": ("prm", "fixed"),
+    "prm_decay": ("prm", "decay"),
+    "opsd_ref": ("opsd", "ref"),
+    "opsd_advice": ("opsd", "advice"),
+}
+LABELS = {"grpo": "GRPO", "prm_fixed": "PRM fixed λ", "prm_decay": "PRM decayed λ", "opsd_ref": "OPSD ref-answer",
+          "opsd_advice": "OPSD turn-advice"}
+UNIT, DIFF = (0.0, 1.0), (-1.0, 1.0)
+
+
+def type_of(chain_length: int) -> str:
+    """The task type of a chain length (see :data:`TASK_TYPES`)."""
+    for name, lengths in TASK_TYPES.items():
+        if int(chain_length) in lengths:
+            return name
+    raise InputError(f"chain_length: {chain_length} is in no task type ({TASK_TYPES})")
+
+
+@dataclass(frozen=True)
+class GranularityConfig(LabConfig):
+    """Configuration of the granularity lab."""
+
+    OPTIONS: ClassVar[dict[str, str]] = {"updates": "grpo.updates"}
+    EXPERIMENTS: ClassVar[tuple[str, ...]] = tuple(ARMS)
+    SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "dump_dir")
+
+    base: BaseConfig = field(default_factory=lambda: BaseConfig(chain_lengths=CHAINS))
+    """Supervised warm start of the shared base policy (cached), on every chain length of the mix."""
+    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(
+        updates=50, tasks_per_update=16, group_size=8, chain_lengths=CHAINS, eval_every=10))
+    """Training shared by every arm (outcome GRPO's settings; OPSD uses its lr, minibatches, grad clip)."""
+    seeds: int = 3
+    """Paired seeds per arm (task stream, sampling, minibatch order)."""
+    lam: float = 0.5
+    """Weight of the process advantage (fixed arm; start of the decayed arm)."""
+    decay_start: float = 0.4
+    """Decayed arm: the weight starts to fall at this fraction of the updates (20 of 50)."""
+    decay_end: float = 0.6
+    """Decayed arm: the weight reaches 0 at this fraction of the updates (30 of 50)."""
+    decay_power: float = 3.0
+    """Decayed arm: the power of the decay (cubic)."""
+    repeat: float = 0.25
+    """Process score of a read that returned nothing new."""
+    beta: float = 0.5
+    """OPSD: generalised JSD interpolation (0 forward KL(teacher||student), 1 reverse KL)."""
+    eval_per_type: int = 128
+    """Held-out tasks per task type at each evaluation (fixed, the same for every arm and seed)."""
+    experiments: tuple[str, ...] = tuple(ARMS)
+    """Arms to run (grpo, prm_fixed, prm_decay, opsd_ref, opsd_advice)."""
+    cache_dir: str | None = None
+    """Where the base policy is cached (None: the user cache directory); never changes a number."""
+    dump_dir: str | None = None
+    """Write every training update's rollouts in the ``creditlab diagnose`` schema here (one JSONL
+    file per arm and seed, for the cells this run computes); never changes a number."""
+
+    @classmethod
+    def quick(cls) -> GranularityConfig:
+        return cls(grpo=GRPOConfig(updates=6, tasks_per_update=4, group_size=4, chain_lengths=CHAINS, eval_every=3),
+                   seeds=2, eval_per_type=16)
+
+    def validate(self) -> None:
+        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
+            raise ConfigError("--seeds", f"must be an integer >= 1, got {self.seeds!r}")
+        if not self.experiments or any(e not in ARMS for e in self.experiments):
+            raise ConfigError("--experiment", f"got {list(self.experiments)}; valid: {', '.join(ARMS)}")
+        g = self.grpo
+        if g.eval_every < 1:
+            raise ConfigError("grpo.eval_every", "the lab scores held-out success over training: must be >= 1")
+        if g.max_len > self.base.max_len:
+            raise ConfigError("grpo.max_len", f"{g.max_len} exceeds the model's {self.base.max_len}")
+        if tuple(g.chain_lengths) != tuple(self.base.chain_lengths):
+            raise ConfigError("grpo.chain_lengths", "must equal base.chain_lengths (the base policy's tasks)")
+        if any(type_of_safe(c) is None for c in g.chain_lengths):
+            raise ConfigError("grpo.chain_lengths", f"every chain length must belong to a task type {TASK_TYPES}")
+        if g.advantage != "grpo" or g.correction != "none" or g.rollout_precision != "fp32":
+            raise ConfigError("grpo", "the granularity lab trains fp32 outcome GRPO without a correction")
+        if not 0 < self.decay_start <= self.decay_end <= 1:
+            raise ConfigError("decay_start", "needs 0 < decay_start <= decay_end <= 1")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ConfigError("beta", f"must be in [0, 1], got {self.beta}")
+        if not 0.0 <= self.repeat <= 1.0:
+            raise ConfigError("repeat", f"must be in [0, 1], got {self.repeat}")
+        if self.lam < 0:
+            raise ConfigError("lam", f"must be >= 0, got {self.lam}")
+        if self.eval_per_type < 1:
+            raise ConfigError("eval_per_type", f"must be >= 1, got {self.eval_per_type}")
+
+    def cache(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else default_cache_dir(None)
+
+    def schedule(self, arm: str):
+        """The process weight of a PRM arm as a function of the update index."""
+        from creditlab.core.schedules import constant, decay
+
+        if arm == "prm_fixed":
+            return constant(self.lam)
+        U = self.grpo.updates
+        return decay(self.lam, start=self.decay_start * U, end=self.decay_end * U, power=self.decay_power)
+
+
+def type_of_safe(chain_length: int) -> str | None:
+    try:
+        return type_of(chain_length)
+    except InputError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# the world: process scores, the turn judge, privileged contexts
+
+
+def process_scores(batch: RolloutBatch, repeat: float = 0.25) -> torch.Tensor:
+    """``(B, T)`` evidence scores of every turn of ``batch`` (0 on turns not taken)."""
+    T = max(batch.n_turns_max, 1)
+    out = torch.zeros(len(batch), T)
+    for b, (task, recs) in enumerate(zip(batch.tasks, batch.records, strict=True)):
+        s = evidence_scores(recs, task.given, repeat=repeat)
+        out[b, :len(s)] = torch.tensor(s)
+    return out
+
+
+def _key(rec: TurnRecord) -> tuple | None:
+    tool = TOOL_TABLE.get(rec.name)
+    if tool is None or not rec.ok:
+        return None
+    return (rec.name, tuple(rec.arguments.get(n) for n in tool.arg_names))
+
+
+@functools.lru_cache(maxsize=4096)
+def _correct(seed: int, chain_length: int) -> tuple[tuple[tuple, tuple[int, ...]], ...]:
+    _, _, env = run_scripted(make_task(seed, chain_length), 0, noise=0.0, max_turns=chain_length)
+    return tuple((_key(r), r.action) for r in env.records)
+
+
+def correct_actions(task: Task) -> list[tuple[int, ...]]:
+    """The action token ids (without ``EOA``) of the task's correct episode, in order."""
+    return [a for _, a in _correct(task.seed, task.chain_length)]
+
+
+def judge_turns(task: Task, records: list[TurnRecord]) -> list[bool]:
+    """Good (True) / bad (False) for each turn: a correct call made for the first time (module doc)."""
+    correct = {k for k, _ in _correct(task.seed, task.chain_length)}
+    done: set = set()
+    out = []
+    for rec in records:
+        k = _key(rec)
+        good = k is not None and k in correct and k not in done
+        if good:
+            done.add(k)
+        out.append(good)
+    return out
+
+
+def _next_advice(task: Task, records: list[TurnRecord]) -> list[list[int]]:
+    """The advice before each turn: the first correct action not yet made by the earlier turns."""
+    steps = _correct(task.seed, task.chain_length)
+    done: set = set()
+    out = []
+    for rec in records:
+        nxt = next((a for k, a in steps if k not in done), steps[-1][1])
+        out.append([TOK["SEP"], *nxt, TOK["SEP"]])
+        k = _key(rec)
+        if k is not None:
+            done.add(k)
+    return out
+
+
+def teacher_contexts(batch: RolloutBatch, kind: str) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+    """The teacher's privileged sequences for ``batch`` and where the student's tokens sit in them.
+
+    ``kind="ref"``: one sequence per trajectory, the final correct write's action tokens inserted
+    into the instruction (before ``SEP``). ``kind="advice"``: one sequence per turn taken: the
+    trajectory up to that turn's action, the advice ``SEP <next correct action> SEP``, then the
+    action. Returns the sequences and, per sequence, ``(b, first, shift)``: the student's tokens
+    from position ``first`` of trajectory ``b`` (to the end of the sequence) sit ``shift``
+    positions later in it.
+    """
+    seqs: list[list[int]] = []
+    where: list[tuple[int, int, int]] = []
+    for b, (task, recs) in enumerate(zip(batch.tasks, batch.records, strict=True)):
+        n = int(batch.valid_mask[b].sum())
+        toks = batch.tokens[b, :n].tolist()
+        P = len(task.prompt_ids)
+        if kind == "ref":
+            write = [*correct_actions(task)[-1], TOK["EOA"]]
+            seqs.append(toks[:P - 1] + write + toks[P - 1:])
+            where.append((b, P - 1, len(write)))
+        elif kind == "advice":
+            tid = batch.turn_ids[b, :n]
+            pm = batch.policy_mask[b, :n]
+            for t, adv in enumerate(_next_advice(task, recs)):
+                pos = (pm & (tid == t)).nonzero().flatten()
+                if not len(pos):
+                    continue
+                s, e = int(pos[0]), int(pos[-1])
+                seqs.append(toks[:s] + adv + toks[s:e + 1])
+                where.append((b, s, len(adv)))
+        else:
+            raise ConfigError("teacher", f"unknown teacher {kind!r}; valid: ref, advice")
+    return seqs, where
+
+
+@torch.no_grad()
+def teacher_logits(teacher, batch: RolloutBatch, kind: str, chunk: int = 256) -> torch.Tensor:
+    """``(B, L, V)`` next-token logits of the privileged teacher for every position of ``batch``:
+    entry ``[b, p]`` is the teacher's distribution of token ``p`` (0 where the teacher does not
+    see the student's token, e.g. the prompt)."""
+    seqs, where = teacher_contexts(batch, kind)
+    B, L = batch.tokens.shape
+    V = teacher.cfg.vocab_size
+    out = torch.zeros(B, L, V)
+    for i in range(0, len(seqs), chunk):
+        part = seqs[i:i + chunk]
+        n = max(len(s) for s in part)
+        if n > teacher.cfg.max_len:
+            raise InputError(f"teacher context of {n} tokens exceeds the model's max_len {teacher.cfg.max_len}")
+        x = torch.full((len(part), n), PAD, dtype=torch.long)
+        for j, s in enumerate(part):
+            x[j, :len(s)] = torch.tensor(s)
+        logits = teacher(x).float()
+        for j, (b, first, shift) in enumerate(where[i:i + chunk]):
+            last = len(part[j]) - shift  # student positions first .. last-1
+            if kind == "advice":
+                out[b, first:last] = logits[j, first + shift - 1:last + shift - 1]
+            else:
+                out[b, max(first, 1):last] = logits[j, max(first, 1) + shift - 1:last + shift - 1]
+    return out
+
+
+def _aligned(logits: torch.Tensor) -> torch.Tensor:
+    """Model logits ``(B, L, V)`` (position p predicts p+1) to prediction-of-position form."""
+    return torch.cat([torch.zeros_like(logits[:, :1]), logits[:, :-1]], dim=1)
+
+
+# --------------------------------------------------------------------------------------------
+# per-batch statistics shared by every arm
+
+
+def batch_stats(batch: RolloutBatch, repeat: float) -> dict[str, float]:
+    """Outcome, process reward, truncation, tool calls and mixing of one batch, overall and per type."""
+    proc = process_scores(batch, repeat)
+    row: dict[str, float] = {}
+    types = np.array([type_of(t.chain_length) for t in batch.tasks])
+    n_calls = batch.n_calls.float()
+    mean_proc = torch.stack([proc[b, :max(int(n_calls[b]), 1)].mean() for b in range(len(batch))])
+    good = [judge_turns(t, r) for t, r in zip(batch.tasks, batch.records, strict=True)]
+    n_pos = torch.tensor([sum(g) for g in good], dtype=torch.float64)
+    n_neg = torch.tensor([len(g) - sum(g) for g in good], dtype=torch.float64)
+    mix, inc = mixing_score(n_pos, n_neg)
+    for name, sel in (("all", np.ones(len(batch), bool)), *((t, types == t) for t in TASK_TYPES)):
+        idx = torch.as_tensor(sel)
+        if not bool(idx.any()):
+            continue
+        pre = "" if name == "all" else f"{name}/"
+        ok = batch.success[idx]
+        calls = n_calls[idx]
+        row[f"{pre}success"] = float(ok.mean())
+        row[f"{pre}process"] = float(mean_proc[idx].mean())
+        row[f"{pre}truncation"] = float(batch.truncated[idx].float().mean())
+        row[f"{pre}tool_calls"] = float(calls.mean())
+        row[f"{pre}turns_success"] = float(calls[ok > 0].mean()) if bool((ok > 0).any()) else math.nan
+        row[f"{pre}response_tokens"] = float(batch.policy_mask[idx].sum(1).float().mean())
+        m = idx & inc
+        row[f"{pre}mixing"] = float(mix[m].mean()) if bool(m.any()) else math.nan
+        row[f"{pre}good_share"] = float(n_pos[idx].sum() / max(float((n_pos + n_neg)[idx].sum()), 1.0))
+    return row
+
+
+def eval_tasks(cfg: GranularityConfig) -> list[Task]:
+    """The fixed held-out tasks: ``eval_per_type`` of each type, chain lengths cycling in the type."""
+    tasks = []
+    for j, lengths in enumerate(TASK_TYPES.values()):
+        base = EVAL_SEED_OFFSET + 1_000_000 * j
+        tasks += [make_task(base + i, lengths[i % len(lengths)]) for i in range(cfg.eval_per_type)]
+    return tasks
+
+
+@torch.no_grad()
+def evaluate_types(model, cfg: GranularityConfig) -> dict[str, float]:
+    """Held-out statistics per task type (fp32 engine, sampled at the training temperature, fixed uniforms)."""
+    g = cfg.grpo
+    batch = rollout(model, eval_tasks(cfg), precision="fp32", max_len=g.max_len, max_turns=g.max_turns,
+                    max_action_len=g.max_action_len, temperature=g.temperature,
+                    generator=torch.Generator().manual_seed(12345))
+    return {f"eval/{k}": v for k, v in batch_stats(batch, cfg.repeat).items()}
+
+
+# --------------------------------------------------------------------------------------------
+# on-policy self-distillation
+
+
+def train_opsd(model, teacher, cfg: GRPOConfig, kind: str, *, beta: float = 0.5,
+               on_rollouts=None, top_frac: float = 0.05) -> list[dict[str, float]]:
+    """Train ``model`` in place by on-policy self-distillation from ``teacher`` (frozen) with the
+    ``kind`` of privileged context (:func:`teacher_contexts`); one metrics row per update.
+
+    Each update samples the same tasks as :func:`~creditlab.lab.toolshop_grpo.train_grpo` with
+    the same seed (``task_seeds``), scores every policy token of the student's own trajectories
+    by the teacher, and takes ``cfg.minibatches`` AdamW steps on
+    :func:`creditlab.core.losses.opsd_loss` (no outcome reward). Row keys: ``update``,
+    ``opsd/forward_kl`` and ``opsd/reverse_kl`` (per policy token, before the update),
+    ``opsd/kl_top_share`` (share of the batch's teacher-student KL carried by the top ``top_frac``
+    of turns) and ``opsd/kl_top_token_share`` (share of the policy tokens those turns hold),
+    ``grad_norm`` (mean before clipping), ``grad/clipped`` (optimizer steps whose norm was clipped),
+    ``loss/opsd``, ``episode/policy_tokens``, ``time/update_s``.
+    """
+    from creditlab.core.losses import opsd_loss
+
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    teacher.eval()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
+    G = cfg.group_size
+    rows = []
+    for k in range(cfg.updates):
+        t0 = time.perf_counter()
+        model.eval()
+        tasks = [t for t in make_tasks(task_seeds(cfg, k), cfg.chain_lengths) for _ in range(G)]
+        batch = rollout(model, tasks, precision="fp32", max_len=cfg.max_len, max_turns=cfg.max_turns,
+                        max_action_len=cfg.max_action_len, temperature=cfg.temperature, generator=gen,
+                        group_ids=[j // G for j in range(len(tasks))])
+        pm = batch.policy_mask
+        with torch.no_grad():
+            t_logits = teacher_logits(teacher, batch, kind) / cfg.temperature
+            s_logits = _aligned(model(batch.tokens).float()) / cfg.temperature
+            if on_rollouts is not None:
+                lp = torch.log_softmax(s_logits, -1).gather(-1, batch.tokens[..., None]).squeeze(-1)
+                on_rollouts(k, batch, batch.success.float(), torch.where(pm, lp, torch.zeros_like(lp)))
+            ls, lt = torch.log_softmax(s_logits, -1), torch.log_softmax(t_logits, -1)
+            rev = (ls.exp() * (ls - lt)).sum(-1)  # KL(student || teacher) per position
+            fwd = (lt.exp() * (lt - ls)).sum(-1)
+            n_pol = max(int(pm.sum()), 1)
+            row = {"update": float(k), "opsd/reverse_kl": float(rev[pm].sum()) / n_pol,
+                   "opsd/forward_kl": float(fwd[pm].sum()) / n_pol}
+            # the KL of each turn taken, and the policy tokens it holds
+            T = max(batch.n_turns_max, 1)
+            tid = batch.turn_ids.clamp(min=0)
+            on = pm & (batch.turn_ids >= 0)
+            per_turn = torch.zeros(len(batch), T, dtype=torch.float64).scatter_add_(
+                1, tid, torch.where(on, rev, torch.zeros_like(rev)).double().clamp(min=0))
+            toks = torch.zeros(len(batch), T, dtype=torch.float64).scatter_add_(1, tid, on.double())
+            taken = toks > 0
+            share, _ = concentration(per_turn[taken], top_frac)
+            n_top = max(1, math.ceil(top_frac * int(taken.sum())))
+            top = per_turn[taken].argsort(descending=True)[:n_top]
+            row["opsd/kl_top_share"] = share
+            row["opsd/kl_top_token_share"] = float(toks[taken][top].sum() / toks[taken].sum())
+        model.train()
+        norms, clipped, losses = [], 0, []
+        for chunk in torch.randperm(len(batch), generator=gen).chunk(cfg.minibatches):
+            s = _aligned(model(batch.tokens[chunk]).float()) / cfg.temperature
+            loss, _ = opsd_loss(s, t_logits[chunk], pm[chunk], beta, agg=cfg.agg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            norms.append(gn)
+            clipped += int(gn > cfg.grad_clip)
+            losses.append(float(loss.detach()))
+            opt.step()
+        model.eval()
+        row.update({"loss/opsd": float(np.mean(losses)), "grad_norm": float(np.mean(norms)),
+                    "grad/clipped": float(clipped), "episode/policy_tokens": float(pm.sum()) / len(batch),
+                    "time/update_s": time.perf_counter() - t0})
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# cells
+
+
+def run_arm(config: dict, arm: str, seed: int, cache_dir: str, dump_dir: str | None = None) -> list[dict]:
+    """One training run (a cell): ``arm`` from the cached base policy with ``seed``. Rows: one per
+    update (training statistics of that update's rollouts, ``kind = "train"``) and one per
+    evaluation point (held-out statistics per task type, ``kind = "eval"``)."""
+    import copy
+
+    cfg = GranularityConfig.from_dict(config)
+    model = base_policy(cfg.base, cache_dir=cache_dir)
+    g = replace(cfg.grpo, seed=seed, eval_every=0)
+    kind, what = ARMS[arm]
+    extra: dict[int, dict[str, float]] = {}
+    path = None
+    if dump_dir:
+        path = Path(dump_dir) / f"granularity-{arm}-seed={seed}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)  # this cell is computed again from scratch: so is its dump
+    evals: list[dict] = []
+
+    def on_rollouts(k, batch, rewards, old):
+        if k % cfg.grpo.eval_every == 0:
+            evals.append({"kind": "eval", "update": float(k), **evaluate_types(model, cfg)})
+        extra[k] = batch_stats(batch, cfg.repeat)
+        if kind == "prm":
+            extra[k]["lam"] = float(cfg.schedule(arm)(k))
+        if path is not None:
+            from creditlab.lab.toolshop_dump import dump_rollouts
+
+            dump_rollouts(batch, rewards, k, path, logprobs=old, process_scores=process_scores(batch, cfg.repeat))
+
+    if kind == "opsd":
+        teacher = copy.deepcopy(model)
+        rows = train_opsd(model, teacher, g, what, beta=cfg.beta, on_rollouts=on_rollouts)
+    else:
+        adv = (make_prm_advantage(lambda b: process_scores(b, cfg.repeat), cfg.schedule(arm))
+               if kind == "prm" else None)
+        rows = train_grpo(model, g, advantage=adv, on_rollouts=on_rollouts)
+    evals.append({"kind": "eval", "update": float(g.updates), **evaluate_types(model, cfg)})
+    keep = ("update", "grad_norm", "grad/clipped", "loss/", "opsd/", "episode/policy_tokens", "time/update_s",
+            "adv/abs_mean")
+    out = []
+    for r in rows:
+        k = int(r["update"])
+        out.append({"kind": "train", **{n: v for n, v in r.items() if n.startswith(keep)}, **extra[k]})
+    return [{"arm": arm, "seed": seed, **r} for r in out + evals]
+
+
+# --------------------------------------------------------------------------------------------
+# tables
+
+
+def _ordered(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    order = {a: i for i, a in enumerate(ARMS)} | {t: i for i, t in enumerate(TASK_TYPES)}
+    return df.sort_values(by, key=lambda c: c.map(order) if c.name in ("arm", "type") else c).reset_index(drop=True)
+
+
+EVAL_METRICS = ("success", "truncation", "tool_calls", "turns_success", "mixing", "good_share", "process",
+                "response_tokens")
+
+
+def _summary(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per arm, seed and task type: the final held-out statistics, and the base policy's."""
+    ev = df[df["kind"] == "eval"]
+    rows = []
+    for (arm, seed), g in ev.groupby(["arm", "seed"], sort=False):
+        last = g[g["update"] == g["update"].max()].iloc[0]
+        first = g[g["update"] == g["update"].min()].iloc[0]
+        for t in ("all", *TASK_TYPES):
+            pre = "eval/" if t == "all" else f"eval/{t}/"
+            row = {"arm": arm, "seed": int(seed), "type": t}
+            row.update({m: last.get(pre + m, math.nan) for m in EVAL_METRICS})
+            row["base_success"] = first.get(pre + "success", math.nan)
+            row["gain"] = row["success"] - row["base_success"]
+            rows.append(row)
+    return _ordered(pd.DataFrame(rows), ["arm", "seed", "type"])
+
+
+def _means(summary: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for (arm, t), g in summary.groupby(["arm", "type"], sort=False):
+        row = {"arm": arm, "type": t}
+        for m, bounds in (("success", UNIT), ("gain", DIFF), ("truncation", UNIT)):
+            mean, lo, hi = mean_ci(g[m], bounds)
+            row.update({m: mean, f"{m}_lo": lo, f"{m}_hi": hi})
+        for m in ("tool_calls", "turns_success", "mixing"):
+            row[m] = float(g[m].mean())
+        row["n"] = len(g)
+        rows.append(row)
+    return _ordered(pd.DataFrame(rows), ["arm", "type"])
+
+
+def _diffs(summary: pd.DataFrame) -> pd.DataFrame:
+    if "grpo" not in set(summary["arm"]):
+        return pd.DataFrame()
+    out = []
+    for a in [a for a in ARMS if a != "grpo" and a in set(summary["arm"])]:
+        merged = None
+        for m in ("success", "truncation"):
+            d = paired_diff(summary, a, "grpo", ["type"], m, bounds=DIFF).rename(
+                columns={"mean": m, "lo": f"{m}_lo", "hi": f"{m}_hi"})
+            merged = d if merged is None else merged.merge(d.drop(columns=["n"]), on=["diff", "type"])
+        out.append(merged)
+    res = pd.concat(out, ignore_index=True)
+    return _ordered(res[["diff", "type", "success", "success_lo", "success_hi", "truncation", "truncation_lo",
+                         "truncation_hi", "n"]], ["diff", "type"])
+
+
+def _phases(df: pd.DataFrame, U: int) -> pd.DataFrame:
+    """Training statistics per arm in the first and last fifth of the updates (means over seeds)."""
+    tr = df[df["kind"] == "train"]
+    rows = []
+    cols = ["success", "process", "truncation", "tool_calls", "response_tokens", "grad_norm"]
+    for arm, g in tr.groupby("arm", sort=False):
+        early, late = g[g["update"] < U / 5], g[g["update"] >= U - U / 5]
+        row = {"arm": arm}
+        for c in cols:
+            if c in g.columns:
+                row[f"{c}_early"] = float(early[c].mean())
+                row[f"{c}_late"] = float(late[c].mean())
+        rows.append(row)
+    return _ordered(pd.DataFrame(rows), ["arm"])
+
+
+def _opsd(df: pd.DataFrame, U: int) -> pd.DataFrame:
+    tr = df[(df["kind"] == "train") & df["arm"].isin(["opsd_ref", "opsd_advice", "grpo"])]
+    rows = []
+    for arm, g in tr.groupby("arm", sort=False):
+        per_seed = g.groupby("seed")
+        row = {"arm": arm, "updates": U}
+        for c, name in (("opsd/reverse_kl", "reverse_kl"), ("opsd/forward_kl", "forward_kl"),
+                        ("grad_norm", "grad_norm"), ("opsd/kl_top_share", "kl_top5_share"),
+                        ("opsd/kl_top_token_share", "kl_top5_token_share")):
+            row[name] = float(g[c].mean()) if c in g.columns and g[c].notna().any() else math.nan
+        if "grad/clipped" in g.columns and g["grad/clipped"].notna().any():
+            row["clipped_updates"] = float(per_seed["grad/clipped"].apply(lambda v: float((v > 0).sum())).mean())
+        else:
+            row["clipped_updates"] = math.nan
+        first = g[g["update"] < U / 5]["response_tokens"].mean()
+        last = g[g["update"] >= U - U / 5]["response_tokens"].mean()
+        row.update({"response_tokens_early": first, "response_tokens_late": last})
+        rows.append(row)
+    return _ordered(pd.DataFrame(rows), ["arm"])
+
+
+class GranularityLab:
+    """Outcome GRPO vs process reward (fixed / decayed weight) vs self-distillation (module docstring)."""
+
+    name = "granularity"
+    summary = "Outcome GRPO vs PRM mixing (fixed / decayed λ) vs OPSD on short and long toolshop tasks."
+    config_type = GranularityConfig
+
+    def describe(self, cfg: GranularityConfig) -> str:
+        g = cfg.grpo
+        U = g.updates
+        return (
+            "The tiny toolshop agent trained from one supervised base policy on a mix of task types: "
+            + "; ".join(f"{t} (chains of {', '.join(map(str, c))} tool calls)" for t, c in TASK_TYPES.items())
+            + f". Arms: {', '.join(LABELS[a] for a in cfg.experiments)}. {U} updates of {g.tasks_per_update} tasks x "
+            f"{g.group_size} rollouts, {g.minibatches} AdamW steps per update (lr {g.lr:g}, grad clip "
+            f"{g.grad_clip:g}), "
+            f"{cfg.seeds} paired seed(s). Process reward: evidence scores (1 for a read that returned something new, "
+            f"{cfg.repeat:g} for a read that returned nothing new, 0 for errors and writes), mixed per turn with "
+            f"weight {cfg.lam:g} (fixed) or {cfg.lam:g} decayed cubically to 0 between updates "
+            f"{cfg.decay_start * U:g} and {cfg.decay_end * U:g}. OPSD: generalised JSD (beta {cfg.beta:g}) to a frozen "
+            "copy of the base policy that sees the final write's action in its instruction (ref-answer) or the next "
+            "correct action before each of the student's actions (turn-advice). Held-out: "
+            f"{cfg.eval_per_type} fixed tasks per type every {g.eval_every} updates, fp32, sampled at temperature "
+            f"{g.temperature:g} with the same uniforms for every arm.")
+
+    def prepare(self, cfg: GranularityConfig, progress: bool = True) -> None:
+        """Build the base policy once in the driver (cached), with a progress bar."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        if (cfg.cache() / f"toolshop-base-{cfg.base.key()}.safetensors").exists():
+            return
+        with Progress(TextColumn("[bold]granularity base policy"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), disable=not progress) as bar:
+            task = bar.add_task("base", total=cfg.base.steps, loss=float("nan"))
+            base_policy(cfg.base, cache_dir=cfg.cache(),
+                        progress=lambda k, loss: bar.update(task, completed=k + 1, loss=loss))
+
+    def cells(self, cfg: GranularityConfig) -> list[Cell]:
+        ident, ctx = cfg.identity(), {"cache_dir": str(cfg.cache())}
+        if cfg.dump_dir:
+            ctx["dump_dir"] = cfg.dump_dir
+        return [Cell("train", f"{arm}/seed={s}", run_arm, {"config": ident, "arm": arm, "seed": s}, ctx)
+                for arm in cfg.experiments for s in range(cfg.seeds)]
+
+    def tables(self, rows: dict[str, pd.DataFrame], cfg: GranularityConfig) -> dict[str, Table]:
+        df = rows["train"]
+        df = df[df["arm"].isin(cfg.experiments)]
+        U = cfg.grpo.updates
+        summary = _summary(df)
+        tabs = {"knobs": Table(_knobs(cfg), "Knobs chosen for this lab, and why"),
+                "means": Table(_means(summary), "Held-out results per arm and task type (means over seeds, 95% "
+                                                "intervals)", ".3g", console=True),
+                "summary": Table(summary, "Held-out results per arm, seed and task type (final evaluation)", ".3g")}
+        d = _diffs(summary)
+        if len(d):
+            tabs["diff_vs_grpo"] = Table(d, "Paired differences against GRPO (same seeds, same held-out tasks)", ".3g")
+        tabs["phases"] = Table(_phases(df, U), "Training rollouts: first and last fifth of the updates", ".3g")
+        if df["arm"].isin(["opsd_ref", "opsd_advice"]).any():
+            tabs["opsd"] = Table(_opsd(df, U), "Self-distillation: KL, gradients, clipping, KL concentration", ".3g")
+        tabs["mixing"] = Table(_mixing_table(df), "Turn mixing score by task type (held-out rollouts)", ".3g")
+        diag = _diagnose_table(cfg)
+        if diag is not None:
+            tabs["diagnose"] = Table(diag, "creditlab diagnose on each arm's training rollouts (seed 0)")
+        cols = ["arm", "seed", "update"] + [c for c in CURVE_COLUMNS if c in df.columns]
+        curves = df[df["kind"] == "train"][cols].sort_values(["arm", "seed", "update"]).reset_index(drop=True)
+        tabs["curves"] = Table(curves, "Every training update of every run", ".3g", report=False)
+        ev_cols = ["arm", "seed", "update"] + [c for c in df.columns if c.startswith("eval/")]
+        tabs["eval_curves"] = Table(df[df["kind"] == "eval"][ev_cols].sort_values(["arm", "seed", "update"])
+                                    .reset_index(drop=True), "Every held-out evaluation", ".3g", report=False)
+        return tabs
+
+    def plots(self, tabs: dict[str, Table], cfg: GranularityConfig, out: Path) -> list[Path]:
+        curves = tabs["curves"].frame
+        made = [_plot_hacking(curves, cfg, out), _plot_behaviour(curves, cfg, out),
+                _plot_final(tabs["means"].frame, out)]
+        if "opsd" in tabs:
+            made.append(_plot_opsd(curves, cfg, out))
+        return made
+
+    def interpret(self, tabs: dict[str, Table], cfg: GranularityConfig) -> dict[str, str]:
+        few = small_run_note(cfg.seeds)
+        text = {"knobs": "Every setting of this run that a person chose, with the reason; none was tuned to make an "
+                         "arm win or lose. Settings not listed are the defaults of GRPOConfig and BaseConfig."}
+        m = tabs["means"].frame
+        text["means"] = _read_means(m) + few
+        text["summary"] = ("One row per run and task type at the final evaluation: success, truncation (share of "
+                           "episodes that ended by the action budget without a write), tool calls per episode, "
+                           "turns_success (mean turns of the successful episodes), mixing (turn mixing score), "
+                           "good_share (share of good turns), process (mean evidence score per turn), "
+                           "response_tokens (policy tokens per episode); base_success is the same run's evaluation "
+                           "at update 0 (the base policy) and gain = success - base_success." + few)
+        if "diff_vs_grpo" in tabs:
+            d = tabs["diff_vs_grpo"].frame
+            parts = []
+            for metric in ("success", "truncation"):
+                sub = d.rename(columns={metric: "mean", f"{metric}_lo": "lo", f"{metric}_hi": "hi"})
+                for what, g in sub.groupby("diff", sort=False):
+                    parts.append(f"[{metric}] " + read_diff(g[["type", "mean", "lo", "hi", "n"]], ["type"], what))
+            text["diff_vs_grpo"] = ("Paired differences (arm - GRPO, same seeds, same held-out tasks) of final "
+                                    "success and truncation by task type. " + " ".join(parts))
+        text["phases"] = _read_phases(tabs["phases"].frame)
+        if "opsd" in tabs:
+            text["opsd"] = _read_opsd(tabs["opsd"].frame)
+        text["mixing"] = _read_mixing(tabs["mixing"].frame)
+        if "diagnose" in tabs:
+            text["diagnose"] = _read_diagnose(tabs["diagnose"].frame)
+        return text
+
+
+LAB = register_lab(GranularityLab())
+
+CURVE_COLUMNS = ("success", "process", "truncation", "tool_calls", "response_tokens", "lam", "grad_norm",
+                 "grad/clipped", "opsd/reverse_kl", "opsd/forward_kl", "opsd/kl_top_share",
+                 "opsd/kl_top_token_share", "loss/opsd", "short/success", "long/success", "short/truncation",
+                 "long/truncation", "short/mixing", "long/mixing")
+
+
+def _mixing_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per task type: the base policy's held-out mixing score and good-turn share (update 0), and each
+    arm's at the end with its success gain."""
+    ev = df[df["kind"] == "eval"]
+    rows = []
+    for t in TASK_TYPES:
+        pre = f"eval/{t}/"
+        base = ev[ev["update"] == ev["update"].min()]
+        row = {"type": t, "chain lengths": ", ".join(map(str, TASK_TYPES[t])),
+               "base mixing": float(base[pre + "mixing"].mean()),
+               "base good share": float(base[pre + "good_share"].mean()),
+               "base success": float(base[pre + "success"].mean())}
+        last = ev[ev["update"] == ev["update"].max()]
+        for arm, g in last.groupby("arm", sort=False):
+            row[f"{arm} mixing"] = float(g[pre + "mixing"].mean())
+            row[f"{arm} gain"] = float(g[pre + "success"].mean()) - float(
+                base[base["arm"] == arm][pre + "success"].mean())
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _knobs(cfg: GranularityConfig) -> pd.DataFrame:
+    here, default = _knob_rows(cfg), _knob_rows(GranularityConfig())
+    return pd.DataFrame([(k, v, d, why) for (k, v, why), (_, d, _) in zip(here, default, strict=True)],
+                        columns=["knob", "this run", "lab default", "why the default"])
+
+
+def _knob_rows(cfg: GranularityConfig) -> list[tuple[str, str, str]]:
+    g, U = cfg.grpo, cfg.grpo.updates
+    return [
+        ("task types", "; ".join(f"{t}: C = {', '.join(map(str, c))}" for t, c in TASK_TYPES.items()),
+         "short chains as in the toolshop lab; the long type needs 7-8 tool calls (up to 10 turns), where the base "
+         "policy's rollouts mix good and bad turns. Each task draws one of the five chain lengths (short 60%, "
+         "long 40%)."),
+        ("base policy", f"{cfg.base.n_demos} demos, noise {cfg.base.noise:g}, {cfg.base.steps} steps",
+         "the toolshop defaults, on the lab's chain lengths; one base policy for every arm and seed."),
+        ("updates", str(U), "the paper's 50, so its decay schedule (20 -> 30 of 50) applies unscaled."),
+        ("rollouts per update", f"{g.tasks_per_update} tasks x {g.group_size}",
+         "half the toolshop lab's 256, for time (the cost of a run is linear in rollouts)."),
+        ("optimisation", f"lr {g.lr:g}, {g.minibatches} minibatches, clip {g.clip_low:g}/{g.clip_high:g}, "
+                         f"grad clip {g.grad_clip:g}", "GRPOConfig defaults for every arm, OPSD included; not tuned."),
+        ("process reward", f"new read 1, repeated read {cfg.repeat:g}, errors and writes 0",
+         "the issue's hackable proxy: it pays for evidence, and a repeated read still pays a little."),
+        ("process weight", f"fixed {cfg.lam:g}; decayed {cfg.lam:g} -> 0 over updates {cfg.decay_start * U:g}-"
+                           f"{cfg.decay_end * U:g} (power {cfg.decay_power:g})",
+         "the paper's values (0.5, cubic decay between 20 and 30 of 50), as fractions of the run."),
+        ("OPSD", f"beta {cfg.beta:g} (generalised JSD), teacher = frozen base policy",
+         "the core default beta; the teacher is the initial policy, as the issue asks; no outcome reward."),
+        ("held-out evaluation", f"{cfg.eval_per_type} tasks per type every {g.eval_every} updates, sampled",
+         "the same tasks and sampling uniforms for every arm, seed and evaluation point."),
+        ("seeds", str(cfg.seeds), "the minimum the issue asks for, for time; arms are paired seed by seed."),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# creditlab diagnose on the dumps
+
+
+def _diagnose_table(cfg: GranularityConfig) -> pd.DataFrame | None:
+    if not cfg.dump_dir:
+        return None
+    from creditlab.diagnose.checks import run_checks
+    from creditlab.diagnose.readers import read_dump
+
+    rows = []
+    for arm in cfg.experiments:
+        path = Path(cfg.dump_dir) / f"granularity-{arm}-seed=0.jsonl"
+        if not path.exists():
+            rows.append({"arm": arm, "check": "(all)", "status": "skipped", "value": math.nan,
+                         "message": f"no dump at {path}: this run did not compute that cell (a stored cell was "
+                                    "reused); rerun with --fresh to dump it"})
+            continue
+        for r in run_checks(read_dump([path]), only=("reward.process_hacking", "credit.mixing", "mismatch.k3")):
+            rows.append({"arm": arm, "check": r.id, "status": r.status,
+                         "value": math.nan if r.value is None else float(r.value), "message": r.message})
+    return pd.DataFrame(rows)
+
+
+def _read_diagnose(d: pd.DataFrame) -> str:
+    hack = d[d["check"] == "reward.process_hacking"].set_index("arm")["status"]
+    parts = [f"{LABELS.get(a, a)}: {s}" for a, s in hack.items()]
+    return ("`creditlab diagnose` run on each arm's training rollouts of seed 0 (written with --dump), three "
+            "of its checks shown. reward.process_hacking: " + ", ".join(parts) + ". The dumps' process_reward is "
+            "each trajectory's mean evidence score; OPSD arms are dumped with the same scorer although they do "
+            "not train on it.")
+
+
+# --------------------------------------------------------------------------------------------
+# readings
+
+
+def _read_means(m: pd.DataFrame) -> str:
+    parts = []
+    for t in ("short", "long"):
+        g = m[m["type"] == t].set_index("arm")
+        if g.empty:
+            continue
+        parts.append(f"{t}: " + ", ".join(f"{LABELS[a]} {r.success:.2f} (truncation {r.truncation:.0%}, "
+                                          f"{r.tool_calls:.1f} calls)" for a, r in g.iterrows()))
+    return "Final held-out success by task type (95% intervals in the table). " + "; ".join(parts) + "."
+
+
+def _read_phases(p: pd.DataFrame) -> str:
+    parts = []
+    for _, r in p.iterrows():
+        parts.append(f"{LABELS[r['arm']]}: success {r['success_early']:.2f} -> {r['success_late']:.2f}, process "
+                     f"{r['process_early']:.2f} -> {r['process_late']:.2f}, truncation {r['truncation_early']:.0%} -> "
+                     f"{r['truncation_late']:.0%}, tool calls {r['tool_calls_early']:.1f} -> "
+                     f"{r['tool_calls_late']:.1f}")
+    return ("On the training rollouts, first fifth of the updates -> last fifth (means over seeds). A process reward "
+            "that rises while the outcome falls, with truncation and tool calls climbing, is the signature of "
+            "a hacked process reward. " + "; ".join(parts) + ".")
+
+
+def _read_opsd(o: pd.DataFrame) -> str:
+    o = o.set_index("arm")
+    parts = []
+    for a in ("opsd_ref", "opsd_advice"):
+        if a in o.index:
+            r = o.loc[a]
+            parts.append(f"{LABELS[a]}: reverse KL {r.reverse_kl:.3g} per token, grad norm {r.grad_norm:.3g}, "
+                         f"{r.clipped_updates:.0f} of {int(r.updates)} updates clipped, response tokens "
+                         f"{r.response_tokens_early:.1f} -> {r.response_tokens_late:.1f}, top 5% of turns carry "
+                         f"{r.kl_top5_share:.0%} of the KL in {r.kl_top5_token_share:.0%} of the tokens")
+    ratio = ""
+    if {"opsd_ref", "opsd_advice"} <= set(o.index) and o.loc["opsd_ref", "reverse_kl"] > 0:
+        kl = o.loc["opsd_advice", "reverse_kl"] / o.loc["opsd_ref", "reverse_kl"]
+        ratio = f" The advice teacher's KL is {kl:.1f}x the reference teacher's"
+        if "grpo" in o.index and o.loc["grpo", "grad_norm"] > 0:
+            gn = o.loc["opsd_advice", "grad_norm"] / o.loc["grpo", "grad_norm"]
+            ratio += f", its gradient norm {gn:.1f}x GRPO's."
+        else:
+            ratio += "."
+    return ("Self-distillation, means over updates and seeds (clipped: updates with at least one optimizer step "
+            "whose gradient norm exceeded the clip, mean over seeds). " + "; ".join(parts) + "." + ratio)
+
+
+def _read_mixing(m: pd.DataFrame) -> str:
+    parts = [f"{r['type']} (C = {r['chain lengths']}): base mixing {r['base mixing']:.2f}, good turns "
+             f"{r['base good share']:.0%}" + (f", GRPO gain {r['grpo gain']:+.2f}" if "grpo gain" in r else "")
+             for _, r in m.iterrows()]
+    return ("Rule: a turn is good when it is a call of the task's correct episode (same tool, same arguments) made "
+            "for the first time in the episode, bad otherwise; mixing = 2 min(good, bad) / (good + bad) per "
+            "held-out rollout, averaged. " + "; ".join(parts) + ".")
+
+
+# --------------------------------------------------------------------------------------------
+# plots
+
+COLORS = {"grpo": "black", "prm_fixed": "tab:red", "prm_decay": "tab:green", "opsd_ref": "tab:blue",
+          "opsd_advice": "tab:purple"}
+
+
+def _line(ax, g: pd.DataFrame, col: str, color: str, label: str, style: str = "-") -> None:
+    s = g.dropna(subset=[col]).groupby("update")[col]
+    x = s.mean().index.to_numpy()
+    ax.plot(x, s.mean().to_numpy(), style, color=color, label=label, lw=1.4)
+    if s.size().min() > 1:
+        ax.fill_between(x, s.min().to_numpy(), s.max().to_numpy(), color=color, alpha=0.1)
+
+
+def _plot_hacking(curves: pd.DataFrame, cfg: GranularityConfig, out: Path) -> Path:
+    arms = [a for a in ("grpo", "prm_fixed", "prm_decay") if a in set(curves["arm"])] or list(dict.fromkeys(
+        curves["arm"]))
+    fig, axes = new_figure(1, len(arms), figsize=(4.6 * len(arms), 3.8), squeeze=False, sharey=True)
+    for ax, arm in zip(axes[0], arms, strict=True):
+        g = curves[curves["arm"] == arm]
+        _line(ax, g, "success", "black", "outcome (success)")
+        _line(ax, g, "process", "tab:orange", "process (evidence / turn)")
+        if "lam" in g.columns and g["lam"].notna().any():
+            _line(ax, g, "lam", "tab:gray", "λ", ":")
+        ax.set_title(f"{LABELS[arm]}: training rollouts")
+        ax.set_xlabel("update")
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=8, loc="lower left")
+    axes[0][0].set_ylabel("mean over seeds (band: min-max)")
+    return save(fig, out / "granularity_rewards.png")
+
+
+def _plot_behaviour(curves: pd.DataFrame, cfg: GranularityConfig, out: Path) -> Path:
+    fig, axes = new_figure(1, 3, figsize=(14, 3.8))
+    for arm in [a for a in ARMS if a in set(curves["arm"])]:
+        g = curves[curves["arm"] == arm]
+        for ax, col in zip(axes, ("truncation", "tool_calls", "response_tokens"), strict=True):
+            _line(ax, g, col, COLORS[arm], LABELS[arm])
+    for ax, title in zip(axes, ("truncation rate", "tool calls per episode", "policy tokens per episode"),
+                         strict=True):
+        ax.set_title(f"training rollouts: {title}")
+        ax.set_xlabel("update")
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=8)
+    return save(fig, out / "granularity_behaviour.png")
+
+
+def _plot_final(means: pd.DataFrame, out: Path) -> Path:
+    types = [t for t in TASK_TYPES if t in set(means["type"])]
+    arms = [a for a in ARMS if a in set(means["arm"])]
+    fig, axes = new_figure(1, 2, figsize=(11, 3.8))
+    x = np.arange(len(types))
+    w = 0.8 / max(len(arms), 1)
+    for i, arm in enumerate(arms):
+        g = means[means["arm"] == arm].set_index("type").reindex(types)
+        xs = x - 0.4 + w * (i + 0.5)
+        for ax, m in ((axes[0], "success"), (axes[1], "truncation")):
+            err = np.vstack([(g[m] - g[f"{m}_lo"]).fillna(0).clip(lower=0),
+                             (g[f"{m}_hi"] - g[m]).fillna(0).clip(lower=0)])
+            ax.bar(xs, g[m], w, yerr=err, color=COLORS[arm], label=LABELS[arm], capsize=2)
+    for ax, title in ((axes[0], "final held-out success"), (axes[1], "final held-out truncation")):
+        ax.set_xticks(x, types)
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{title} (mean, 95% interval over seeds)")
+    axes[0].legend(fontsize=8)
+    return save(fig, out / "granularity_final.png")
+
+
+def _plot_opsd(curves: pd.DataFrame, cfg: GranularityConfig, out: Path) -> Path:
+    fig, axes = new_figure(1, 3, figsize=(14, 3.8))
+    for arm in [a for a in ("grpo", "opsd_ref", "opsd_advice") if a in set(curves["arm"])]:
+        g = curves[curves["arm"] == arm]
+        if arm != "grpo":
+            _line(axes[0], g, "opsd/reverse_kl", COLORS[arm], LABELS[arm])
+        _line(axes[1], g, "grad_norm", COLORS[arm], LABELS[arm])
+        _line(axes[2], g, "response_tokens", COLORS[arm], LABELS[arm])
+    axes[0].set_yscale("log")
+    axes[1].set_yscale("log")
+    axes[1].axhline(cfg.grpo.grad_clip, color="gray", lw=0.8, ls="--")
+    for ax, title in zip(axes, ("KL(student || teacher) per token", "gradient norm (before clipping)",
+                                "policy tokens per episode"), strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("update")
+        ax.legend(fontsize=8)
+    return save(fig, out / "granularity_opsd.png")
