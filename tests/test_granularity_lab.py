@@ -157,6 +157,21 @@ def test_teacher_contexts_hold_the_student_tokens_after_the_privileged_ones(batc
 
 
 @pytest.mark.parametrize("kind", ["ref", "advice"])
+def test_placebo_contexts_hold_another_task_s_tokens_in_the_same_place(batch, kind):
+    donors = batch.tasks[2:] + batch.tasks[:2]  # groups of 2: a different task for every trajectory
+    own, where = teacher_contexts(batch, kind)
+    other, where_p = teacher_contexts(batch, kind, donors)
+    assert [w[:2] for w in where] == [w[:2] for w in where_p]
+    for (b, first, shift), seq in zip(where_p, other, strict=True):
+        inserted = seq[first:first + shift]
+        if kind == "ref":
+            assert inserted == [*correct_actions(donors[b])[-1], TOK["EOA"]]
+        else:
+            assert tuple(inserted[1:-1]) in correct_actions(donors[b])
+    assert own != other
+
+
+@pytest.mark.parametrize("kind", ["ref", "advice"])
 def test_teacher_logits_equal_one_sequence_at_a_time(base, batch, kind):
     got = teacher_logits(base, batch, kind, chunk=5)
     seqs, where = teacher_contexts(batch, kind)
@@ -177,8 +192,8 @@ def test_opsd_with_a_teacher_that_sees_nothing_more_is_at_kl_zero(base):
     cfg = replace(TINY_GRPO, updates=1)
     original = gran.teacher_contexts
 
-    def no_privilege(batch, kind):
-        seqs, where = original(batch, kind)
+    def no_privilege(batch, kind, donors=None):
+        seqs, where = original(batch, kind, donors)
         return ([s[:first] + s[first + shift:] for s, (_, first, shift) in zip(seqs, where, strict=True)],
                 [(b, first, 0) for b, first, _ in where])
 
@@ -246,8 +261,8 @@ def test_lab_runs_writes_every_table_and_plot_and_resumes(tmp_path, cache):
                             dump_dir=str(tmp_path / "dump"))
     out = tmp_path / "run"
     run_lab(LAB, cfg, out, progress=False)
-    for name in ("knobs", "means", "summary", "diff_vs_grpo", "phases", "opsd", "mixing", "diagnose", "curves",
-                 "eval_curves"):
+    for name in ("knobs", "means", "summary", "diff_vs_grpo", "phases", "opsd", "teachers", "mixing", "diagnose",
+                 "curves", "eval_curves"):
         assert (out / f"{name}.parquet").exists() and (out / f"{name}.md").exists(), name
     for png in ("granularity_rewards", "granularity_behaviour", "granularity_final", "granularity_opsd"):
         assert (out / f"{png}.png").stat().st_size > 0
@@ -265,6 +280,10 @@ def test_lab_runs_writes_every_table_and_plot_and_resumes(tmp_path, cache):
     assert len(dumps) == len(ARMS) * 2
     row = json.loads((tmp_path / "dump" / "granularity-prm_fixed-seed=0.jsonl").read_text().splitlines()[0])
     assert row["process_reward"] is not None and row["turns"][0]["process_score"] is not None
+    teachers = pd.read_parquet(out / "teachers.parquet")
+    assert set(zip(teachers["teacher"], teachers["placebo"], strict=True)) == {
+        ("ref", False), ("ref", True), ("advice", False), ("advice", True)}
+    assert (teachers["reverse_kl"] >= 0).all()
     report = (out / "report.md").read_text()
     assert "granularity_rewards.png" in report and "Rule: a turn is good" in report
     # a rerun reuses every cell: the same rows

@@ -252,7 +252,8 @@ def _next_advice(task: Task, records: list[TurnRecord]) -> list[list[int]]:
     return out
 
 
-def teacher_contexts(batch: RolloutBatch, kind: str) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+def teacher_contexts(batch: RolloutBatch, kind: str, donors: list[Task] | None = None
+                     ) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
     """The teacher's privileged sequences for ``batch`` and where the student's tokens sit in them.
 
     ``kind="ref"``: one sequence per trajectory, the final correct write's action tokens inserted
@@ -260,7 +261,8 @@ def teacher_contexts(batch: RolloutBatch, kind: str) -> tuple[list[list[int]], l
     trajectory up to that turn's action, the advice ``SEP <next correct action> SEP``, then the
     action. Returns the sequences and, per sequence, ``(b, first, shift)``: the student's tokens
     from position ``first`` of trajectory ``b`` (to the end of the sequence) sit ``shift``
-    positions later in it.
+    positions later in it. ``donors`` (a placebo control): take the privileged tokens of
+    ``donors[b]`` instead of trajectory ``b``'s own task (same format, someone else's answer).
     """
     seqs: list[list[int]] = []
     where: list[tuple[int, int, int]] = []
@@ -268,14 +270,15 @@ def teacher_contexts(batch: RolloutBatch, kind: str) -> tuple[list[list[int]], l
         n = int(batch.valid_mask[b].sum())
         toks = batch.tokens[b, :n].tolist()
         P = len(task.prompt_ids)
+        info = donors[b] if donors is not None else task
         if kind == "ref":
-            write = [*correct_actions(task)[-1], TOK["EOA"]]
+            write = [*correct_actions(info)[-1], TOK["EOA"]]
             seqs.append(toks[:P - 1] + write + toks[P - 1:])
             where.append((b, P - 1, len(write)))
         elif kind == "advice":
             tid = batch.turn_ids[b, :n]
             pm = batch.policy_mask[b, :n]
-            for t, adv in enumerate(_next_advice(task, recs)):
+            for t, adv in enumerate(_next_advice(info, recs)):
                 pos = (pm & (tid == t)).nonzero().flatten()
                 if not len(pos):
                     continue
@@ -288,11 +291,12 @@ def teacher_contexts(batch: RolloutBatch, kind: str) -> tuple[list[list[int]], l
 
 
 @torch.no_grad()
-def teacher_logits(teacher, batch: RolloutBatch, kind: str, chunk: int = 256) -> torch.Tensor:
+def teacher_logits(teacher, batch: RolloutBatch, kind: str, chunk: int = 256, donors: list[Task] | None = None
+                   ) -> torch.Tensor:
     """``(B, L, V)`` next-token logits of the privileged teacher for every position of ``batch``:
     entry ``[b, p]`` is the teacher's distribution of token ``p`` (0 where the teacher does not
     see the student's token, e.g. the prompt)."""
-    seqs, where = teacher_contexts(batch, kind)
+    seqs, where = teacher_contexts(batch, kind, donors)
     B, L = batch.tokens.shape
     V = teacher.cfg.vocab_size
     out = torch.zeros(B, L, V)
@@ -455,6 +459,48 @@ def train_opsd(model, teacher, cfg: GRPOConfig, kind: str, *, beta: float = 0.5,
 
 # --------------------------------------------------------------------------------------------
 # cells
+
+
+@torch.no_grad()
+def run_teacher_cell(config: dict, cache_dir: str) -> list[dict]:
+    """How much each privileged teacher knows, before any training: on the base policy's own
+    held-out trajectories, the teacher-student KL per policy token and the teacher-minus-student
+    log-prob of the tokens of good and of bad turns (:func:`judge_turns`), for each teacher and for
+    its placebo (the same format holding another task's privileged tokens). A teacher that reads
+    its privileged tokens raises good turns and lowers bad ones more than its placebo does."""
+    cfg = GranularityConfig.from_dict(config)
+    g = cfg.grpo
+    model = base_policy(cfg.base, cache_dir=cache_dir)
+    tasks = eval_tasks(cfg)
+    batch = rollout(model, tasks, precision="fp32", max_len=g.max_len, max_turns=g.max_turns,
+                    max_action_len=g.max_action_len, generator=torch.Generator().manual_seed(54321))
+    pm = batch.policy_mask
+    ls = torch.log_softmax(_aligned(model(batch.tokens).float()), -1)
+    good_turn = torch.zeros_like(pm)
+    for b, (task, recs) in enumerate(zip(batch.tasks, batch.records, strict=True)):
+        for t, ok in enumerate(judge_turns(task, recs)):
+            if ok:
+                good_turn[b] |= batch.turn_ids[b] == t
+    donors = tasks[1:] + tasks[:1]
+    types = [type_of(t.chain_length) for t in batch.tasks]
+    rows = []
+    for kind in ("ref", "advice"):
+        for placebo in (False, True):
+            lt = torch.log_softmax(teacher_logits(model, batch, kind, donors=donors if placebo else None), -1)
+            rev = (ls.exp() * (ls - lt)).sum(-1)
+            gap = (lt - ls).gather(-1, batch.tokens[..., None]).squeeze(-1)  # teacher - student, sampled token
+            for name in ("all", *TASK_TYPES):
+                sel = pm & (torch.tensor([name in ("all", ty) for ty in types])[:, None])
+                good, bad = sel & good_turn, sel & ~good_turn
+                rows.append({"teacher": kind, "placebo": placebo, "type": name,
+                             "reverse_kl": float(rev[sel].mean()),
+                             "gap_good": float(gap[good].mean()) if bool(good.any()) else math.nan,
+                             "gap_bad": float(gap[bad].mean()) if bool(bad.any()) else math.nan,
+                             "tokens": int(sel.sum())})
+    for r in rows:
+        r["preference"] = r["gap_good"] - r["gap_bad"]
+    return rows
+
 
 
 def run_arm(config: dict, arm: str, seed: int, cache_dir: str, dump_dir: str | None = None) -> list[dict]:
@@ -641,8 +687,12 @@ class GranularityLab:
         ident, ctx = cfg.identity(), {"cache_dir": str(cfg.cache())}
         if cfg.dump_dir:
             ctx["dump_dir"] = cfg.dump_dir
-        return [Cell("train", f"{arm}/seed={s}", run_arm, {"config": ident, "arm": arm, "seed": s}, ctx)
-                for arm in cfg.experiments for s in range(cfg.seeds)]
+        cells = [Cell("train", f"{arm}/seed={s}", run_arm, {"config": ident, "arm": arm, "seed": s}, ctx)
+                 for arm in cfg.experiments for s in range(cfg.seeds)]
+        if any(ARMS[a][0] == "opsd" for a in cfg.experiments):
+            cells.append(Cell("teachers", "base", run_teacher_cell, {"config": ident},
+                              {"cache_dir": str(cfg.cache())}))
+        return cells
 
     def tables(self, rows: dict[str, pd.DataFrame], cfg: GranularityConfig) -> dict[str, Table]:
         df = rows["train"]
@@ -659,6 +709,9 @@ class GranularityLab:
         tabs["phases"] = Table(_phases(df, U), "Training rollouts: first and last fifth of the updates", ".3g")
         if df["arm"].isin(["opsd_ref", "opsd_advice"]).any():
             tabs["opsd"] = Table(_opsd(df, U), "Self-distillation: KL, gradients, clipping, KL concentration", ".3g")
+        if "teachers" in rows:
+            tabs["teachers"] = Table(rows["teachers"].drop(columns=["cell_key"], errors="ignore"),
+                                     "What the privileged teachers know (base policy, before training)", ".3g")
         tabs["mixing"] = Table(_mixing_table(df), "Turn mixing score by task type (held-out rollouts)", ".3g")
         diag = _diagnose_table(cfg)
         if diag is not None:
@@ -704,6 +757,8 @@ class GranularityLab:
         if "opsd" in tabs:
             text["opsd"] = _read_opsd(tabs["opsd"].frame)
         text["mixing"] = _read_mixing(tabs["mixing"].frame)
+        if "teachers" in tabs:
+            text["teachers"] = _read_teachers(tabs["teachers"].frame)
         if "diagnose" in tabs:
             text["diagnose"] = _read_diagnose(tabs["diagnose"].frame)
         return text
@@ -852,6 +907,24 @@ def _read_opsd(o: pd.DataFrame) -> str:
             ratio += "."
     return ("Self-distillation, means over updates and seeds (clipped: updates with at least one optimizer step "
             "whose gradient norm exceeded the clip, mean over seeds). " + "; ".join(parts) + "." + ratio)
+
+
+def _read_teachers(t: pd.DataFrame) -> str:
+    d = t[t["type"] == "all"].set_index(["teacher", "placebo"])
+    parts = []
+    for kind, label in (("ref", "reference-answer"), ("advice", "turn-advice")):
+        if (kind, False) in d.index:
+            r, p = d.loc[(kind, False)], d.loc[(kind, True)]
+            v = {n: float(x.get(n, math.nan)) for n in ("gap_good", "gap_bad", "preference") for x in (r,)}
+            parts.append(f"{label}: KL {r['reverse_kl']:.3g} per token (placebo {p['reverse_kl']:.3g}), teacher - "
+                         f"student log-prob on good-turn tokens {v['gap_good']:+.3g} and bad-turn tokens "
+                         f"{v['gap_bad']:+.3g}, preference {v['preference']:+.3g} (placebo "
+                         f"{float(p.get('preference', math.nan)):+.3g})")
+    return ("Before any training, on the base policy's own held-out rollouts: KL(student || teacher) per policy "
+            "token, and the teacher-minus-student log-prob of the sampled tokens of good and of bad turns; "
+            "preference = good - bad. The placebo puts another task's privileged tokens in the same place: a "
+            "teacher whose preference is no larger than its placebo's is not using what it was told, and its "
+            "KL is only the disturbance of an unfamiliar context. " + "; ".join(parts) + ".")
 
 
 def _read_mixing(m: pd.DataFrame) -> str:
