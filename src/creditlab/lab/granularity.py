@@ -980,7 +980,7 @@ def _plot_behaviour(curves: pd.DataFrame, cfg: GranularityConfig, out: Path) -> 
         ax.set_title(f"training rollouts: {title}")
         ax.set_xlabel("update")
     axes[0].set_ylim(0, 1)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8, loc="center right")
     return save(fig, out / "granularity_behaviour.png")
 
 
