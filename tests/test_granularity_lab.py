@@ -274,7 +274,7 @@ def test_lab_runs_writes_every_table_and_plot_and_resumes(tmp_path, cache):
     lam = curves[curves["arm"] == "prm_fixed"]["lam"]
     assert lam.eq(0.5).all()
     diag = pd.read_parquet(out / "diagnose.parquet")
-    assert set(diag["arm"]) == set(ARMS)
+    assert set(diag["arm"]) == set(ARMS) and set(diag["seed"]) == {0, 1}
     assert {"reward.process_hacking", "credit.mixing"} <= set(diag["check"])
     dumps = sorted(p.name for p in (tmp_path / "dump").iterdir())
     assert len(dumps) == len(ARMS) * 2

@@ -715,7 +715,7 @@ class GranularityLab:
         tabs["mixing"] = Table(_mixing_table(df), "Turn mixing score by task type (held-out rollouts)", ".3g")
         diag = _diagnose_table(cfg)
         if diag is not None:
-            tabs["diagnose"] = Table(diag, "creditlab diagnose on each arm's training rollouts (seed 0)")
+            tabs["diagnose"] = Table(diag, "creditlab diagnose on each run's training rollouts")
         cols = ["arm", "seed", "update"] + [c for c in CURVE_COLUMNS if c in df.columns]
         curves = df[df["kind"] == "train"][cols].sort_values(["arm", "seed", "update"]).reset_index(drop=True)
         tabs["curves"] = Table(curves, "Every training update of every run", ".3g", report=False)
@@ -838,25 +838,31 @@ def _diagnose_table(cfg: GranularityConfig) -> pd.DataFrame | None:
 
     rows = []
     for arm in cfg.experiments:
-        path = Path(cfg.dump_dir) / f"granularity-{arm}-seed=0.jsonl"
-        if not path.exists():
-            rows.append({"arm": arm, "check": "(all)", "status": "skipped", "value": math.nan,
-                         "message": f"no dump at {path}: this run did not compute that cell (a stored cell was "
-                                    "reused); rerun with --fresh to dump it"})
-            continue
-        for r in run_checks(read_dump([path]), only=("reward.process_hacking", "credit.mixing", "mismatch.k3")):
-            rows.append({"arm": arm, "check": r.id, "status": r.status,
-                         "value": math.nan if r.value is None else float(r.value), "message": r.message})
+        for seed in range(cfg.seeds):
+            path = Path(cfg.dump_dir) / f"granularity-{arm}-seed={seed}.jsonl"
+            if not path.exists():
+                rows.append({"arm": arm, "seed": seed, "check": "(all)", "status": "skipped", "value": math.nan,
+                             "message": f"no dump at {path}: this run did not compute that cell (a stored cell was "
+                                        "reused); rerun with --fresh to dump it"})
+                continue
+            for r in run_checks(read_dump([path]), only=DIAGNOSE_CHECKS):
+                rows.append({"arm": arm, "seed": seed, "check": r.id, "status": r.status,
+                             "value": math.nan if r.value is None else float(r.value), "message": r.message})
     return pd.DataFrame(rows)
 
 
+DIAGNOSE_CHECKS = ("reward.process_hacking", "credit.mixing")
+
+
 def _read_diagnose(d: pd.DataFrame) -> str:
-    hack = d[d["check"] == "reward.process_hacking"].set_index("arm")["status"]
-    parts = [f"{LABELS.get(a, a)}: {s}" for a, s in hack.items()]
-    return ("`creditlab diagnose` run on each arm's training rollouts of seed 0 (written with --dump), three "
-            "of its checks shown. reward.process_hacking: " + ", ".join(parts) + ". The dumps' process_reward is "
-            "each trajectory's mean evidence score; OPSD arms are dumped with the same scorer although they do "
-            "not train on it.")
+    hack = d[d["check"] == "reward.process_hacking"]
+    parts = [f"{LABELS.get(a, a)}: " + ", ".join(f"seed {int(r.seed)} {r.status}" for r in g.itertuples())
+             for a, g in hack.groupby("arm", sort=False)]
+    return ("`creditlab diagnose` run on each training run's rollouts (written with --dump); its process-hacking and "
+            "mixing checks (the dumps hold no execution mismatch: every arm samples and learns in fp32). "
+            "reward.process_hacking: " + "; ".join(parts) + ". The dumps' process_reward is each trajectory's mean "
+            "evidence score; OPSD arms are dumped with the same scorer although they do not train on it. "
+            "credit.mixing judges a turn good when its process score is above 0.5, not by the lab's turn judge.")
 
 
 # --------------------------------------------------------------------------------------------
