@@ -899,7 +899,7 @@ def _read_opsd(o: pd.DataFrame) -> str:
         if a in o.index:
             r = o.loc[a]
             parts.append(f"{LABELS[a]}: reverse KL {r.reverse_kl:.3g} per token, grad norm {r.grad_norm:.3g}, "
-                         f"{r.clipped_updates:.0f} of {int(r.updates)} updates clipped, response tokens "
+                         f"{r.clipped_updates:.1f} of {int(r.updates)} updates clipped, response tokens "
                          f"{r.response_tokens_early:.1f} -> {r.response_tokens_late:.1f}, top 5% of turns carry "
                          f"{r.kl_top5_share:.0%} of the KL in {r.kl_top5_token_share:.0%} of the tokens")
     ratio = ""
