@@ -107,8 +107,8 @@ class MismatchConfig(LabConfig):
 
     @classmethod
     def quick(cls) -> MismatchConfig:
-        return cls(grpo=GRPOConfig(updates=8, tasks_per_update=4, group_size=4, chain_lengths=CHAINS,
-                                   eval_every=4, eval_tasks=32),
+        return cls(grpo=GRPOConfig(updates=6, tasks_per_update=4, group_size=4, chain_lengths=CHAINS,
+                                   eval_every=3, eval_tasks=32),
                    seeds=2, smooth=1, dose_tasks=32, experiments=("nvfp4",))
 
     def validate(self) -> None:
