@@ -305,3 +305,15 @@ def test_cells_are_deterministic_and_paired(cache):
     # the first update's rollouts come from the same base policy, tasks and seed in every arm
     first = lambda rows: next(r for r in rows if r["kind"] == "train" and r["update"] == 0)  # noqa: E731
     assert first(a)["success"] == first(c)["success"] and first(a)["tool_calls"] == first(c)["tool_calls"]
+
+
+def test_prepare_base_policy_builds_once(tmp_path):
+    from creditlab.lab.toolshop_base import prepare_base_policy
+
+    cfg = BaseConfig(n_demos=16, steps=3, batch_size=8, d_model=16, n_layer=1, max_len=96, chain_lengths=(2,))
+    prepare_base_policy(cfg, tmp_path, "test base", progress=False)
+    (path,) = tmp_path.iterdir()
+    assert path.name == f"toolshop-base-{cfg.key()}.safetensors"
+    stamp = path.stat().st_mtime_ns
+    prepare_base_policy(cfg, tmp_path, "test base", progress=False)  # cached: not trained again
+    assert path.stat().st_mtime_ns == stamp

@@ -56,7 +56,7 @@ from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import LabConfig, Table, register_lab
 from creditlab.lab.report import mean_ci, paired_diff, read_diff, small_run_note
 from creditlab.lab.runner import Cell
-from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir
+from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir, prepare_base_policy
 from creditlab.lab.toolshop_grpo import GRPOConfig, make_prm_advantage, task_seeds, train_grpo
 from creditlab.lab.toolshop_rollout import (
     EVAL_SEED_OFFSET,
@@ -673,15 +673,7 @@ class GranularityLab:
 
     def prepare(self, cfg: GranularityConfig, progress: bool = True) -> None:
         """Build the base policy once in the driver (cached), with a progress bar."""
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        if (cfg.cache() / f"toolshop-base-{cfg.base.key()}.safetensors").exists():
-            return
-        with Progress(TextColumn("[bold]granularity base policy"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), disable=not progress) as bar:
-            task = bar.add_task("base", total=cfg.base.steps, loss=float("nan"))
-            base_policy(cfg.base, cache_dir=cfg.cache(),
-                        progress=lambda k, loss: bar.update(task, completed=k + 1, loss=loss))
+        prepare_base_policy(cfg.base, cfg.cache(), "granularity base policy", progress)
 
     def cells(self, cfg: GranularityConfig) -> list[Cell]:
         ident, ctx = cfg.identity(), {"cache_dir": str(cfg.cache())}

@@ -28,7 +28,7 @@ from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import LabConfig, Table, register_lab
 from creditlab.lab.report import mean_ci, small_run_note
 from creditlab.lab.runner import Cell
-from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir
+from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir, prepare_base_policy
 from creditlab.lab.toolshop_grpo import GRPOConfig, train_grpo
 from creditlab.lab.toolshop_rollout import EVAL_SEED_OFFSET, evaluate, make_tasks, rollout, sequence_logprobs
 
@@ -178,16 +178,7 @@ class ToolshopLab:
 
     def prepare(self, cfg: ToolshopLabConfig, progress: bool = True) -> None:
         """Build the base policy once in the driver (cached), with a progress bar."""
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        path = cfg.cache() / f"toolshop-base-{cfg.base.key()}.safetensors"
-        if path.exists():
-            return
-        with Progress(TextColumn("[bold]toolshop base policy"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), disable=not progress) as bar:
-            task = bar.add_task("base", total=cfg.base.steps, loss=float("nan"))
-            base_policy(cfg.base, cache_dir=cfg.cache(),
-                        progress=lambda k, loss: bar.update(task, completed=k + 1, loss=loss))
+        prepare_base_policy(cfg.base, cfg.cache(), "toolshop base policy", progress)
 
     def cells(self, cfg: ToolshopLabConfig) -> list[Cell]:
         ident, ctx = cfg.identity(), {"cache_dir": str(cfg.cache())}

@@ -28,7 +28,7 @@ from creditlab.envs.toolshop import PAD, VOCAB, run_scripted
 from creditlab.lab.toolshop_rollout import make_tasks
 from creditlab.models.tiny_lm import TinyLM, TinyLMConfig
 
-__all__ = ["DEMO_SEED_OFFSET", "BaseConfig", "base_policy", "default_cache_dir", "train_base"]
+__all__ = ["DEMO_SEED_OFFSET", "BaseConfig", "base_policy", "default_cache_dir", "prepare_base_policy", "train_base"]
 
 DEMO_SEED_OFFSET = 10_000_000  # base-policy demo tasks; RL and evaluation use seeds below this
 
@@ -161,3 +161,16 @@ def base_policy(cfg: BaseConfig = BaseConfig(), *, cache_dir: str | os.PathLike[
     save_model(model, str(tmp), metadata={"config": json.dumps(asdict(cfg))})
     os.replace(tmp, path)
     return model
+
+
+def prepare_base_policy(cfg: BaseConfig, cache_dir: str | os.PathLike[str], label: str, progress: bool = True) -> None:
+    """Train and cache the base policy of ``cfg`` in ``cache_dir`` unless it is there already, with a
+    progress bar titled ``label`` (a lab's ``prepare``: once in the driver, before its cells)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if (Path(cache_dir) / f"toolshop-base-{cfg.key()}.safetensors").exists():
+        return
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), disable=not progress) as bar:
+        task = bar.add_task("base", total=cfg.steps, loss=float("nan"))
+        base_policy(cfg, cache_dir=cache_dir, progress=lambda k, loss: bar.update(task, completed=k + 1, loss=loss))
