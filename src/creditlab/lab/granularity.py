@@ -157,7 +157,7 @@ class GranularityConfig(LabConfig):
             raise ConfigError("grpo.max_len", f"{g.max_len} exceeds the model's {self.base.max_len}")
         if tuple(g.chain_lengths) != tuple(self.base.chain_lengths):
             raise ConfigError("grpo.chain_lengths", "must equal base.chain_lengths (the base policy's tasks)")
-        if any(type_of_safe(c) is None for c in g.chain_lengths):
+        if not set(g.chain_lengths) <= {c for cs in TASK_TYPES.values() for c in cs}:
             raise ConfigError("grpo.chain_lengths", f"every chain length must belong to a task type {TASK_TYPES}")
         if g.advantage != "grpo" or g.correction != "none" or g.rollout_precision != "fp32":
             raise ConfigError("grpo", "the granularity lab trains fp32 outcome GRPO without a correction")
@@ -183,13 +183,6 @@ class GranularityConfig(LabConfig):
             return constant(self.lam)
         U = self.grpo.updates
         return decay(self.lam, start=self.decay_start * U, end=self.decay_end * U, power=self.decay_power)
-
-
-def type_of_safe(chain_length: int) -> str | None:
-    try:
-        return type_of(chain_length)
-    except InputError:
-        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,9 +320,10 @@ def _aligned(logits: torch.Tensor) -> torch.Tensor:
 # per-batch statistics shared by every arm
 
 
-def batch_stats(batch: RolloutBatch, repeat: float) -> dict[str, float]:
-    """Outcome, process reward, truncation, tool calls and mixing of one batch, overall and per type."""
-    proc = process_scores(batch, repeat)
+def batch_stats(batch: RolloutBatch, repeat: float, proc: torch.Tensor | None = None) -> dict[str, float]:
+    """Outcome, process reward, truncation, tool calls and mixing of one batch, overall and per type
+    (``proc``: the batch's :func:`process_scores`, when the caller has them already)."""
+    proc = process_scores(batch, repeat) if proc is None else proc
     row: dict[str, float] = {}
     types = np.array([type_of(t.chain_length) for t in batch.tasks])
     n_calls = batch.n_calls.float()
@@ -520,23 +514,29 @@ def run_arm(config: dict, arm: str, seed: int, cache_dir: str, dump_dir: str | N
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)  # this cell is computed again from scratch: so is its dump
     evals: list[dict] = []
+    scored: dict = {}  # the last batch on_rollouts scored, and its process scores
 
     def on_rollouts(k, batch, rewards, old):
         if k % cfg.grpo.eval_every == 0:
             evals.append({"kind": "eval", "update": float(k), **evaluate_types(model, cfg)})
-        extra[k] = batch_stats(batch, cfg.repeat)
+        proc = process_scores(batch, cfg.repeat)
+        scored.update(batch=batch, proc=proc)
+        extra[k] = batch_stats(batch, cfg.repeat, proc)
         if kind == "prm":
             extra[k]["lam"] = float(cfg.schedule(arm)(k))
         if path is not None:
             from creditlab.lab.toolshop_dump import dump_rollouts
 
-            dump_rollouts(batch, rewards, k, path, logprobs=old, process_scores=process_scores(batch, cfg.repeat))
+            dump_rollouts(batch, rewards, k, path, logprobs=old, process_scores=proc)
 
     if kind == "opsd":
         teacher = copy.deepcopy(model)
         rows = train_opsd(model, teacher, g, what, beta=cfg.beta, on_rollouts=on_rollouts)
     else:
-        adv = (make_prm_advantage(lambda b: process_scores(b, cfg.repeat), cfg.schedule(arm))
+        def scores(b: RolloutBatch) -> torch.Tensor:  # this update's, scored once in on_rollouts
+            return scored["proc"] if scored.get("batch") is b else process_scores(b, cfg.repeat)
+
+        adv = (make_prm_advantage(scores, cfg.schedule(arm))
                if kind == "prm" else None)
         rows = train_grpo(model, g, advantage=adv, on_rollouts=on_rollouts)
     evals.append({"kind": "eval", "update": float(g.updates), **evaluate_types(model, cfg)})
@@ -913,7 +913,7 @@ def _read_teachers(t: pd.DataFrame) -> str:
     for kind, label in (("ref", "reference-answer"), ("advice", "turn-advice")):
         if (kind, False) in d.index:
             r, p = d.loc[(kind, False)], d.loc[(kind, True)]
-            v = {n: float(x.get(n, math.nan)) for n in ("gap_good", "gap_bad", "preference") for x in (r,)}
+            v = {n: float(r.get(n, math.nan)) for n in ("gap_good", "gap_bad", "preference")}
             parts.append(f"{label}: KL {r['reverse_kl']:.3g} per token (placebo {p['reverse_kl']:.3g}), teacher - "
                          f"student log-prob on good-turn tokens {v['gap_good']:+.3g} and bad-turn tokens "
                          f"{v['gap_bad']:+.3g}, preference {v['preference']:+.3g} (placebo "
