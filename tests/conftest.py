@@ -8,6 +8,18 @@ hypothesis.settings.register_profile("dev", max_examples=30, deadline=None)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny models: as fast, and two threads on shared cores spend
+    their time waiting. Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class HostReads:
     """Counts device-to-host reads of tensor values (``item``, ``tolist``, ``bool``, ``float``, ``int``,
     ``numpy``...) made while ``with reads:`` is active; ``reads.calls`` lists them."""

@@ -33,12 +33,7 @@ TINY_BASE = BaseConfig(n_demos=64, steps=30, batch_size=16, d_model=32, n_layer=
 TINY_GRPO = GRPOConfig(updates=3, tasks_per_update=2, group_size=2, chain_lengths=CHAINS, eval_every=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

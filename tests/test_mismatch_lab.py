@@ -19,13 +19,7 @@ TINY_GRPO = GRPOConfig(updates=2, tasks_per_update=2, group_size=2, chain_length
                        eval_tasks=4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: these tensors are tiny, and two threads on shared cores spend their time waiting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
