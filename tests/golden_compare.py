@@ -1,0 +1,95 @@
+"""Comparing stored lab rows with recorded goldens on any CPU.
+
+Two machines run the same float32 program with other vector widths (AVX2, AVX-512, NEON), so sums
+are taken in other orders and a value differs in its last bits. Every tolerance here is derived from
+the quantity it compares, not tuned to one machine:
+
+* a log-prob computed twice (engine and learner, or two CPUs) differs by a few float32 ulps:
+  ``TOKEN_NOISE = 16 * eps32`` nats per token (log-softmax of logits of size <= 8);
+* a per-token mean of log-prob differences (``k1``, ``mean_abs_delta``, the current log ratio by
+  turn) moves by at most ``TOKEN_NOISE``; a per-sequence sum (``seq_k1``, the prefix log ratio by
+  turn, the prefix weights of the correction) by ``TOKEN_NOISE`` times the policy tokens of a
+  trajectory (the row's ``episode/policy_tokens``, capped by the token budget);
+* quadratic statistics (``k2``, ``k3``, ``chi2``, the correction magnitude ``C_mean``, the loss's
+  ``approx_kl``) are compared on the square-root scale, where they are log-prob differences again;
+* every other value (rewards, success rates, losses, gradient norms over a few updates) within
+  ``rtol = 1e-5`` (about 80 ulps) and ``atol = 1e-6``.
+
+A real change (another seed, another arm, a dropped correction) moves these values by orders of
+magnitude more; ``assert_real_signal_exceeds`` checks that a golden holds such a signal.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+EPS32 = float(np.finfo(np.float32).eps)
+TOKEN_NOISE = 16 * EPS32
+RTOL, ATOL = 1e-5, 1e-6
+
+_QUADRATIC = re.compile(r"(^|/)(seq_)?(k2|k3|chi2)$|/C_mean$|approx_kl$")
+_PER_SEQUENCE = re.compile(r"(^|/)seq_k1$|/prefix$|^prefix_(turn0|last)$|^correction/weight_(mean|min|max)$"
+                           r"|^loss/(ratio|weight)_mean$")
+_PER_TOKEN = re.compile(r"(^|/)(k1|mean_abs_delta)$|^mismatch/turn\d+/current$|^current_last$")
+
+
+def tolerance(column: str, tokens: np.ndarray) -> tuple[np.ndarray | float, bool]:
+    """``(atol, on_sqrt_scale)`` of ``column``; ``tokens`` the policy tokens per trajectory of each row."""
+    if _QUADRATIC.search(column):
+        per_seq = "seq_" in column
+        return (TOKEN_NOISE * tokens if per_seq else TOKEN_NOISE), True
+    if _PER_SEQUENCE.search(column):
+        return TOKEN_NOISE * tokens, False
+    if _PER_TOKEN.search(column):
+        return TOKEN_NOISE, False
+    return ATOL, False
+
+
+def assert_rows_match(got: pd.DataFrame, want: pd.DataFrame, keys: list[str], *, max_tokens: float) -> None:
+    """Stored rows ``got`` equal the golden ``want`` up to float noise (module doc); ``time/*`` columns
+    (wall clock) are skipped; ``max_tokens`` caps the policy tokens per trajectory (the token budget)."""
+    cols = [c for c in want.columns if not c.startswith("time/") and c != "cell_key"]
+    missing = sorted(set(cols) - set(got.columns))
+    assert not missing, f"columns missing from the stored rows: {missing}"
+    assert len(got) == len(want), f"{len(got)} stored rows, {len(want)} in the golden"
+    got = got[cols].sort_values(keys, kind="stable", na_position="first").reset_index(drop=True)
+    want = want[cols].sort_values(keys, kind="stable", na_position="first").reset_index(drop=True)
+    tokens = np.full(len(want), float(max_tokens))
+    if "episode/policy_tokens" in want:
+        tokens = np.minimum(tokens, np.nan_to_num(want["episode/policy_tokens"].to_numpy(float), nan=max_tokens))
+    for c in cols:
+        g, w = got[c], want[c]
+        if not (pd.api.types.is_float_dtype(w) or pd.api.types.is_float_dtype(g)):
+            def as_objects(x: pd.Series) -> pd.Series:  # None and NaN are both "missing"
+                return x.astype(object).where(x.notna(), None)
+
+            pd.testing.assert_series_equal(as_objects(g), as_objects(w), check_dtype=False, obj=c)
+            continue
+        g, w = g.to_numpy(float), w.to_numpy(float)
+        assert (np.isnan(g) == np.isnan(w)).all(), f"{c}: NaN in other rows ({np.flatnonzero(np.isnan(g) != np.isnan(w))})"
+        ok = ~np.isnan(w)
+        atol, sqrt_scale = tolerance(c, tokens)
+        atol = np.broadcast_to(atol, w.shape)[ok]
+        g, w = g[ok], w[ok]
+        if sqrt_scale:
+            g, w = np.sqrt(np.abs(g)), np.sqrt(np.abs(w))
+        bad = np.abs(g - w) > atol + RTOL * np.abs(w)
+        assert not bad.any(), (f"{c}: {int(bad.sum())} of {len(w)} rows differ beyond float noise; first: got "
+                               f"{g[bad][0]!r}, want {w[bad][0]!r}, tolerance {atol[bad][0] + RTOL * abs(w[bad][0]):.3g}")
+
+
+def assert_real_signal_exceeds(frame: pd.DataFrame, column: str, rows: pd.Series, *, factor: float = 10.0,
+                               max_tokens: float) -> None:
+    """The values of ``column`` on ``rows`` (e.g. the naive arm's K3) are at least ``factor`` times the
+    tolerance the comparison allows them: the golden holds a signal that float noise cannot fake."""
+    sel = frame[rows & frame[column].notna()]
+    assert len(sel), f"no rows hold {column}"
+    tokens = np.minimum(sel.get("episode/policy_tokens", pd.Series(max_tokens, index=sel.index)).to_numpy(float),
+                        max_tokens)
+    atol, sqrt_scale = tolerance(column, tokens)
+    v = np.abs(sel[column].to_numpy(float))
+    v = np.sqrt(v) if sqrt_scale else v
+    assert (v >= factor * np.broadcast_to(atol, v.shape)).all(), (column, v.min())
