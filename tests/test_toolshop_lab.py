@@ -36,7 +36,9 @@ def test_rows_unchanged_outputs_and_resume(tmp_path):
     got = stored[stored["cell_key"].str.startswith("grpo/")][cols]
     assert_rows_match(got, want[cols], ["seed", "update"], max_tokens=48)  # float-noise tolerances, any CPU
     mismatch = pd.read_parquet(GOLDEN / "toolshop_mismatch.parquet")
-    assert_rows_match(res.tables["mismatch"].frame, mismatch, list(mismatch.columns[:2]), max_tokens=160)
+    quantized = lambda f: f["engine"].ne("fp32") | f["learner"].ne("fp32")  # noqa: E731
+    assert_rows_match(res.tables["mismatch"].frame, mismatch, list(mismatch.columns[:2]), max_tokens=160,
+                      quantized=quantized)
     assert len(res.tables["updates"].frame) == 2 * 3  # seeds x (two updates + the final evaluation row)
     again = run_lab(LAB, cfg, out, progress=False)
     assert again.computed == 0
