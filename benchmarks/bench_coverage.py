@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from creditlab.lab.chain_trainer import ChainTrainConfig, ModelSpec, train_chain  # noqa: E402
-from creditlab.lab.coverage import LAB, CoverageConfig  # noqa: E402
+from creditlab.train.chain import ChainTrainConfig, ModelSpec, train_chain  # noqa: E402
+from creditlab.labs.coverage import LAB, CoverageConfig  # noqa: E402
 from creditlab.lab.runner import run_cells  # noqa: E402
 from creditlab.lab.store import ResultStore  # noqa: E402
 from reference.ref_chain import train_loop  # noqa: E402

@@ -22,8 +22,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from creditlab.lab.granularity import ARMS, GranularityConfig, evaluate_types, run_arm
-from creditlab.lab.toolshop_base import base_policy, default_cache_dir
+from creditlab.labs.granularity import ARMS, GranularityConfig, evaluate_types, run_arm
+from creditlab.train.toolshop_base import base_policy, default_cache_dir
 
 
 def main() -> None:

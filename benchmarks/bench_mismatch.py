@@ -24,10 +24,10 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from creditlab.lab.mismatch import ARMS, MismatchConfig, arm_triple
-from creditlab.lab.toolshop_base import base_policy, default_cache_dir
-from creditlab.lab.toolshop_grpo import train_grpo_stacked
-from creditlab.lab.toolshop_rollout import make_tasks, rollout_stacked, stacked_logprobs
+from creditlab.labs.mismatch import ARMS, MismatchConfig, arm_triple
+from creditlab.train.toolshop_base import base_policy, default_cache_dir
+from creditlab.train.toolshop_grpo import train_grpo_stacked
+from creditlab.train.toolshop_rollout import make_tasks, rollout_stacked, stacked_logprobs
 from creditlab.models.tiny_lm import StackedTinyLM
 
 

@@ -5,7 +5,7 @@ import torch
 
 from creditlab.envs.chain import chain_outcome, exact_score, make_tasks
 from creditlab.errors import ConfigError
-from creditlab.lab.chain_trainer import ChainTrainConfig, ModelSpec, train_chain
+from creditlab.train.chain import ChainTrainConfig, ModelSpec, train_chain
 from reference.ref_chain import train_loop
 
 

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from creditlab.lab.chain_trainer import ChainTrainConfig
-from creditlab.lab.coverage import LAB, CoverageConfig
+from creditlab.train.chain import ChainTrainConfig
+from creditlab.labs.coverage import LAB, CoverageConfig
 from creditlab.lab.protocol import run_lab
 from creditlab.lab.runner import Cell, make_executor, run_cells
 from creditlab.lab.store import ResultStore
@@ -109,7 +109,7 @@ def test_last_crossing_golden():
 
     import numpy as np
 
-    from creditlab.lab.coverage import _last_crossing
+    from creditlab.labs.coverage import _last_crossing
 
     v = np.array([0.6, 0.8, 1.0])
     assert _last_crossing(v, np.array([-0.2, 0.2, 0.4])) == pytest.approx(0.7)
@@ -124,7 +124,7 @@ def test_last_crossing_golden():
 def test_single_update_shares_base_and_rollouts():
     import torch
 
-    from creditlab.lab.chain_trainer import ModelSpec, single_update
+    from creditlab.train.chain import ModelSpec, single_update
 
     cfg = ChainTrainConfig(T=6, K=3, hidden=8, group=4)
     specs = [ModelSpec(seed=s, C=4, arm=a) for a in ("uniform", "per_turn", "uniform") for s in range(3)]

@@ -185,7 +185,7 @@ def test_targeted_matches_loop(M, G, T, p, contiguous, conserve, seed):
 
 
 def _chain_trainer_targeted(step_correct, exposed, a_r):
-    """The lines of creditlab.lab.chain_trainer._train_chain (targeted arm), copied as they are."""
+    """The lines of creditlab.train.chain._train_chain (targeted arm), copied as they are."""
     T = step_correct.shape[-1]
     loc = step_correct.float()
     mu, sd = loc.mean(1, keepdim=True), loc.std(1, keepdim=True)

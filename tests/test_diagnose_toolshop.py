@@ -13,9 +13,9 @@ import torch
 from creditlab.cli.main import main
 from creditlab.core.diagnostics import chain_length
 from creditlab.diagnose import read_dump, run_checks, write_dump
-from creditlab.lab.toolshop_base import BaseConfig, train_base
-from creditlab.lab.toolshop_dump import dump_rollouts, rollout_rows
-from creditlab.lab.toolshop_rollout import evidence_scores, make_tasks, rollout, sequence_logprobs
+from creditlab.train.toolshop_base import BaseConfig, train_base
+from creditlab.train.toolshop_dump import dump_rollouts, rollout_rows
+from creditlab.train.toolshop_rollout import evidence_scores, make_tasks, rollout, sequence_logprobs
 
 # a small base policy that succeeds about 40% of the time on chains of 2-3 calls (about 10 s on 2 cores)
 BASE = BaseConfig(chain_lengths=(2, 3), n_demos=512, steps=300, batch_size=32, d_model=48, n_layer=1, max_len=96,

@@ -8,7 +8,7 @@ import torch
 
 from creditlab.envs.bagofunits import BagOfUnits, Prompts
 from creditlab.errors import ConfigError
-from creditlab.lab.fork import LAB, ForkLabConfig, oracle_thresholds, run_fork_cell
+from creditlab.labs.fork import LAB, ForkLabConfig, oracle_thresholds, run_fork_cell
 from creditlab.lab.protocol import run_lab
 
 
@@ -113,7 +113,7 @@ def test_strict_judge_matches_only_the_first_statement():
 
 
 def test_reward_arms_and_f_beta_names():
-    from creditlab.lab.fork import reward_of
+    from creditlab.labs.fork import reward_of
 
     assert reward_of("fork", 1.0) == ("fork", 1.0) and reward_of("f1.5", 1.0) == ("fork", 1.5)
     assert reward_of("recall", 2.0) == ("recall", 1.0)

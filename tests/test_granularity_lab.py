@@ -9,7 +9,7 @@ import torch
 
 from creditlab.envs.toolshop import TOK, ToolshopEnv, TurnRecord, encode, make_task, run_scripted
 from creditlab.errors import ConfigError
-from creditlab.lab.granularity import (
+from creditlab.labs.granularity import (
     ARMS,
     LAB,
     TASK_TYPES,
@@ -23,9 +23,9 @@ from creditlab.lab.granularity import (
     train_opsd,
 )
 from creditlab.lab.protocol import run_lab
-from creditlab.lab.toolshop_base import BaseConfig, base_policy
-from creditlab.lab.toolshop_grpo import GRPOConfig
-from creditlab.lab.toolshop_rollout import make_tasks, rollout
+from creditlab.train.toolshop_base import BaseConfig, base_policy
+from creditlab.train.toolshop_grpo import GRPOConfig
+from creditlab.train.toolshop_rollout import make_tasks, rollout
 from creditlab.rewards.process import evidence_scores
 
 CHAINS = (2, 3, 4, 7, 8)
@@ -182,7 +182,7 @@ def test_teacher_logits_equal_one_sequence_at_a_time(base, batch, kind):
 
 def test_opsd_with_a_teacher_that_sees_nothing_more_is_at_kl_zero(base):
     """If the privileged tokens are dropped the teacher is the student: KL 0 and no gradient."""
-    import creditlab.lab.granularity as gran
+    import creditlab.labs.granularity as gran
 
     cfg = replace(TINY_GRPO, updates=1)
     original = gran.teacher_contexts
@@ -288,7 +288,7 @@ def test_lab_runs_writes_every_table_and_plot_and_resumes(tmp_path, cache):
 
 
 def test_cells_are_deterministic_and_paired(cache):
-    from creditlab.lab.granularity import run_arm
+    from creditlab.labs.granularity import run_arm
 
     cfg = GranularityConfig(base=TINY_BASE, grpo=replace(TINY_GRPO, updates=1), seeds=1, eval_per_type=2,
                             cache_dir=str(cache))
@@ -303,7 +303,7 @@ def test_cells_are_deterministic_and_paired(cache):
 
 
 def test_prepare_base_policy_builds_once(tmp_path):
-    from creditlab.lab.toolshop_base import prepare_base_policy
+    from creditlab.train.toolshop_base import prepare_base_policy
 
     cfg = BaseConfig(n_demos=16, steps=3, batch_size=8, d_model=16, n_layer=1, max_len=96, chain_lengths=(2,))
     prepare_base_policy(cfg, tmp_path, "test base", progress=False)

@@ -27,8 +27,8 @@ def _same_rows(got: pd.DataFrame, want: pd.DataFrame, keys: list[str], max_token
 
 
 def test_coverage_rows_unchanged(tmp_path):
-    from creditlab.lab.chain_trainer import ChainTrainConfig
-    from creditlab.lab.coverage import LAB, CoverageConfig
+    from creditlab.train.chain import ChainTrainConfig
+    from creditlab.labs.coverage import LAB, CoverageConfig
 
     cfg = CoverageConfig(train=ChainTrainConfig(T=6, K=3, hidden=8, group=4, updates=8, eval_points=2), seeds=2,
                          Cs=(1, 4), vd_C=4, vds=(0.0, 1.0), shuffle_Cs=(4,), shuffle_vds=(1.0,), dose_C=2,
@@ -39,7 +39,7 @@ def test_coverage_rows_unchanged(tmp_path):
 
 
 def test_fork_rows_unchanged(tmp_path):
-    from creditlab.lab.fork import LAB, ForkLabConfig
+    from creditlab.labs.fork import LAB, ForkLabConfig
 
     cfg = ForkLabConfig(arms=("recall", "mean", "fork"), seeds=2, updates=6, prompts_per_update=4, group_size=4,
                         eval_every=3, eval_prompts=16, max_units=8, experiments=("train",))
@@ -53,9 +53,9 @@ def toolshop_cache(tmp_path_factory):
 
 
 def test_mismatch_rows_unchanged(tmp_path, toolshop_cache, one_thread):
-    from creditlab.lab.mismatch import LAB, MismatchConfig
-    from creditlab.lab.toolshop_base import BaseConfig
-    from creditlab.lab.toolshop_grpo import GRPOConfig
+    from creditlab.labs.mismatch import LAB, MismatchConfig
+    from creditlab.train.toolshop_base import BaseConfig
+    from creditlab.train.toolshop_grpo import GRPOConfig
 
     grpo = GRPOConfig(updates=3, tasks_per_update=2, group_size=2, chain_lengths=(2, 3), max_len=48, eval_every=2,
                       eval_tasks=4)
@@ -73,9 +73,9 @@ def test_mismatch_rows_unchanged(tmp_path, toolshop_cache, one_thread):
 
 
 def test_granularity_rows_unchanged(tmp_path, toolshop_cache, one_thread):
-    from creditlab.lab.granularity import CHAINS, LAB, GranularityConfig
-    from creditlab.lab.toolshop_base import BaseConfig
-    from creditlab.lab.toolshop_grpo import GRPOConfig
+    from creditlab.labs.granularity import CHAINS, LAB, GranularityConfig
+    from creditlab.train.toolshop_base import BaseConfig
+    from creditlab.train.toolshop_grpo import GRPOConfig
 
     grpo = GRPOConfig(updates=3, tasks_per_update=2, group_size=2, chain_lengths=CHAINS, eval_every=2)
     cfg = GranularityConfig(base=BaseConfig(**TOOLSHOP_BASE, max_len=192, chain_lengths=CHAINS), grpo=grpo, seeds=2,

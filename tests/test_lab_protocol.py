@@ -7,9 +7,10 @@ from dataclasses import replace
 import pytest
 
 from creditlab.errors import ConfigError
-from creditlab.lab.chain_trainer import ChainTrainConfig
-from creditlab.lab.coverage import LAB, CoverageConfig
-from creditlab.lab.protocol import LABS, Lab, get_lab, run_lab
+from creditlab.lab.protocol import Lab, run_lab
+from creditlab.labs import BUILTIN, get_lab, lab_names, register_lab, unregister_lab
+from creditlab.labs.coverage import LAB, CoverageConfig
+from creditlab.train.chain import ChainTrainConfig
 
 TINY = CoverageConfig(train=ChainTrainConfig(T=6, K=3, hidden=8, group=4, updates=4, eval_points=2), seeds=2,
                       Cs=(1, 4), vd_C=4, vds=(0.0, 1.0), shuffle_Cs=(4,), shuffle_vds=(1.0,), dose_C=2, dose_ks=(1, 6),
@@ -61,9 +62,9 @@ def test_out_that_is_not_a_lab_run_is_refused(tmp_path):
 
 
 def test_every_lab_implements_the_protocol():
-    get_lab("coverage")  # imports every built-in lab
-    assert {"coverage", "fork"} <= set(LABS)
-    for name, lab in LABS.items():
+    assert set(BUILTIN) <= set(lab_names())
+    for name in lab_names():
+        lab = get_lab(name)
         assert isinstance(lab, Lab) and lab.name == name and "\n" not in lab.summary
         for cfg in (lab.config_type(), lab.config_type.quick()):
             cfg.validate()
@@ -73,12 +74,57 @@ def test_every_lab_implements_the_protocol():
         get_lab("nope")
 
 
+def test_importing_the_protocol_imports_no_lab():
+    code = ("import sys, creditlab.lab.protocol, creditlab.labs; "
+            "print(sorted(m for m in sys.modules if m.startswith(('creditlab.labs.', 'creditlab.train'))))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_register_lab_treats_re_registration_as_the_other_registries_do():
+    class Coin:
+        name, summary, config_type = "coin_test", "A coin.", CoverageConfig
+        describe = cells = tables = plots = interpret = staticmethod(lambda *a: None)
+
+    lab = Coin()
+    try:
+        assert register_lab(lab) is lab and register_lab(lab) is lab  # the same object again: a no-op
+        assert get_lab("coin_test") is lab and "coin_test" in lab_names()
+        with pytest.raises(ConfigError, match="'coin_test' is already registered"):
+            register_lab(Coin())
+        with pytest.raises(ConfigError, match="'coverage' is already registered to creditlab.labs.coverage"):
+            register_lab(type("Other", (Coin,), {"name": "coverage"})())
+    finally:
+        unregister_lab("coin_test")
+    with pytest.raises(ConfigError, match="missing"):
+        register_lab(object())
+
+
+def test_a_lab_from_another_package_registers_through_an_entry_point(tmp_path):
+    """A distribution with a ``creditlab.labs`` entry point: listed, loaded, and given a CLI sub-command."""
+    pkg = tmp_path / "site"
+    (pkg / "coinlab").mkdir(parents=True)
+    (pkg / "coinlab" / "__init__.py").write_text(
+        "from creditlab.labs.coverage import CoverageLab\n"
+        "class CoinLab(CoverageLab):\n    name = 'coin'\n    summary = 'A coin from another package.'\n"
+        "LAB = CoinLab()\n")
+    dist = pkg / "coinlab-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: coinlab\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[creditlab.labs]\ncoin = coinlab:LAB\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from creditlab.labs import get_lab, lab_names; "
+            "print(lab_names()[-1], get_lab('coin').summary); from creditlab.cli.main import main; "
+            "main(['lab', '--help'])")
+    r = subprocess.run([sys.executable, "-c", code, str(pkg)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == "coin A coin from another package." and "coin" in r.stdout.split("\n", 1)[1]
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "creditlab.cli.main", *args], capture_output=True, text=True)
 
 
 def test_cli_lists_every_lab_and_gives_each_the_same_options():
-    get_lab("coverage")
     r = _cli("lab", "--help")
     assert r.returncode == 0
     from typer.testing import CliRunner
@@ -86,7 +132,7 @@ def test_cli_lists_every_lab_and_gives_each_the_same_options():
     from creditlab.cli.main import app
 
     runner = CliRunner()
-    for name in LABS:
+    for name in lab_names():
         assert name in r.stdout
         h = runner.invoke(app, ["lab", name, "--help"], terminal_width=200)  # in process: one import, not five
         assert h.exit_code == 0, h.output

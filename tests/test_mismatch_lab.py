@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from creditlab.errors import ConfigError
-from creditlab.lab.mismatch import ARMS, LAB, MismatchConfig, arm_triple, score_curve
+from creditlab.labs.mismatch import ARMS, LAB, MismatchConfig, arm_triple, score_curve
 from creditlab.lab.protocol import run_lab
-from creditlab.lab.toolshop_base import BaseConfig, base_policy
-from creditlab.lab.toolshop_grpo import GRPOConfig, train_grpo_stacked
-from creditlab.lab.toolshop_rollout import make_tasks, rollout_stacked, stacked_logprobs
+from creditlab.train.toolshop_base import BaseConfig, base_policy
+from creditlab.train.toolshop_grpo import GRPOConfig, train_grpo_stacked
+from creditlab.train.toolshop_rollout import make_tasks, rollout_stacked, stacked_logprobs
 from creditlab.models.quant import PRECISIONS
 from creditlab.models.tiny_lm import StackedTinyLM, TinyLM, TinyLMConfig
 

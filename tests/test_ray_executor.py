@@ -19,8 +19,8 @@ import pandas as pd
 import pytest
 
 from creditlab.errors import ConfigError
-from creditlab.lab.chain_trainer import ChainTrainConfig
-from creditlab.lab.coverage import LAB, CoverageConfig
+from creditlab.train.chain import ChainTrainConfig
+from creditlab.labs.coverage import LAB, CoverageConfig
 from creditlab.lab.protocol import run_lab
 from creditlab.lab.runner import Cell, CellLost, RayExecutor, SerialExecutor, make_executor, run_cells
 from creditlab.lab.store import ResultStore

@@ -8,9 +8,9 @@ import torch
 from creditlab.core.diagnostics import chain_length
 from creditlab.envs.toolshop import VOCAB, ToolshopEnv, encode, make_task
 from creditlab.errors import ConfigError
-from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir, train_base
-from creditlab.lab.toolshop_grpo import GRPOConfig, advantage_names, make_advantage, make_weights, train_grpo
-from creditlab.lab.toolshop_rollout import (
+from creditlab.train.toolshop_base import BaseConfig, base_policy, default_cache_dir, train_base
+from creditlab.train.toolshop_grpo import GRPOConfig, advantage_names, make_advantage, make_weights, train_grpo
+from creditlab.train.toolshop_rollout import (
     RolloutBatch,
     make_tasks,
     rollout,
@@ -290,8 +290,8 @@ def test_grpo_trainer_runs_logs_and_uses_pluggable_weights(model):
 def test_prm_advantage_with_a_schedule_matches_core(model):
     from creditlab.core.advantages import prm_mixed_advantages
     from creditlab.core.schedules import decay
-    from creditlab.lab.toolshop_grpo import make_prm_advantage
-    from creditlab.lab.toolshop_rollout import evidence_scores, turn_mask_of
+    from creditlab.train.toolshop_grpo import make_prm_advantage
+    from creditlab.train.toolshop_rollout import evidence_scores, turn_mask_of
 
     batch = _rollout(model, n=8, group_ids=[0, 0, 0, 0, 1, 1, 1, 1])
     rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 1])

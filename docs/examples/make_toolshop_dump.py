@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from creditlab.lab.toolshop_base import BaseConfig, train_base
-from creditlab.lab.toolshop_dump import rollout_rows
-from creditlab.lab.toolshop_rollout import make_tasks, rollout, sequence_logprobs
+from creditlab.train.toolshop_base import BaseConfig, train_base
+from creditlab.train.toolshop_dump import rollout_rows
+from creditlab.train.toolshop_rollout import make_tasks, rollout, sequence_logprobs
 
 BASE = BaseConfig(chain_lengths=(2, 3), n_demos=512, steps=300, batch_size=32, d_model=48, n_layer=1, max_len=96,
                   lr=1e-2)

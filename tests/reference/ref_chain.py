@@ -1,13 +1,13 @@
 """A straightforward per-seed loop implementation of the coverage-lab trainer, with torch.nn,
 autograd and torch.optim.Adam, one model at a time. The batched trainer
-(creditlab.lab.chain_trainer.train_chain) must reproduce it; the benchmark times both."""
+(creditlab.train.chain.train_chain) must reproduce it; the benchmark times both."""
 
 from __future__ import annotations
 
 import torch
 
 from creditlab.envs.chain import make_tasks, obs_dim, observe
-from creditlab.lab.chain_trainer import ChainTrainConfig, ModelSpec, _exposed_steps
+from creditlab.train.chain import ChainTrainConfig, ModelSpec, _exposed_steps
 from creditlab.models.batched_mlp import BatchedMLP
 
 

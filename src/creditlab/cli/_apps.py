@@ -13,10 +13,8 @@ app = typer.Typer(
 )
 lab_app = typer.Typer(help="Run a lab: reproduce a failure and its fix on a CPU.", no_args_is_help=True)
 fork_app = typer.Typer(help="FORK reward: score rubric-graded responses.", no_args_is_help=True)
-bench_app = typer.Typer(help="Speed benchmarks.", no_args_is_help=True)
 
 app.add_typer(lab_app, name="lab")
 app.add_typer(fork_app, name="fork")
-app.add_typer(bench_app, name="bench")
 # `creditlab diagnose DUMP...` is a single command on `app` itself (cli/diagnose_cmd.py): a sub-app
 # group would need a sub-command name before the dump paths.

@@ -1,14 +1,18 @@
-"""One CLI factory for every lab: the same options everywhere, a few lines per lab.
+"""One sub-command per lab: ``creditlab lab <name>`` for every name of :func:`creditlab.labs.lab_names`.
 
-``lab_command(lab)(apply)`` registers ``creditlab lab <lab.name>`` with the options every lab has
-(``--quick --out --seeds --updates --workers --executor --ray-address -e/--experiment --fresh``) plus the
-lab-specific options declared as keyword parameters of ``apply(config, **options) -> config``.
+:func:`lab_command` registers a lab with the options every lab has (``--quick --out --seeds --updates
+--workers --executor --ray-address -e/--experiment --fresh --dump``) plus the lab's own
+:class:`~creditlab.lab.protocol.LabOption` s; :func:`register_lab_commands` does it for every lab. The
+CLI is the edge that reads the environment: a config with a ``cache_dir`` field gets
+``CREDITLAB_CACHE`` (default: the user cache directory), and a lab's ``threads`` sets torch's
+intra-op threads of this process.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +24,7 @@ from rich.console import Console
 from creditlab.cli._apps import lab_app
 from creditlab.errors import ConfigError
 
-__all__ = ["lab_command"]
+__all__ = ["lab_command", "register_lab_commands"]
 
 
 def _common_parameters(lab) -> list[inspect.Parameter]:
@@ -66,60 +70,94 @@ def _flagged(err: ConfigError, cfg_type: type, names: list[str]) -> ConfigError:
     return err
 
 
-def lab_command(lab, *, doc: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register ``creditlab lab <lab.name>``; the decorated ``apply(config, **options)`` applies the
-    lab-specific options (its keyword parameters, declared with ``typer.Option``) to the config."""
+def _own_parameters(lab) -> list[inspect.Parameter]:
+    params = []
+    for opt in getattr(lab, "options", ()):
+        flag = "--" + opt.name.replace("_", "-")
+        if opt.type is bool:
+            default = typer.Option(False, flag, help=opt.help)
+            annotation: Any = bool
+        else:
+            default = typer.Option(None, flag, help=opt.help, metavar=opt.metavar)
+            annotation = opt.type | None
+        params.append(inspect.Parameter(opt.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                        annotation=annotation))
+    return params
 
-    def decorator(apply: Callable[..., Any]) -> Callable[..., Any]:
-        specific = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-                    for p in list(inspect.signature(apply).parameters.values())[1:]]
-        common = _common_parameters(lab)
-        clash = {p.name for p in specific} & {p.name for p in common}
-        if clash:
-            raise TypeError(f"lab {lab.name}: options {sorted(clash)} are common to every lab")
 
-        def command(**kw: Any) -> None:
-            from creditlab.lab.protocol import run_lab
-            from creditlab.lab.report import to_markdown
-            from creditlab.lab.runner import make_executor
+def _configure(lab, kw: dict[str, Any]):
+    """The config of one invocation from the parsed options (popped from ``kw``)."""
+    cfg_type = lab.config_type
+    cfg = cfg_type.quick() if kw.pop("quick") else cfg_type()
+    experiments = kw.pop("experiment")
+    if experiments:
+        if not cfg_type.EXPERIMENTS:
+            raise ConfigError("--experiment", f"the {lab.name} lab has a single experiment")
+        cfg = cfg.with_options(experiments=tuple(experiments))
+    cfg = cfg.with_options(seeds=kw.pop("seeds"), updates=kw.pop("updates"))
+    dump = kw.pop("dump")
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    if dump is not None:
+        if "dump_dir" not in fields:
+            raise ConfigError("--dump", f"the {lab.name} lab has no token-level rollouts to dump")
+        if dump.exists() and not dump.is_dir():
+            raise ConfigError("--dump", f"{dump} exists and is not a directory")
+        cfg = cfg.with_options(dump_dir=str(dump))
+    if "cache_dir" in fields:
+        from creditlab.train.toolshop_base import default_cache_dir
 
-            cfg_type = lab.config_type
-            cfg = cfg_type.quick() if kw.pop("quick") else cfg_type()
-            experiments = kw.pop("experiment")
-            if experiments:
-                if not cfg_type.EXPERIMENTS:
-                    raise ConfigError("--experiment", f"the {lab.name} lab has a single experiment")
-                cfg = cfg.with_options(experiments=tuple(experiments))
-            cfg = cfg.with_options(seeds=kw.pop("seeds"), updates=kw.pop("updates"))
-            out, workers, executor, fresh = kw.pop("out"), kw.pop("workers"), kw.pop("executor"), kw.pop("fresh")
-            ray_address = kw.pop("ray_address")
-            dump = kw.pop("dump")
-            if dump is not None:
-                if "dump_dir" not in {f.name for f in dataclasses.fields(cfg)}:
-                    raise ConfigError("--dump", f"the {lab.name} lab has no token-level rollouts to dump")
-                if dump.exists() and not dump.is_dir():
-                    raise ConfigError("--dump", f"{dump} exists and is not a directory")
-                cfg = cfg.with_options(dump_dir=str(dump))
-            try:
-                cfg = apply(cfg, **kw)
-                cfg.validate()
-            except ConfigError as err:
-                raise _flagged(err, cfg_type, [*kw, "seeds", "updates", "experiments"]) from None
-            ex = make_executor(workers, executor, ray_address)
-            console = Console()
-            t0 = time.perf_counter()
-            res = run_lab(lab, cfg, out, ex, fresh=fresh, status=lambda m: console.print(m, highlight=False))
-            for t in res.tables.values():
-                if t.console:
-                    console.print(f"[bold]{t.title}[/]")
-                    console.print(to_markdown(t.frame, t.floatfmt), markup=False, highlight=False)
-            console.print(f"wrote {out}/report.md, parquet/markdown tables and PNG plots in "
-                          f"{time.perf_counter() - t0:.1f} s", highlight=False)
+        cfg = cfg.with_options(cache_dir=str(default_cache_dir(os.environ.get("CREDITLAB_CACHE"))))
+    own = {opt.name: kw.pop(opt.name) for opt in getattr(lab, "options", ())}
+    try:
+        cfg = cfg.with_options(**{n: (v or None) if isinstance(v, bool) else v for n, v in own.items()})
+        cfg.validate()
+    except ConfigError as err:
+        raise _flagged(err, cfg_type, [*own, "seeds", "updates", "experiments"]) from None
+    return cfg
 
-        command.__signature__ = inspect.Signature(common + specific)  # typer reads the options from here
-        command.__name__ = f"lab_{lab.name}"
-        command.__doc__ = doc or (inspect.getdoc(apply) or lab.summary)
-        lab_app.command(lab.name, help=command.__doc__, short_help=lab.summary)(command)
-        return apply
 
-    return decorator
+def lab_command(lab) -> Callable[..., None]:
+    """Register ``creditlab lab <lab.name>`` (module doc) and return the command function."""
+    own = _own_parameters(lab)
+    common = _common_parameters(lab)
+    clash = {p.name for p in own} & {p.name for p in common}
+    if clash:
+        raise TypeError(f"lab {lab.name}: options {sorted(clash)} are common to every lab")
+
+    def command(**kw: Any) -> None:
+        from creditlab.lab.protocol import run_lab
+        from creditlab.lab.report import to_markdown
+        from creditlab.lab.runner import make_executor
+
+        threads = getattr(lab, "threads", None)
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        out, workers, executor, fresh = kw.pop("out"), kw.pop("workers"), kw.pop("executor"), kw.pop("fresh")
+        ray_address = kw.pop("ray_address")
+        cfg = _configure(lab, kw)
+        ex = make_executor(workers, executor, ray_address)
+        console = Console()
+        t0 = time.perf_counter()
+        res = run_lab(lab, cfg, out, ex, fresh=fresh, status=lambda m: console.print(m, highlight=False))
+        for t in res.tables.values():
+            if t.console:
+                console.print(f"[bold]{t.title}[/]")
+                console.print(to_markdown(t.frame, t.floatfmt), markup=False, highlight=False)
+        console.print(f"wrote {out}/report.md, parquet/markdown tables and PNG plots in "
+                      f"{time.perf_counter() - t0:.1f} s", highlight=False)
+
+    command.__signature__ = inspect.Signature(common + own)  # typer reads the options from here
+    command.__name__ = f"lab_{lab.name}"
+    command.__doc__ = getattr(lab, "help", None) or lab.summary
+    lab_app.command(lab.name, help=command.__doc__, short_help=lab.summary)(command)
+    return command
+
+
+def register_lab_commands() -> None:
+    """One sub-command per lab of :func:`creditlab.labs.lab_names` (built-ins and entry points)."""
+    from creditlab.labs import get_lab, lab_names
+
+    for name in lab_names():
+        lab_command(get_lab(name))

@@ -13,14 +13,13 @@ from rich.console import Console
 from creditlab.cli._apps import app
 from creditlab.errors import CreditlabError
 
-# Each command module registers its commands on the apps when imported.
-from creditlab.cli import lab_coverage  # noqa: E402,F401  isort: skip
-from creditlab.cli import lab_fork  # noqa: E402,F401  isort: skip
-from creditlab.cli import lab_toolshop  # noqa: E402,F401  isort: skip
-from creditlab.cli import lab_mismatch  # noqa: E402,F401  isort: skip
-from creditlab.cli import lab_granularity  # noqa: E402,F401  isort: skip
+from creditlab.cli._labs import register_lab_commands
+
+# Each command module registers its commands on the apps when imported; the labs come from one table.
 from creditlab.cli import fork_cmd  # noqa: E402,F401  isort: skip
 from creditlab.cli import diagnose_cmd  # noqa: E402,F401  isort: skip
+
+register_lab_commands()
 
 __all__ = ["app", "main"]
 

@@ -19,7 +19,9 @@ A lab is one module with one object implementing :class:`Lab`:
 results store (every finished cell persisted at once, a rerun computes only the missing cells),
 the executor, progress, the parquet + markdown tables, the plots and ``report.md``.
 
-Adding a lab is one module plus a few CLI lines (see ``docs/contributing.md``).
+Adding a lab is one module and one line of the table in :mod:`creditlab.labs` (see ``docs/contributing.md``);
+the CLI gives it a sub-command with the options every lab has, plus the lab's own :class:`LabOption` s.
+This module imports no lab.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from creditlab.lab.report import to_markdown
 from creditlab.lab.runner import Cell, Executor, run_cells
 from creditlab.lab.store import ResultStore
 
-__all__ = ["LABS", "Lab", "LabConfig", "LabResult", "Table", "get_lab", "register_lab", "run_lab"]
+__all__ = ["Lab", "LabConfig", "LabOption", "LabResult", "Table", "run_lab"]
 
 MANIFEST = "lab.json"
 #: Version of the manifest layout (bump when the store or manifest format changes).
@@ -162,6 +164,20 @@ class Table:
     console: bool = False
 
 
+@dataclass(frozen=True)
+class LabOption:
+    """A CLI option of one lab (beyond the options every lab has): ``--<name>`` (underscores as
+    dashes) sets the config field ``name`` maps to (through the config's ``OPTIONS``, e.g.
+    ``"grpo.correction"``). ``type`` is ``str``, ``int``, ``float`` or ``bool`` (a flag that sets the
+    field to True); unset, the config keeps its value. A ``ConfigError`` that ``validate`` raises
+    about the field names this flag."""
+
+    name: str
+    help: str
+    type: type = str
+    metavar: str | None = None
+
+
 @runtime_checkable
 class Lab(Protocol):
     """What a lab module provides (see the module docstring)."""
@@ -171,6 +187,12 @@ class Lab(Protocol):
     summary: str
     """One line for ``creditlab lab --help``."""
     config_type: type
+    """The lab's :class:`LabConfig` dataclass.
+
+    Optional attributes the CLI reads: ``help`` (the sub-command's help text; default ``summary``),
+    ``options`` (a tuple of :class:`LabOption`, the lab's own flags) and ``threads`` (torch intra-op
+    threads of the CLI process, e.g. 1 for labs of many tiny tensors, as each process worker gets).
+    A config with a ``cache_dir`` field gets the ``CREDITLAB_CACHE`` directory from the CLI."""
 
     def describe(self, config: Any) -> str:
         """The opening paragraph of ``report.md``: the world, the arms, the protocol."""
@@ -183,32 +205,6 @@ class Lab(Protocol):
     def plots(self, tables: dict[str, Table], config: Any, out: Path) -> list[Path]: ...
 
     def interpret(self, tables: dict[str, Table], config: Any) -> dict[str, str]: ...
-
-
-#: Every lab, by CLI name (filled by :func:`register_lab` when a lab module is imported).
-LABS: dict[str, Lab] = {}
-
-
-def register_lab(lab: Lab) -> Lab:
-    """Add ``lab`` to :data:`LABS` (re-registering the same object is a no-op)."""
-    missing = [m for m in ("name", "summary", "config_type", "describe", "cells", "tables", "plots", "interpret")
-               if not hasattr(lab, m)]
-    if missing:
-        raise CreditlabError(f"lab {getattr(lab, 'name', lab)!r} does not implement {missing}")
-    old = LABS.get(lab.name)
-    if old is not None and old is not lab:
-        raise CreditlabError(f"a lab named {lab.name!r} is already registered ({type(old).__module__})")
-    LABS[lab.name] = lab
-    return lab
-
-
-def get_lab(name: str) -> Lab:
-    """The registered lab ``name``; unknown names raise with the list of valid ones."""
-    import creditlab.lab.all  # noqa: F401  registers the built-in labs
-
-    if name not in LABS:
-        raise ConfigError("lab", f"unknown lab {name!r}; valid: {', '.join(sorted(LABS))}")
-    return LABS[name]
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ draw nearly the same trajectories, which is what paired comparisons between arms
 Turn helpers: a :class:`RolloutBatch` knows which turn each token belongs to, so per-turn values
 ``(B, T)`` go to tokens with :func:`turns_to_tokens`; :func:`turn_mask_of` (the turns taken),
 :func:`turn_progress_deltas` (the verifier's progress change per turn) and :func:`evidence_scores`
-(a deliberately hackable process score) feed the advantages of :mod:`creditlab.lab.toolshop_grpo`.
+(a deliberately hackable process score) feed the advantages of :mod:`creditlab.train.toolshop_grpo`.
 """
 
 from __future__ import annotations

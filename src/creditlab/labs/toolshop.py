@@ -3,7 +3,7 @@
 Reads top to bottom:
 
 1. build (or load from the cache) the base policy: supervised warm start on noisy scripted
-   demonstrations (:func:`creditlab.lab.toolshop_base.base_policy`);
+   demonstrations (:func:`creditlab.train.toolshop_base.base_policy`);
 2. measure the execution mismatch of the base policy: K3 between each rollout engine (fp32, bf16,
    FP8 W8A8-KV8, INT8 W8A8) and the learner (fp32, or quantization-aware with the engine's rules);
 3. train with multi-turn outcome GRPO, one cell per seed, persisted as it finishes (resumable);
@@ -23,14 +23,15 @@ import numpy as np
 import pandas as pd
 import torch
 
+from creditlab.core.correction import CORRECTIONS, get_correction
 from creditlab.errors import ConfigError
 from creditlab.lab.plotting import new_figure, save
-from creditlab.lab.protocol import LabConfig, Table, register_lab
+from creditlab.lab.protocol import LabConfig, LabOption, Table
 from creditlab.lab.report import mean_ci, small_run_note
 from creditlab.lab.runner import Cell
-from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir, prepare_base_policy
-from creditlab.lab.toolshop_grpo import GRPOConfig, train_grpo
-from creditlab.lab.toolshop_rollout import EVAL_SEED_OFFSET, evaluate, make_tasks, rollout, sequence_logprobs
+from creditlab.train.toolshop_base import BaseConfig, base_policy, default_cache_dir, prepare_base_policy
+from creditlab.train.toolshop_grpo import GRPOConfig, train_grpo
+from creditlab.train.toolshop_rollout import EVAL_SEED_OFFSET, evaluate, make_tasks, rollout, sequence_logprobs
 
 __all__ = ["LAB", "MISMATCH_PAIRS", "ToolshopLab", "ToolshopLabConfig", "measure_mismatch", "run_base_cell",
            "run_mismatch_cell", "run_seed"]
@@ -83,6 +84,7 @@ class ToolshopLabConfig(LabConfig):
             raise ConfigError("grpo.max_len", f"{self.grpo.max_len} exceeds the model's {self.base.max_len}")
         if tuple(self.grpo.chain_lengths) != tuple(self.base.chain_lengths):
             raise ConfigError("grpo.chain_lengths", "must equal base.chain_lengths (the base policy's tasks)")
+        get_correction(self.grpo.correction)  # an unknown arm raises naming the field (--correction)
         if not self.experiments or any(e not in EXPERIMENTS for e in self.experiments):
             raise ConfigError("--experiment", f"got {list(self.experiments)}; valid: {', '.join(EXPERIMENTS)}")
 
@@ -137,7 +139,7 @@ def run_seed(config: dict, seed: int, cache_dir: str, dump_dir: str | None = Non
     gcfg = replace(cfg.grpo, seed=seed)
     on_rollouts = None
     if dump_dir:
-        from creditlab.lab.toolshop_dump import dump_rollouts
+        from creditlab.train.toolshop_dump import dump_rollouts
 
         path = Path(dump_dir) / f"toolshop-seed={seed}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -165,7 +167,17 @@ class ToolshopLab:
 
     name = "toolshop"
     summary = "Multi-turn outcome GRPO of a tiny transformer tool agent; engine/learner mismatch table."
+    help = ("Multi-turn outcome GRPO on toolshop: success and K3(engine||learner) over updates, plus the execution-"
+            "mismatch table of the base policy. The base policy is trained on first use (about two minutes on 2 "
+            "cores) and cached; set CREDITLAB_CACHE to choose where.")
     config_type = ToolshopLabConfig
+    options = (
+        LabOption("rollout_precision", "Rollout engine: fp32, bf16, fp8 (W8A8-KV8), int8 (W8A8), nvfp4, mxfp4.",
+                  metavar="PRECISION"),
+        LabOption("learner_precision", "Learner: fp32, or the engine's precision for a QAT learner.",
+                  metavar="PRECISION"),
+        LabOption("correction", f"Per-token correction weights: {', '.join(CORRECTIONS)}.", metavar="ARM"),
+    )
 
     def describe(self, cfg: ToolshopLabConfig) -> str:
         g = cfg.grpo
@@ -250,7 +262,7 @@ class ToolshopLab:
         return text
 
 
-LAB = register_lab(ToolshopLab())
+LAB = ToolshopLab()
 
 
 def _plot(df: pd.DataFrame, out: Path, base_success: float, engines: str) -> Path:

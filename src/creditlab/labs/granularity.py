@@ -6,7 +6,7 @@ Reads top to bottom:
    chains (C = 2, 3, 4 tool calls) and ``long`` chains (C = 7, 8: a case or ticket id to resolve
    through seven reads before the write, up to C + 2 turns), each task drawing one chain length
    (:data:`TASK_TYPES`);
-2. one supervised base policy for every arm (:func:`creditlab.lab.toolshop_base.base_policy` on
+2. one supervised base policy for every arm (:func:`creditlab.train.toolshop_base.base_policy` on
    those chain lengths);
 3. the process reward: :func:`creditlab.rewards.process.evidence_scores`, a separate scorer that
    sees only the turns (1 for a read that returned something new, ``repeat`` for a read that
@@ -53,12 +53,12 @@ from creditlab.core.diagnostics import concentration, mixing_score
 from creditlab.envs.toolshop import PAD, TOK, TOOL_TABLE, Task, TurnRecord, make_task, run_scripted
 from creditlab.errors import ConfigError, InputError
 from creditlab.lab.plotting import new_figure, save
-from creditlab.lab.protocol import LabConfig, Table, register_lab
+from creditlab.lab.protocol import LabConfig, Table
 from creditlab.lab.report import mean_ci, paired_diff, read_diff, small_run_note
 from creditlab.lab.runner import Cell
-from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir, prepare_base_policy
-from creditlab.lab.toolshop_grpo import GRPOConfig, make_prm_advantage, task_seeds, train_grpo
-from creditlab.lab.toolshop_rollout import (
+from creditlab.train.toolshop_base import BaseConfig, base_policy, default_cache_dir, prepare_base_policy
+from creditlab.train.toolshop_grpo import GRPOConfig, make_prm_advantage, task_seeds, train_grpo
+from creditlab.train.toolshop_rollout import (
     EVAL_SEED_OFFSET,
     RolloutBatch,
     make_tasks,
@@ -379,7 +379,7 @@ def train_opsd(model, teacher, cfg: GRPOConfig, kind: str, *, beta: float = 0.5,
     """Train ``model`` in place by on-policy self-distillation from ``teacher`` (frozen) with the
     ``kind`` of privileged context (:func:`teacher_contexts`); one metrics row per update.
 
-    Each update samples the same tasks as :func:`~creditlab.lab.toolshop_grpo.train_grpo` with
+    Each update samples the same tasks as :func:`~creditlab.train.toolshop_grpo.train_grpo` with
     the same seed (``task_seeds``), scores every policy token of the student's own trajectories
     by the teacher, and takes ``cfg.minibatches`` AdamW steps on
     :func:`creditlab.core.losses.opsd_loss` (no outcome reward). Row keys: ``update``,
@@ -525,7 +525,7 @@ def run_arm(config: dict, arm: str, seed: int, cache_dir: str, dump_dir: str | N
         if kind == "prm":
             extra[k]["lam"] = float(cfg.schedule(arm)(k))
         if path is not None:
-            from creditlab.lab.toolshop_dump import dump_rollouts
+            from creditlab.train.toolshop_dump import dump_rollouts
 
             dump_rollouts(batch, rewards, k, path, logprobs=old, process_scores=proc)
 
@@ -651,7 +651,12 @@ class GranularityLab:
 
     name = "granularity"
     summary = "Outcome GRPO vs PRM mixing (fixed / decayed λ) vs OPSD on short and long toolshop tasks."
+    help = ("Credit granularity on the toolshop agent: outcome GRPO, GRPO + an evidence process reward with a fixed "
+            "or decayed weight, on-policy self-distillation from a reference-answer or a turn-advice teacher (-e "
+            "selects arms), on short (C = 2-4) and long (C = 7-8) tasks. The base policy is trained on first use (a "
+            "few minutes on 2 cores) and cached; set CREDITLAB_CACHE to choose where. Use --workers 2 on two cores.")
     config_type = GranularityConfig
+    threads = 1  # one intra-op thread, as each process worker gets (see the mismatch lab)
 
     def describe(self, cfg: GranularityConfig) -> str:
         g = cfg.grpo
@@ -756,7 +761,7 @@ class GranularityLab:
         return text
 
 
-LAB = register_lab(GranularityLab())
+LAB = GranularityLab()
 
 CURVE_COLUMNS = ("success", "process", "truncation", "tool_calls", "response_tokens", "lam", "grad_norm",
                  "grad/clipped", "opsd/reverse_kl", "opsd/forward_kl", "opsd/kl_top_share",

@@ -35,9 +35,9 @@ import pandas as pd
 
 from creditlab.core.diagnostics import expected_open_fraction, p_cover
 from creditlab.errors import ConfigError
-from creditlab.lab.chain_trainer import ChainTrainConfig, ModelSpec, single_update, train_chain
+from creditlab.train.chain import ChainTrainConfig, ModelSpec, single_update, train_chain
 from creditlab.lab.plotting import new_figure, save
-from creditlab.lab.protocol import LabConfig, Table, register_lab
+from creditlab.lab.protocol import LabConfig, LabOption, Table
 from creditlab.lab.report import paired_diff, read_diff, small_run_note, summarize
 from creditlab.lab.runner import Cell
 
@@ -188,7 +188,11 @@ class CoverageLab:
 
     name = "coverage"
     summary = "Credit geometries on a hard-prerequisite chain: C sweep, V_d sweep, shuffled control, dose."
+    help = ("Credit geometries on a hard-prerequisite chain: C sweep, verifier-density sweep, shuffled control, "
+            "dose-response. Resumes an interrupted run in the same --out directory.")
     config_type = CoverageConfig
+    options = (LabOption("state_dependent", "The policy also observes the correct-prefix length and a broken bit.",
+                         bool),)
 
     def describe(self, cfg: CoverageConfig) -> str:
         t = cfg.train
@@ -406,7 +410,7 @@ class CoverageLab:
         return text
 
 
-LAB = register_lab(CoverageLab())
+LAB = CoverageLab()
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Write toolshop rollouts as a rollout dump (docs/diagnose.md), for ``creditlab diagnose``.
 
-One row per trajectory of a :class:`~creditlab.lab.toolshop_rollout.RolloutBatch`: ``step``,
+One row per trajectory of a :class:`~creditlab.train.toolshop_rollout.RolloutBatch`: ``step``,
 ``group`` (the batch's ``group_ids``), ``reward``, the token columns (padding dropped; ``logprobs``
 are the learner's at the sampling checkpoint, what the trainer calls ``old``), ``turn_ids`` (the
 batch's: an action and its observation share a turn, -1 on the prompt), ``response_length`` (policy
@@ -20,7 +20,7 @@ import torch
 from creditlab.diagnose.schema import rows_from_arrays, write_dump
 from creditlab.envs.toolshop import decode
 from creditlab.errors import InputError
-from creditlab.lab.toolshop_rollout import RolloutBatch
+from creditlab.train.toolshop_rollout import RolloutBatch
 
 __all__ = ["dump_rollouts", "rollout_rows"]
 
@@ -32,7 +32,7 @@ def rollout_rows(batch: RolloutBatch, rewards: torch.Tensor, step: int, *, logpr
     ``rewards`` ``(B,)``: the outcome reward the advantage used. ``logprobs`` ``(B, L)``: the
     learner's log-probs of ``batch.tokens`` at the sampling checkpoint (without them the dump has no
     token columns and the mismatch checks are skipped). ``process_scores`` ``(B, T)``: per-turn
-    process scores (e.g. :func:`~creditlab.lab.toolshop_rollout.evidence_scores`); each turn gets its
+    process scores (e.g. :func:`~creditlab.train.toolshop_rollout.evidence_scores`); each turn gets its
     score and the row's ``process_reward`` is their mean over the turns taken.
     """
     B = len(batch)

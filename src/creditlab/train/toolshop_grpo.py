@@ -1,7 +1,7 @@
 """Multi-turn GRPO on toolshop: the trainer, its advantages and its per-token correction weights.
 
 :func:`train_grpo` is built on ``core``: groups of ``group_size`` rollouts of one task
-(:func:`creditlab.lab.toolshop_rollout.rollout`), a pluggable advantage and pluggable per-token
+(:func:`creditlab.train.toolshop_rollout.rollout`), a pluggable advantage and pluggable per-token
 weights, one row of metrics per update. It touches no global state: the task stream comes from
 :func:`task_seeds` (seeded by ``cfg.seed`` and the update index), the sampling and the minibatch
 order from one ``torch.Generator`` seeded with ``cfg.seed``.
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from creditlab.errors import ConfigError
-from creditlab.lab.toolshop_rollout import (
+from creditlab.train.toolshop_rollout import (
     EVAL_SEED_OFFSET,
     RolloutBatch,
     StackedRollout,
@@ -237,7 +237,7 @@ def train_grpo(model: TinyLM, cfg: GRPOConfig, *, advantage: AdvantageFn | None 
     """Train ``model`` in place with multi-turn GRPO; returns one metrics row per update.
 
     ``on_rollouts(update, batch, rewards, old_logprobs)`` is called with each update's rollouts
-    before the update uses them (e.g. :func:`creditlab.lab.toolshop_dump.dump_rollouts` for
+    before the update uses them (e.g. :func:`creditlab.train.toolshop_dump.dump_rollouts` for
     ``creditlab diagnose``).
 
     Each update: sample ``tasks_per_update`` tasks x ``group_size`` rollouts with the engine of
@@ -392,7 +392,7 @@ def train_grpo_stacked(stack: StackedTinyLM, configs: list[GRPOConfig], *, eval_
 
     ``on_rollouts(update, m, batch, rewards, old_logprobs)`` is called for each model with its
     rollouts of the update (a :class:`RolloutBatch`) before the update uses them, e.g.
-    :func:`creditlab.lab.toolshop_dump.dump_rollouts` for ``creditlab diagnose``.
+    :func:`creditlab.train.toolshop_dump.dump_rollouts` for ``creditlab diagnose``.
 
     The configs may differ only in :data:`PER_MODEL_FIELDS`. Per update, every model runs what
     :func:`train_grpo` runs (rollouts with its engine, old log-probs with its learner, outcome GRPO

@@ -38,7 +38,7 @@ from creditlab.core.advantages import grpo_advantages
 from creditlab.envs.bagofunits import BagOfUnits, Prompts
 from creditlab.errors import ConfigError
 from creditlab.lab.plotting import new_figure, save
-from creditlab.lab.protocol import LabConfig, Table, register_lab
+from creditlab.lab.protocol import LabConfig, Table
 from creditlab.lab.report import paired_diff, read_diff, small_run_note, summarize
 from creditlab.lab.runner import Cell
 
@@ -378,6 +378,8 @@ class ForkLab:
 
     name = "fork"
     summary = "FORK vs recall-only rubric rewards: GRPO in a bag-of-units world with known truth."
+    help = ("FORK in a bag-of-units world: GRPO under recall-only, arithmetic-mean and FORK rewards, and the best "
+            "fixed rule per reward. Resumes an interrupted run in the same --out directory.")
     config_type = ForkLabConfig
 
     def describe(self, cfg: ForkLabConfig) -> str:
@@ -496,7 +498,7 @@ class ForkLab:
         return text
 
 
-LAB = register_lab(ForkLab())
+LAB = ForkLab()
 
 
 def map_table(final: pd.DataFrame, cfg: ForkLabConfig) -> pd.DataFrame:

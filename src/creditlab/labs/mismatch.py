@@ -3,7 +3,7 @@
 Reads top to bottom:
 
 1. build (or load from the cache) one base policy: the toolshop agent's supervised warm start on
-   chains of 5 to 8 tool calls (:func:`creditlab.lab.toolshop_base.base_policy`);
+   chains of 5 to 8 tool calls (:func:`creditlab.train.toolshop_base.base_policy`);
 2. train it with multi-turn outcome GRPO under every arm, a triple (rollout engine, learner,
    correction): ``fp32`` (fp32, fp32, none), ``naive`` (P, fp32, none), ``qat`` (P, P-QAT, none)
    and ``qat_tis``, ``qat_mis``, ``qat_prefix``, ``qat_global``, ``qat_interq`` (P, P-QAT, that
@@ -11,7 +11,7 @@ Reads top to bottom:
    (fp8, int8, nvfp4, mxfp4) is the dose of residual mismatch;
 3. every arm starts from the same base policy and, seed for seed, sees the same tasks, the same
    sampling uniforms and the same minibatch order (common random numbers,
-   :func:`creditlab.lab.toolshop_grpo.train_grpo_stacked`), and is evaluated on the same held-out
+   :func:`creditlab.train.toolshop_grpo.train_grpo_stacked`), and is evaluated on the same held-out
    tasks by the same fp32 engine with the same sampling uniforms;
 4. tables: ``summary`` (per arm, dose and seed: final and best held-out success, rollback, AULC,
    interaction cost, cap exhaustion, K3 early and late), ``curves`` (per update), ``by_turn`` (the
@@ -37,11 +37,11 @@ import pandas as pd
 from creditlab.core.diagnostics import aulc, rollback
 from creditlab.errors import ConfigError
 from creditlab.lab.plotting import new_figure, save
-from creditlab.lab.protocol import LabConfig, Table, register_lab
+from creditlab.lab.protocol import LabConfig, Table
 from creditlab.lab.report import mean_ci, paired_diff, read_diff, small_run_note
 from creditlab.lab.runner import Cell
-from creditlab.lab.toolshop_base import BaseConfig, base_policy, default_cache_dir, prepare_base_policy
-from creditlab.lab.toolshop_grpo import GRPOConfig, train_grpo_stacked
+from creditlab.train.toolshop_base import BaseConfig, base_policy, default_cache_dir, prepare_base_policy
+from creditlab.train.toolshop_grpo import GRPOConfig, train_grpo_stacked
 
 __all__ = ["ARMS", "DOSES", "LAB", "MismatchConfig", "MismatchLab", "arm_triple", "run_stack", "score_curve"]
 
@@ -162,7 +162,7 @@ def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_
     stack = StackedTinyLM([base] * len(members))
     on_rollouts = None
     if dump_dir:
-        from creditlab.lab.toolshop_dump import dump_rollouts
+        from creditlab.train.toolshop_dump import dump_rollouts
 
         paths = [Path(dump_dir) / f"mismatch-{dose}-{a}-seed={s}.jsonl" for a, s in members]
         for p in paths:
@@ -186,7 +186,7 @@ def run_dose_cell(config: dict, tasks: int, cache_dir: str) -> list[dict]:
     import torch
 
     from creditlab.core.correction import mismatch_metrics
-    from creditlab.lab.toolshop_rollout import EVAL_SEED_OFFSET, make_tasks, rollout, sequence_logprobs
+    from creditlab.train.toolshop_rollout import EVAL_SEED_OFFSET, make_tasks, rollout, sequence_logprobs
 
     cfg = MismatchConfig.from_dict(config)
     g = cfg.grpo
@@ -402,7 +402,15 @@ class MismatchLab:
 
     name = "mismatch"
     summary = "Quantized rollout engine vs learner in a multi-turn agent: QAT, TIS, MIS, prefix, InterQ-RL."
+    help = ("Quantized rollout engine vs learner in the multi-turn toolshop agent: arms fp32, naive, QAT, QAT+TIS, "
+            "QAT+MIS, QAT+prefix, QAT+global, QAT+InterQ-RL at each engine precision of the dose (-e fp8 -e int8 "
+            "-e nvfp4 -e mxfp4). The base policy is trained on first use (a few minutes on 2 cores) and cached; set "
+            "CREDITLAB_CACHE to choose where. Use --workers 2 on two cores.")
     config_type = MismatchConfig
+    # One intra-op thread in the CLI process, as the process executor gives each worker: the lab's
+    # tensors are small, and a second thread on busy cores waits more than it works (a GRPO update
+    # of the tiny trainer took 7x longer with two threads than with one on a shared 2-core machine).
+    threads = 1
 
     def describe(self, cfg: MismatchConfig) -> str:
         g = cfg.grpo
@@ -508,7 +516,7 @@ class MismatchLab:
         return text
 
 
-LAB = register_lab(MismatchLab())
+LAB = MismatchLab()
 
 
 def _noise_floor(summary: pd.DataFrame) -> float:
