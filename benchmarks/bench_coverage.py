@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from creditlab.train.chain import ChainTrainConfig, ModelSpec, train_chain  # noqa: E402
-from creditlab.labs.coverage import LAB, CoverageConfig  # noqa: E402
 from creditlab.lab.runner import run_cells  # noqa: E402
 from creditlab.lab.store import ResultStore  # noqa: E402
+from creditlab.labs.coverage import LAB, CoverageConfig  # noqa: E402
+from creditlab.train.chain import ChainTrainConfig, ModelSpec, train_chain  # noqa: E402
 from reference.ref_chain import train_loop  # noqa: E402
 
 CS = (1, 2, 3, 4, 6, 8, 10, 12)

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from creditlab.labs.mismatch import ARMS, MismatchConfig, arm_triple
+from creditlab.models.tiny_lm import StackedTinyLM
 from creditlab.train.toolshop_base import base_policy, default_cache_dir
 from creditlab.train.toolshop_grpo import train_grpo_stacked
 from creditlab.train.toolshop_rollout import make_tasks, rollout_stacked, stacked_logprobs
-from creditlab.models.tiny_lm import StackedTinyLM
 
 
 def _configs(cfg: MismatchConfig, arms: list[str], dose: str, updates: int, tasks: int):

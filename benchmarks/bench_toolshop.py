@@ -19,10 +19,10 @@ import time
 import torch
 
 from creditlab.envs.toolshop import VOCAB
+from creditlab.models.tiny_lm import TinyLM
 from creditlab.train.toolshop_base import BaseConfig, base_policy, default_cache_dir
 from creditlab.train.toolshop_grpo import GRPOConfig, train_grpo
 from creditlab.train.toolshop_rollout import make_tasks, rollout
-from creditlab.models.tiny_lm import TinyLM
 
 
 def main() -> None:

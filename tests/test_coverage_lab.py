@@ -7,11 +7,11 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from creditlab.train.chain import ChainTrainConfig
-from creditlab.labs.coverage import LAB, CoverageConfig
 from creditlab.lab.protocol import run_lab
 from creditlab.lab.runner import Cell, make_executor, run_cells
 from creditlab.lab.store import ResultStore
+from creditlab.labs.coverage import LAB, CoverageConfig
+from creditlab.train.chain import ChainTrainConfig
 
 TINY = CoverageConfig(train=ChainTrainConfig(T=6, K=3, hidden=8, group=4, updates=8, eval_points=2), seeds=2,
                       Cs=(1, 4), vd_C=4, vds=(0.0, 1.0), shuffle_Cs=(4,), shuffle_vds=(1.0,), dose_C=2, dose_ks=(1, 6),

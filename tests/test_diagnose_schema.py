@@ -185,21 +185,6 @@ def test_schema_table_is_documented():
         assert f"`{c.name}`" in doc, c.name
 
 
-def test_diagnose_imports_only_core_envs_and_errors():
-    """diagnose/ sits beside lab/ and below integrations/: it never imports lab, integrations or cli."""
-    import ast
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1] / "src" / "creditlab" / "diagnose"
-    for f in root.glob("*.py"):
-        for node in ast.walk(ast.parse(f.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            for name in names:
-                if name.startswith("creditlab."):
-                    assert name.split(".")[1] in ("core", "envs", "errors", "diagnose"), (f.name, name)
-
-
 def test_progress_is_reported_while_a_large_jsonl_file_is_read(tmp_path):
     p = write_dump(clean_rows(steps=130, tokens=False), tmp_path / "big.jsonl")  # 4,160 lines
     calls = []

@@ -8,8 +8,8 @@ import torch
 
 from creditlab.envs.bagofunits import BagOfUnits, Prompts
 from creditlab.errors import ConfigError
-from creditlab.labs.fork import LAB, ForkLabConfig, oracle_thresholds, run_fork_cell
 from creditlab.lab.protocol import run_lab
+from creditlab.labs.fork import LAB, ForkLabConfig, oracle_thresholds, run_fork_cell
 
 
 def _prompts():
@@ -113,7 +113,7 @@ def test_strict_judge_matches_only_the_first_statement():
 
 
 def test_reward_arms_and_f_beta_names():
-    from creditlab.labs.fork import reward_of
+    from creditlab.train.bagofunits import reward_of
 
     assert reward_of("fork", 1.0) == ("fork", 1.0) and reward_of("f1.5", 1.0) == ("fork", 1.5)
     assert reward_of("recall", 2.0) == ("recall", 1.0)

@@ -9,24 +9,21 @@ import torch
 
 from creditlab.envs.toolshop import TOK, ToolshopEnv, TurnRecord, encode, make_task, run_scripted
 from creditlab.errors import ConfigError
+from creditlab.lab.protocol import run_lab
 from creditlab.labs.granularity import (
     ARMS,
     LAB,
     TASK_TYPES,
     GranularityConfig,
     batch_stats,
-    correct_actions,
     judge_turns,
     process_scores,
-    teacher_contexts,
-    teacher_logits,
-    train_opsd,
 )
-from creditlab.lab.protocol import run_lab
+from creditlab.rewards.process import evidence_scores
+from creditlab.train.opsd import correct_actions, teacher_contexts, teacher_logits, train_opsd
 from creditlab.train.toolshop_base import BaseConfig, base_policy
 from creditlab.train.toolshop_grpo import GRPOConfig
 from creditlab.train.toolshop_rollout import make_tasks, rollout
-from creditlab.rewards.process import evidence_scores
 
 CHAINS = (2, 3, 4, 7, 8)
 TINY_BASE = BaseConfig(n_demos=64, steps=30, batch_size=16, d_model=32, n_layer=1, max_len=192, chain_lengths=CHAINS)
@@ -182,7 +179,7 @@ def test_teacher_logits_equal_one_sequence_at_a_time(base, batch, kind):
 
 def test_opsd_with_a_teacher_that_sees_nothing_more_is_at_kl_zero(base):
     """If the privileged tokens are dropped the teacher is the student: KL 0 and no gradient."""
-    import creditlab.labs.granularity as gran
+    import creditlab.train.opsd as gran
 
     cfg = replace(TINY_GRPO, updates=1)
     original = gran.teacher_contexts

@@ -27,8 +27,8 @@ def _same_rows(got: pd.DataFrame, want: pd.DataFrame, keys: list[str], max_token
 
 
 def test_coverage_rows_unchanged(tmp_path):
-    from creditlab.train.chain import ChainTrainConfig
     from creditlab.labs.coverage import LAB, CoverageConfig
+    from creditlab.train.chain import ChainTrainConfig
 
     cfg = CoverageConfig(train=ChainTrainConfig(T=6, K=3, hidden=8, group=4, updates=8, eval_points=2), seeds=2,
                          Cs=(1, 4), vd_C=4, vds=(0.0, 1.0), shuffle_Cs=(4,), shuffle_vds=(1.0,), dose_C=2,

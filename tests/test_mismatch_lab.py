@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from creditlab.errors import ConfigError
-from creditlab.labs.mismatch import ARMS, LAB, MismatchConfig, arm_triple, score_curve
 from creditlab.lab.protocol import run_lab
+from creditlab.labs.mismatch import ARMS, LAB, MismatchConfig, arm_triple, score_curve
+from creditlab.models.quant import PRECISIONS
+from creditlab.models.tiny_lm import StackedTinyLM, TinyLM, TinyLMConfig
 from creditlab.train.toolshop_base import BaseConfig, base_policy
 from creditlab.train.toolshop_grpo import GRPOConfig, train_grpo_stacked
 from creditlab.train.toolshop_rollout import make_tasks, rollout_stacked, stacked_logprobs
-from creditlab.models.quant import PRECISIONS
-from creditlab.models.tiny_lm import StackedTinyLM, TinyLM, TinyLMConfig
 
 TINY_BASE = BaseConfig(n_demos=64, steps=30, batch_size=16, d_model=32, n_layer=1, max_len=96, chain_lengths=(2, 3))
 TINY_GRPO = GRPOConfig(updates=2, tasks_per_update=2, group_size=2, chain_lengths=(2, 3), max_len=48, eval_every=1,

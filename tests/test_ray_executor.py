@@ -19,11 +19,11 @@ import pandas as pd
 import pytest
 
 from creditlab.errors import ConfigError
-from creditlab.train.chain import ChainTrainConfig
-from creditlab.labs.coverage import LAB, CoverageConfig
 from creditlab.lab.protocol import run_lab
 from creditlab.lab.runner import Cell, CellLost, RayExecutor, SerialExecutor, make_executor, run_cells
 from creditlab.lab.store import ResultStore
+from creditlab.labs.coverage import LAB, CoverageConfig
+from creditlab.train.chain import ChainTrainConfig
 
 try:
     import ray

@@ -8,6 +8,7 @@ import torch
 from creditlab.core.diagnostics import chain_length
 from creditlab.envs.toolshop import VOCAB, ToolshopEnv, encode, make_task
 from creditlab.errors import ConfigError
+from creditlab.models.tiny_lm import TinyLM, TinyLMConfig
 from creditlab.train.toolshop_base import BaseConfig, base_policy, default_cache_dir, train_base
 from creditlab.train.toolshop_grpo import GRPOConfig, advantage_names, make_advantage, make_weights, train_grpo
 from creditlab.train.toolshop_rollout import (
@@ -18,7 +19,6 @@ from creditlab.train.toolshop_rollout import (
     turn_progress_deltas,
     turns_to_tokens,
 )
-from creditlab.models.tiny_lm import TinyLM, TinyLMConfig
 
 TINY_BASE = BaseConfig(n_demos=64, steps=30, batch_size=16, d_model=32, n_layer=1, max_len=96)
 

@@ -7,11 +7,11 @@ import pandas as pd
 import pytest
 
 from creditlab.lab.protocol import run_lab
-from golden_compare import assert_rows_match
 from creditlab.lab.store import ResultStore
 from creditlab.labs.toolshop import LAB, ToolshopLabConfig
 from creditlab.train.toolshop_base import BaseConfig
 from creditlab.train.toolshop_grpo import GRPOConfig
+from golden_compare import assert_rows_match
 
 GOLDEN = Path(__file__).parent / "golden"
 TINY_BASE = BaseConfig(n_demos=64, steps=30, batch_size=16, d_model=32, n_layer=1, max_len=96)

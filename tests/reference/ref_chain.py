@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from creditlab.envs.chain import make_tasks, obs_dim, observe
-from creditlab.train.chain import ChainTrainConfig, ModelSpec, _exposed_steps
 from creditlab.models.batched_mlp import BatchedMLP
+from creditlab.train.chain import ChainTrainConfig, ModelSpec, _exposed_steps
 
 
 class Policy(torch.nn.Module):

@@ -11,9 +11,8 @@ import sys
 from rich.console import Console
 
 from creditlab.cli._apps import app
-from creditlab.errors import CreditlabError
-
 from creditlab.cli._labs import register_lab_commands
+from creditlab.errors import CreditlabError
 
 # Each command module registers its commands on the apps when imported; the labs come from one table.
 from creditlab.cli import fork_cmd  # noqa: E402,F401  isort: skip

@@ -35,11 +35,11 @@ import pandas as pd
 
 from creditlab.core.diagnostics import expected_open_fraction, p_cover
 from creditlab.errors import ConfigError
-from creditlab.train.chain import ChainTrainConfig, ModelSpec, single_update, train_chain
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import LabConfig, LabOption, Table
 from creditlab.lab.report import paired_diff, read_diff, small_run_note, summarize
 from creditlab.lab.runner import Cell
+from creditlab.train.chain import ChainTrainConfig, ModelSpec, single_update, train_chain
 
 __all__ = ["EXPERIMENTS", "LAB", "CoverageConfig", "CoverageLab", "run_cell"]
 

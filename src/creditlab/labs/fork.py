@@ -26,7 +26,6 @@ training prompts and the evaluation batch are the same across arms (paired compa
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
@@ -34,36 +33,20 @@ from typing import ClassVar
 import pandas as pd
 import torch
 
-from creditlab.core.advantages import grpo_advantages
 from creditlab.envs.bagofunits import BagOfUnits, Prompts
 from creditlab.errors import ConfigError
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import LabConfig, Table
 from creditlab.lab.report import paired_diff, read_diff, small_run_note, summarize
 from creditlab.lab.runner import Cell
+from creditlab.train.bagofunits import REWARD_ARMS, BagTrainConfig, eval_seed, new_policy, reward_of, rollout, train_bag
+from creditlab.train.common import single_thread
 
-__all__ = ["LAB", "REWARD_ARMS", "FactPolicy", "ForkLab", "ForkLabConfig", "oracle_thresholds", "run_fork_cell",
-           "run_oracle_cell"]
+__all__ = ["LAB", "ForkLab", "ForkLabConfig", "oracle_thresholds", "run_fork_cell", "run_oracle_cell"]
 
-#: Reward arms of the lab (the FORK modes of :func:`creditlab.core.precision.fork_scores`).
-REWARD_ARMS = ("recall", "mean", "fork", "f2")
 EXPERIMENTS = ("train", "oracle", "map", "deletion")
 
 
-def reward_of(arm: str, cfg_beta: float) -> tuple[str, float]:
-    """``(mode, beta)`` of an arm: the names of :data:`REWARD_ARMS`, or ``f<beta>`` (FORK with that beta)."""
-    if arm == "fork":
-        return "fork", cfg_beta
-    if arm in REWARD_ARMS:
-        return arm, 1.0
-    if arm.startswith("f"):
-        try:
-            beta = float(arm[1:])
-        except ValueError:
-            beta = float("nan")
-        if beta > 0:
-            return "fork", beta
-    raise ConfigError("arms", f"unknown arm {arm!r}; valid: {', '.join(REWARD_ARMS)} or f<beta> (e.g. f1.5)")
 METRICS = ("length", "recall", "precision", "f1", "necessary", "redundant", "wrong", "filler")
 UNIT_METRICS = ("recall", "precision", "f1")  # in [0, 1]: their intervals are clipped to it
 
@@ -157,116 +140,16 @@ class ForkLabConfig(LabConfig):
             raise ConfigError("tau", f"must be > 0, got {self.tau}")
         BagOfUnits(self.f_min, self.f_max, self.known_prob, self.max_units, lenient=self.lenient)  # its checks
 
-
-class FactPolicy(torch.nn.Module):
-    """Permutation-equivariant policy over ``[state f for each fact slot] + [filler, stop]``.
-
-    Fact-slot features: confidence, stated 0 / 1 / 2+ times, step / max_units. Global features
-    (for filler and stop): step / max_units, share of facts not yet stated, mean and max confidence
-    of the facts not yet stated, a constant.
-    """
-
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.fact = torch.nn.Sequential(torch.nn.Linear(5, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
-        self.glob = torch.nn.Sequential(torch.nn.Linear(5, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 2))
-
-    def forward(self, prompts: Prompts, counts: torch.Tensor, t: int, max_units: int) -> torch.Tensor:
-        B, F = counts.shape
-        step = torch.full((B, F), t / max_units)
-        cnt = counts.clamp(max=2).long()
-        fact_x = torch.stack([prompts.confidence, (cnt == 0).float(), (cnt == 1).float(), (cnt == 2).float(),
-                              step], dim=2)  # (B, F, 5)
-        fact_logits = self.fact(fact_x).squeeze(2)  # (B, F)
-        unstated = prompts.fact_mask & (counts == 0)
-        n_facts = prompts.fact_mask.sum(1).clamp_min(1).float()
-        n_un = unstated.sum(1).float()
-        conf_un = torch.where(unstated, prompts.confidence, torch.zeros_like(prompts.confidence))
-        glob_x = torch.stack([step[:, 0], n_un / n_facts, conf_un.sum(1) / n_un.clamp_min(1),
-                              conf_un.max(1).values, torch.ones(B)], dim=1)  # (B, 5)
-        logits = torch.cat([fact_logits, self.glob(glob_x)], dim=1)  # (B, F + 2)
-        mask = torch.cat([prompts.fact_mask, torch.ones(B, 2, dtype=torch.bool)], dim=1)
-        return logits.masked_fill(~mask, float("-inf"))
-
-
-def _rollout(env: BagOfUnits, policy: FactPolicy, prompts: Prompts, gen: torch.Generator):
-    """Sample one response per prompt; returns (responses, summed log-prob (B,))."""
-    resp = env.reset(prompts)
-    logp = torch.zeros(prompts.fact_mask.shape[0])
-    for t in range(env.max_units):
-        if bool(resp.done.all()):
-            break
-        logits = policy(prompts, resp.counts, t, env.max_units)
-        probs = torch.softmax(logits, dim=1)
-        action = torch.multinomial(probs.detach(), 1, generator=gen).squeeze(1)
-        lp = torch.log_softmax(logits, dim=1).gather(1, action[:, None]).squeeze(1)
-        logp = logp + torch.where(resp.done.clone(), torch.zeros_like(lp), lp)
-        env.step(prompts, resp, t, action, gen)
-    return resp, logp
-
-
-def _evaluate(env: BagOfUnits, policy: FactPolicy, prompts: Prompts, seed: int, cfg: ForkLabConfig) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        resp, _ = _rollout(env, policy, prompts, gen)
-    fork = env.score(prompts, resp, "fork", cfg.tau, 1.0)
-    parts = env.anatomy(prompts, resp)
-    return {"length": float(parts["length"].mean()), "recall": float(fork.recall.mean()),
-            "precision": float(fork.precision.mean()), "f1": float(fork.reward.mean()),
-            **{k: float(parts[k].mean()) for k in ("necessary", "redundant", "wrong", "filler")}}
-
-
-def _init_linears(module: torch.nn.Module, generator: torch.Generator) -> torch.nn.Module:
-    """Initialise every ``Linear`` of ``module`` as ``torch.nn.Linear.reset_parameters`` does, from
-    ``generator`` (the same numbers as under ``torch.manual_seed`` with that seed, without touching
-    the global generator)."""
-    for layer in module.modules():
-        if isinstance(layer, torch.nn.Linear):
-            torch.nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5), generator=generator)
-            if layer.bias is not None:
-                bound = 1 / math.sqrt(layer.weight.shape[1]) if layer.weight.shape[1] > 0 else 0
-                torch.nn.init.uniform_(layer.bias, -bound, bound, generator=generator)
-    return module
+    def train_config(self) -> BagTrainConfig:
+        """The training loop's share of this config (:func:`creditlab.train.bagofunits.train_bag`)."""
+        return BagTrainConfig(**{f: getattr(self, f) for f in BagTrainConfig.__dataclass_fields__})
 
 
 def run_fork_cell(arm: str, seed: int, config: dict) -> list[dict]:
     """Train one policy under ``arm`` with ``seed``; one row per evaluation point."""
     cfg = ForkLabConfig.from_dict(config)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors; the sweep runs one process per core
-    try:
-        return _train(arm, seed, cfg)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _train(arm: str, seed: int, cfg: ForkLabConfig) -> list[dict]:
-    env = BagOfUnits(cfg.f_min, cfg.f_max, cfg.known_prob, cfg.max_units, lenient=cfg.lenient)
-    with torch.device("meta"):  # built without drawing from the global generator, then initialised
-        policy = FactPolicy(cfg.hidden)
-    policy = _init_linears(policy.to_empty(device="cpu"), torch.Generator().manual_seed(seed))  # same in every arm
-    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
-    train_gen = torch.Generator().manual_seed(1_000 + seed)
-    eval_prompts = env.sample_prompts(cfg.eval_prompts, torch.Generator().manual_seed(2_000_000 + seed))
-    mode, beta = reward_of(arm, cfg.beta)
-    group_ids = torch.arange(cfg.prompts_per_update).repeat_interleave(cfg.group_size)
-    rows = []
-    for update in range(cfg.updates + 1):
-        if update % cfg.eval_every == 0 or update == cfg.updates:
-            rows.append({"arm": arm, "seed": seed, "update": update,
-                         **_evaluate(env, policy, eval_prompts, 3_000_000 + seed * 1_000 + update, cfg)})
-        if update == cfg.updates:
-            break
-        prompts = env.sample_prompts(cfg.prompts_per_update, train_gen).repeat(cfg.group_size)
-        resp, logp = _rollout(env, policy, prompts, train_gen)
-        reward = env.score(prompts, resp, mode, cfg.tau, beta).reward
-        adv = grpo_advantages(reward, group_ids)
-        loss = -(adv * logp).mean()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        opt.step()
-    return rows
+    with single_thread():  # tiny tensors; the sweep runs one process per core
+        return train_bag(arm, seed, cfg.train_config())
 
 
 def oracle_thresholds(cfg: ForkLabConfig, n_prompts: int = 2048, seed: int = 0) -> pd.DataFrame:
@@ -276,12 +159,8 @@ def oracle_thresholds(cfg: ForkLabConfig, n_prompts: int = 2048, seed: int = 0) 
     grid, the expected reward of that rule is estimated on ``n_prompts`` prompts; the row of each
     arm is its best theta with the recall, precision and length of that rule.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small tensors: intra-op threads only add contention
-    try:
+    with single_thread():  # small tensors: intra-op threads only add contention
         return _oracle(cfg, n_prompts, seed)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _oracle(cfg: ForkLabConfig, n_prompts: int, seed: int) -> pd.DataFrame:
@@ -313,12 +192,8 @@ def run_map_cell(arm: str, seed: int, known: float, lenient: bool, config: dict)
     leniency; rows of the initial and the final policy."""
     base = ForkLabConfig.from_dict(config)
     cfg = replace(base, known_prob=known, lenient=lenient, updates=base.map_updates, eval_every=base.map_updates)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rows = _train(arm, seed, cfg)
-    finally:
-        torch.set_num_threads(threads)
+    with single_thread():
+        rows = train_bag(arm, seed, cfg.train_config())
     return [{**r, "known": known, "lenient": lenient} for r in rows]
 
 
@@ -339,13 +214,11 @@ def run_deletion_cell(seed: int, config: dict) -> list[dict]:
 
     cfg = ForkLabConfig.from_dict(config)
     env = BagOfUnits(cfg.f_min, cfg.f_max, cfg.known_prob, cfg.max_units, lenient=cfg.lenient)
-    with torch.device("meta"):
-        policy = FactPolicy(cfg.hidden)
-    policy = _init_linears(policy.to_empty(device="cpu"), torch.Generator().manual_seed(seed))
-    prompts = env.sample_prompts(cfg.eval_prompts, torch.Generator().manual_seed(2_000_000 + seed))
+    policy = new_policy(cfg.hidden, seed)
+    prompts = env.sample_prompts(cfg.eval_prompts, torch.Generator().manual_seed(eval_seed(seed)))
     gen = torch.Generator().manual_seed(4_000_000 + seed)
     with torch.no_grad():
-        resp, _ = _rollout(env, policy, prompts, gen)
+        resp, _ = rollout(env, policy, prompts, gen)
     match, _ = env.verdicts(prompts, resp)
     rubrics = prompts.fact_mask & (prompts.points > 0)
     truth = _first_statements(env, prompts, resp)

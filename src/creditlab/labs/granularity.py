@@ -38,9 +38,7 @@ stored at once (resumable).
 
 from __future__ import annotations
 
-import functools
 import math
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
@@ -49,22 +47,22 @@ import numpy as np
 import pandas as pd
 import torch
 
-from creditlab.core.diagnostics import concentration, mixing_score
-from creditlab.envs.toolshop import PAD, TOK, TOOL_TABLE, Task, TurnRecord, make_task, run_scripted
+from creditlab.core.diagnostics import mixing_score
+from creditlab.envs.toolshop import Task, TurnRecord, make_task
 from creditlab.errors import ConfigError, InputError
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import LabConfig, Table
 from creditlab.lab.report import mean_ci, paired_diff, read_diff, small_run_note
 from creditlab.lab.runner import Cell
+from creditlab.rewards.process import evidence_scores
+from creditlab.train.opsd import aligned_logits, call_key, correct_calls, teacher_logits, train_opsd
 from creditlab.train.toolshop_base import BaseConfig, base_policy, default_cache_dir, prepare_base_policy
-from creditlab.train.toolshop_grpo import GRPOConfig, make_prm_advantage, task_seeds, train_grpo
+from creditlab.train.toolshop_grpo import GRPOConfig, make_prm_advantage, train_grpo
 from creditlab.train.toolshop_rollout import (
     EVAL_SEED_OFFSET,
     RolloutBatch,
-    make_tasks,
     rollout,
 )
-from creditlab.rewards.process import evidence_scores
 
 __all__ = [
     "ARMS",
@@ -72,11 +70,8 @@ __all__ = [
     "TASK_TYPES",
     "GranularityConfig",
     "GranularityLab",
-    "correct_actions",
     "judge_turns",
     "process_scores",
-    "teacher_contexts",
-    "train_opsd",
 ]
 
 #: Task types: name -> chain lengths (a task of the type draws one, cycling over the list).
@@ -199,121 +194,18 @@ def process_scores(batch: RolloutBatch, repeat: float = 0.25) -> torch.Tensor:
     return out
 
 
-def _key(rec: TurnRecord) -> tuple | None:
-    tool = TOOL_TABLE.get(rec.name)
-    if tool is None or not rec.ok:
-        return None
-    return (rec.name, tuple(rec.arguments.get(n) for n in tool.arg_names))
-
-
-@functools.lru_cache(maxsize=4096)
-def _correct(seed: int, chain_length: int) -> tuple[tuple[tuple, tuple[int, ...]], ...]:
-    _, _, env = run_scripted(make_task(seed, chain_length), 0, noise=0.0, max_turns=chain_length)
-    return tuple((_key(r), r.action) for r in env.records)
-
-
-def correct_actions(task: Task) -> list[tuple[int, ...]]:
-    """The action token ids (without ``EOA``) of the task's correct episode, in order."""
-    return [a for _, a in _correct(task.seed, task.chain_length)]
-
-
 def judge_turns(task: Task, records: list[TurnRecord]) -> list[bool]:
     """Good (True) / bad (False) for each turn: a correct call made for the first time (module doc)."""
-    correct = {k for k, _ in _correct(task.seed, task.chain_length)}
+    correct = {k for k, _ in correct_calls(task.seed, task.chain_length)}
     done: set = set()
     out = []
     for rec in records:
-        k = _key(rec)
+        k = call_key(rec)
         good = k is not None and k in correct and k not in done
         if good:
             done.add(k)
         out.append(good)
     return out
-
-
-def _next_advice(task: Task, records: list[TurnRecord]) -> list[list[int]]:
-    """The advice before each turn: the first correct action not yet made by the earlier turns."""
-    steps = _correct(task.seed, task.chain_length)
-    done: set = set()
-    out = []
-    for rec in records:
-        nxt = next((a for k, a in steps if k not in done), steps[-1][1])
-        out.append([TOK["SEP"], *nxt, TOK["SEP"]])
-        k = _key(rec)
-        if k is not None:
-            done.add(k)
-    return out
-
-
-def teacher_contexts(batch: RolloutBatch, kind: str, donors: list[Task] | None = None
-                     ) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
-    """The teacher's privileged sequences for ``batch`` and where the student's tokens sit in them.
-
-    ``kind="ref"``: one sequence per trajectory, the final correct write's action tokens inserted
-    into the instruction (before ``SEP``). ``kind="advice"``: one sequence per turn taken: the
-    trajectory up to that turn's action, the advice ``SEP <next correct action> SEP``, then the
-    action. Returns the sequences and, per sequence, ``(b, first, shift)``: the student's tokens
-    from position ``first`` of trajectory ``b`` (to the end of the sequence) sit ``shift``
-    positions later in it. ``donors`` (a placebo control): take the privileged tokens of
-    ``donors[b]`` instead of trajectory ``b``'s own task (same format, someone else's answer).
-    """
-    seqs: list[list[int]] = []
-    where: list[tuple[int, int, int]] = []
-    for b, (task, recs) in enumerate(zip(batch.tasks, batch.records, strict=True)):
-        n = int(batch.valid_mask[b].sum())
-        toks = batch.tokens[b, :n].tolist()
-        P = len(task.prompt_ids)
-        info = donors[b] if donors is not None else task
-        if kind == "ref":
-            write = [*correct_actions(info)[-1], TOK["EOA"]]
-            seqs.append(toks[:P - 1] + write + toks[P - 1:])
-            where.append((b, P - 1, len(write)))
-        elif kind == "advice":
-            tid = batch.turn_ids[b, :n]
-            pm = batch.policy_mask[b, :n]
-            for t, adv in enumerate(_next_advice(info, recs)):
-                pos = (pm & (tid == t)).nonzero().flatten()
-                if not len(pos):
-                    continue
-                s, e = int(pos[0]), int(pos[-1])
-                seqs.append(toks[:s] + adv + toks[s:e + 1])
-                where.append((b, s, len(adv)))
-        else:
-            raise ConfigError("teacher", f"unknown teacher {kind!r}; valid: ref, advice")
-    return seqs, where
-
-
-@torch.no_grad()
-def teacher_logits(teacher, batch: RolloutBatch, kind: str, chunk: int = 256, donors: list[Task] | None = None
-                   ) -> torch.Tensor:
-    """``(B, L, V)`` next-token logits of the privileged teacher for every position of ``batch``:
-    entry ``[b, p]`` is the teacher's distribution of token ``p`` (0 where the teacher does not
-    see the student's token, e.g. the prompt)."""
-    seqs, where = teacher_contexts(batch, kind, donors)
-    B, L = batch.tokens.shape
-    V = teacher.cfg.vocab_size
-    out = torch.zeros(B, L, V)
-    for i in range(0, len(seqs), chunk):
-        part = seqs[i:i + chunk]
-        n = max(len(s) for s in part)
-        if n > teacher.cfg.max_len:
-            raise InputError(f"teacher context of {n} tokens exceeds the model's max_len {teacher.cfg.max_len}")
-        x = torch.full((len(part), n), PAD, dtype=torch.long)
-        for j, s in enumerate(part):
-            x[j, :len(s)] = torch.tensor(s)
-        logits = teacher(x).float()
-        for j, (b, first, shift) in enumerate(where[i:i + chunk]):
-            last = len(part[j]) - shift  # student positions first .. last-1
-            if kind == "advice":
-                out[b, first:last] = logits[j, first + shift - 1:last + shift - 1]
-            else:
-                out[b, max(first, 1):last] = logits[j, max(first, 1) + shift - 1:last + shift - 1]
-    return out
-
-
-def _aligned(logits: torch.Tensor) -> torch.Tensor:
-    """Model logits ``(B, L, V)`` (position p predicts p+1) to prediction-of-position form."""
-    return torch.cat([torch.zeros_like(logits[:, :1]), logits[:, :-1]], dim=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,87 +263,6 @@ def evaluate_types(model, cfg: GranularityConfig) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------------------------
-# on-policy self-distillation
-
-
-def train_opsd(model, teacher, cfg: GRPOConfig, kind: str, *, beta: float = 0.5,
-               on_rollouts=None, top_frac: float = 0.05) -> list[dict[str, float]]:
-    """Train ``model`` in place by on-policy self-distillation from ``teacher`` (frozen) with the
-    ``kind`` of privileged context (:func:`teacher_contexts`); one metrics row per update.
-
-    Each update samples the same tasks as :func:`~creditlab.train.toolshop_grpo.train_grpo` with
-    the same seed (``task_seeds``), scores every policy token of the student's own trajectories
-    by the teacher, and takes ``cfg.minibatches`` AdamW steps on
-    :func:`creditlab.core.losses.opsd_loss` (no outcome reward). Row keys: ``update``,
-    ``opsd/forward_kl`` and ``opsd/reverse_kl`` (per policy token, before the update),
-    ``opsd/kl_top_share`` (share of the batch's teacher-student KL carried by the top ``top_frac``
-    of turns) and ``opsd/kl_top_token_share`` (share of the policy tokens those turns hold),
-    ``grad_norm`` (mean before clipping), ``grad/clipped`` (optimizer steps whose norm was clipped),
-    ``loss/opsd``, ``episode/policy_tokens``, ``time/update_s``.
-    """
-    from creditlab.core.losses import opsd_loss
-
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    teacher.eval()
-    gen = torch.Generator().manual_seed(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
-    G = cfg.group_size
-    rows = []
-    for k in range(cfg.updates):
-        t0 = time.perf_counter()
-        model.eval()
-        tasks = [t for t in make_tasks(task_seeds(cfg, k), cfg.chain_lengths) for _ in range(G)]
-        batch = rollout(model, tasks, precision="fp32", max_len=cfg.max_len, max_turns=cfg.max_turns,
-                        max_action_len=cfg.max_action_len, temperature=cfg.temperature, generator=gen,
-                        group_ids=[j // G for j in range(len(tasks))])
-        pm = batch.policy_mask
-        with torch.no_grad():
-            t_logits = teacher_logits(teacher, batch, kind) / cfg.temperature
-            s_logits = _aligned(model(batch.tokens).float()) / cfg.temperature
-            if on_rollouts is not None:
-                lp = torch.log_softmax(s_logits, -1).gather(-1, batch.tokens[..., None]).squeeze(-1)
-                on_rollouts(k, batch, batch.success.float(), torch.where(pm, lp, torch.zeros_like(lp)))
-            ls, lt = torch.log_softmax(s_logits, -1), torch.log_softmax(t_logits, -1)
-            rev = (ls.exp() * (ls - lt)).sum(-1)  # KL(student || teacher) per position
-            fwd = (lt.exp() * (lt - ls)).sum(-1)
-            n_pol = max(int(pm.sum()), 1)
-            row = {"update": float(k), "opsd/reverse_kl": float(rev[pm].sum()) / n_pol,
-                   "opsd/forward_kl": float(fwd[pm].sum()) / n_pol}
-            # the KL of each turn taken, and the policy tokens it holds
-            T = max(batch.n_turns_max, 1)
-            tid = batch.turn_ids.clamp(min=0)
-            on = pm & (batch.turn_ids >= 0)
-            per_turn = torch.zeros(len(batch), T, dtype=torch.float64).scatter_add_(
-                1, tid, torch.where(on, rev, torch.zeros_like(rev)).double().clamp(min=0))
-            toks = torch.zeros(len(batch), T, dtype=torch.float64).scatter_add_(1, tid, on.double())
-            taken = toks > 0
-            share, _ = concentration(per_turn[taken], top_frac)
-            n_top = max(1, math.ceil(top_frac * int(taken.sum())))
-            top = per_turn[taken].argsort(descending=True)[:n_top]
-            row["opsd/kl_top_share"] = share
-            row["opsd/kl_top_token_share"] = float(toks[taken][top].sum() / toks[taken].sum())
-        model.train()
-        norms, clipped, losses = [], 0, []
-        for chunk in torch.randperm(len(batch), generator=gen).chunk(cfg.minibatches):
-            s = _aligned(model(batch.tokens[chunk]).float()) / cfg.temperature
-            loss, _ = opsd_loss(s, t_logits[chunk], pm[chunk], beta, agg=cfg.agg)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-            norms.append(gn)
-            clipped += int(gn > cfg.grad_clip)
-            losses.append(float(loss.detach()))
-            opt.step()
-        model.eval()
-        row.update({"loss/opsd": float(np.mean(losses)), "grad_norm": float(np.mean(norms)),
-                    "grad/clipped": float(clipped), "episode/policy_tokens": float(pm.sum()) / len(batch),
-                    "time/update_s": time.perf_counter() - t0})
-        rows.append(row)
-    return rows
-
-
-# --------------------------------------------------------------------------------------------
 # cells
 
 
@@ -469,7 +280,7 @@ def run_teacher_cell(config: dict, cache_dir: str) -> list[dict]:
     batch = rollout(model, tasks, precision="fp32", max_len=g.max_len, max_turns=g.max_turns,
                     max_action_len=g.max_action_len, generator=torch.Generator().manual_seed(54321))
     pm = batch.policy_mask
-    ls = torch.log_softmax(_aligned(model(batch.tokens).float()), -1)
+    ls = torch.log_softmax(aligned_logits(model(batch.tokens).float()), -1)
     good_turn = torch.zeros_like(pm)
     for b, (task, recs) in enumerate(zip(batch.tasks, batch.records, strict=True)):
         for t, ok in enumerate(judge_turns(task, recs)):

@@ -12,7 +12,6 @@ noise) and a model's result does not depend on which other models share its batc
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -22,6 +21,7 @@ from creditlab.core.advantages import grpo_advantages
 from creditlab.envs.chain import ChainTasks, chain_outcome, exact_score, make_tasks, obs_dim, observe, validate
 from creditlab.errors import ConfigError
 from creditlab.models.batched_mlp import BatchedAdam, BatchedMLP
+from creditlab.train.common import single_thread
 
 __all__ = ["ChainTrainConfig", "ModelSpec", "chain_step_batch", "single_update", "train_chain"]
 
@@ -125,23 +125,6 @@ def _exposed_steps(tasks: ChainTasks, specs: list[ModelSpec]) -> torch.Tensor:
             ok = torch.arange(C) < round(s.vd * C)
         exposed[m, tasks.causal_pos[m, :C][ok]] = True
     return exposed
-
-
-@contextmanager
-def single_thread():
-    """Run torch on one intra-op thread inside the block, then restore the setting.
-
-    The trainer's tensors are small (hundreds of models x a few hundred floats each): extra intra-op
-    threads only add synchronisation, and on a busy machine OpenMP spin-waiting made a 2-thread run
-    8x slower than a 1-thread run (measured: 11.4 s vs 1.4 s for 100 updates of the full C sweep).
-    Parallelism comes from running cells in separate processes instead.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def train_chain(specs: list[ModelSpec], cfg: ChainTrainConfig) -> dict[str, torch.Tensor]:

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from creditlab.envs.toolshop import PAD, VOCAB, run_scripted
-from creditlab.train.toolshop_rollout import make_tasks
 from creditlab.models.tiny_lm import TinyLM, TinyLMConfig
+from creditlab.train.toolshop_rollout import make_tasks
 
 __all__ = ["DEMO_SEED_OFFSET", "BaseConfig", "base_policy", "default_cache_dir", "prepare_base_policy", "train_base"]
 

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 
 from creditlab.errors import ConfigError
+from creditlab.models.quant import check_precision
+from creditlab.models.tiny_lm import StackedTinyLM, TinyLM
 from creditlab.train.toolshop_rollout import (
     EVAL_SEED_OFFSET,
     RolloutBatch,
@@ -44,8 +46,6 @@ from creditlab.train.toolshop_rollout import (
     turn_progress_deltas,
     turns_to_tokens,
 )
-from creditlab.models.quant import check_precision
-from creditlab.models.tiny_lm import StackedTinyLM, TinyLM
 
 __all__ = [
     "AdvantageFn",

@@ -1,0 +1,196 @@
+"""GRPO in the bag-of-units world: the training loop of the FORK lab.
+
+World: :class:`creditlab.envs.bagofunits.BagOfUnits` (rubric facts with known truth; a response is a
+sequence of units: fact statements that are right or wrong, redundant restatements, filler). Policy:
+:class:`FactPolicy`, a small permutation-equivariant network (one shared MLP scores each fact slot from
+its confidence and how often it was already stated; a second scores filler and stop). Rewards: the
+FORK modes of :func:`creditlab.core.precision.fork_scores` on the exact verdicts, by arm name
+(:func:`reward_of`). :func:`train_bag` trains one policy with GRPO and evaluates it on a fixed batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from creditlab.core.advantages import grpo_advantages
+from creditlab.envs.bagofunits import BagOfUnits, Prompts
+from creditlab.errors import ConfigError
+
+__all__ = ["REWARD_ARMS", "BagTrainConfig", "FactPolicy", "eval_seed", "evaluate", "init_linears", "new_policy",
+           "reward_of", "rollout", "train_bag"]
+
+#: Reward arms (the FORK modes of :func:`creditlab.core.precision.fork_scores`); ``f<beta>`` also works.
+REWARD_ARMS = ("recall", "mean", "fork", "f2")
+
+
+@dataclass(frozen=True)
+class BagTrainConfig:
+    """One GRPO run in the bag-of-units world."""
+
+    updates: int = 400
+    """GRPO updates."""
+    prompts_per_update: int = 32
+    """Prompts per update; each is sampled ``group_size`` times."""
+    group_size: int = 8
+    """GRPO group size."""
+    lr: float = 0.01
+    """Adam learning rate."""
+    hidden: int = 32
+    """Hidden width of the policy MLPs."""
+    f_min: int = 3
+    """Fewest rubric facts per prompt."""
+    f_max: int = 6
+    """Most rubric facts per prompt."""
+    known_prob: float = 0.5
+    """Probability that a fact is known (confidence 1); otherwise its confidence is U(0.05, 0.95)."""
+    max_units: int = 16
+    """Response length cap (units)."""
+    tau: float = 0.75
+    """Necessity threshold of the reward."""
+    beta: float = 1.0
+    """F-beta of the ``fork`` arm."""
+    eval_every: int = 25
+    """Updates between evaluations."""
+    eval_prompts: int = 512
+    """Prompts in the fixed evaluation batch (one sampled response each)."""
+    lenient: bool = True
+    """Judge leniency on paraphrases (lenient: restatements split the credit)."""
+
+
+def eval_seed(seed: int) -> int:
+    """Seed of the fixed evaluation prompts of a run with ``seed`` (shared by every arm)."""
+    return 2_000_000 + seed
+
+
+def new_policy(hidden: int, seed: int) -> FactPolicy:
+    """A :class:`FactPolicy` initialised from ``seed`` alone (built on ``meta``, then initialised by
+    :func:`init_linears`: nothing is drawn from the global generator)."""
+    with torch.device("meta"):
+        policy = FactPolicy(hidden)
+    return init_linears(policy.to_empty(device="cpu"), torch.Generator().manual_seed(seed))
+
+
+def reward_of(arm: str, cfg_beta: float) -> tuple[str, float]:
+    """``(mode, beta)`` of an arm: the names of :data:`REWARD_ARMS`, or ``f<beta>`` (FORK with that beta)."""
+    if arm == "fork":
+        return "fork", cfg_beta
+    if arm in REWARD_ARMS:
+        return arm, 1.0
+    if arm.startswith("f"):
+        try:
+            beta = float(arm[1:])
+        except ValueError:
+            beta = float("nan")
+        if beta > 0:
+            return "fork", beta
+    raise ConfigError("arms", f"unknown arm {arm!r}; valid: {', '.join(REWARD_ARMS)} or f<beta> (e.g. f1.5)")
+
+
+class FactPolicy(torch.nn.Module):
+    """Permutation-equivariant policy over ``[state f for each fact slot] + [filler, stop]``.
+
+    Fact-slot features: confidence, stated 0 / 1 / 2+ times, step / max_units. Global features
+    (for filler and stop): step / max_units, share of facts not yet stated, mean and max confidence
+    of the facts not yet stated, a constant.
+    """
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fact = torch.nn.Sequential(torch.nn.Linear(5, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+        self.glob = torch.nn.Sequential(torch.nn.Linear(5, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 2))
+
+    def forward(self, prompts: Prompts, counts: torch.Tensor, t: int, max_units: int) -> torch.Tensor:
+        B, F = counts.shape
+        step = torch.full((B, F), t / max_units)
+        cnt = counts.clamp(max=2).long()
+        fact_x = torch.stack([prompts.confidence, (cnt == 0).float(), (cnt == 1).float(), (cnt == 2).float(),
+                              step], dim=2)  # (B, F, 5)
+        fact_logits = self.fact(fact_x).squeeze(2)  # (B, F)
+        unstated = prompts.fact_mask & (counts == 0)
+        n_facts = prompts.fact_mask.sum(1).clamp_min(1).float()
+        n_un = unstated.sum(1).float()
+        conf_un = torch.where(unstated, prompts.confidence, torch.zeros_like(prompts.confidence))
+        glob_x = torch.stack([step[:, 0], n_un / n_facts, conf_un.sum(1) / n_un.clamp_min(1),
+                              conf_un.max(1).values, torch.ones(B)], dim=1)  # (B, 5)
+        logits = torch.cat([fact_logits, self.glob(glob_x)], dim=1)  # (B, F + 2)
+        mask = torch.cat([prompts.fact_mask, torch.ones(B, 2, dtype=torch.bool)], dim=1)
+        return logits.masked_fill(~mask, float("-inf"))
+
+
+def rollout(env: BagOfUnits, policy: FactPolicy, prompts: Prompts, gen: torch.Generator):
+    """Sample one response per prompt; returns (responses, summed log-prob (B,))."""
+    resp = env.reset(prompts)
+    logp = torch.zeros(prompts.fact_mask.shape[0])
+    for t in range(env.max_units):
+        if bool(resp.done.all()):
+            break
+        logits = policy(prompts, resp.counts, t, env.max_units)
+        probs = torch.softmax(logits, dim=1)
+        action = torch.multinomial(probs.detach(), 1, generator=gen).squeeze(1)
+        lp = torch.log_softmax(logits, dim=1).gather(1, action[:, None]).squeeze(1)
+        logp = logp + torch.where(resp.done.clone(), torch.zeros_like(lp), lp)
+        env.step(prompts, resp, t, action, gen)
+    return resp, logp
+
+
+def evaluate(env: BagOfUnits, policy: FactPolicy, prompts: Prompts, seed: int, tau: float) -> dict:
+    """Mean length, recall, precision, F1 and unit anatomy of one sampled response per prompt (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        resp, _ = rollout(env, policy, prompts, gen)
+    fork = env.score(prompts, resp, "fork", tau, 1.0)
+    parts = env.anatomy(prompts, resp)
+    return {"length": float(parts["length"].mean()), "recall": float(fork.recall.mean()),
+            "precision": float(fork.precision.mean()), "f1": float(fork.reward.mean()),
+            **{k: float(parts[k].mean()) for k in ("necessary", "redundant", "wrong", "filler")}}
+
+
+def init_linears(module: torch.nn.Module, generator: torch.Generator) -> torch.nn.Module:
+    """Initialise every ``Linear`` of ``module`` as ``torch.nn.Linear.reset_parameters`` does, from
+    ``generator`` (the same numbers as under ``torch.manual_seed`` with that seed, without touching
+    the global generator)."""
+    for layer in module.modules():
+        if isinstance(layer, torch.nn.Linear):
+            torch.nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5), generator=generator)
+            if layer.bias is not None:
+                bound = 1 / math.sqrt(layer.weight.shape[1]) if layer.weight.shape[1] > 0 else 0
+                torch.nn.init.uniform_(layer.bias, -bound, bound, generator=generator)
+    return module
+
+
+def train_bag(arm: str, seed: int, cfg: BagTrainConfig) -> list[dict]:
+    """Train one :class:`FactPolicy` with GRPO under the reward ``arm`` (:func:`reward_of`) from the
+    initial weights of ``seed`` (the same in every arm: paired comparisons); one row per evaluation
+    point (every ``eval_every`` updates and after the last), with the keys of :func:`evaluate`.
+
+    Per update: ``prompts_per_update`` prompts, each sampled ``group_size`` times; the reward of each
+    response; GRPO advantages within each prompt's group; the REINFORCE loss ``-mean(A_i log pi(y_i))``
+    on the summed log-prob of the response; a global gradient-norm clip of 1 and one Adam step.
+    """
+    env = BagOfUnits(cfg.f_min, cfg.f_max, cfg.known_prob, cfg.max_units, lenient=cfg.lenient)
+    policy = new_policy(cfg.hidden, seed)  # the same initial weights in every arm
+    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    train_gen = torch.Generator().manual_seed(1_000 + seed)
+    eval_prompts = env.sample_prompts(cfg.eval_prompts, torch.Generator().manual_seed(eval_seed(seed)))
+    mode, beta = reward_of(arm, cfg.beta)
+    group_ids = torch.arange(cfg.prompts_per_update).repeat_interleave(cfg.group_size)
+    rows = []
+    for update in range(cfg.updates + 1):
+        if update % cfg.eval_every == 0 or update == cfg.updates:
+            rows.append({"arm": arm, "seed": seed, "update": update,
+                         **evaluate(env, policy, eval_prompts, 3_000_000 + seed * 1_000 + update, cfg.tau)})
+        if update == cfg.updates:
+            break
+        prompts = env.sample_prompts(cfg.prompts_per_update, train_gen).repeat(cfg.group_size)
+        resp, logp = rollout(env, policy, prompts, train_gen)
+        reward = env.score(prompts, resp, mode, cfg.tau, beta).reward
+        adv = grpo_advantages(reward, group_ids)
+        loss = -(adv * logp).mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+    return rows
