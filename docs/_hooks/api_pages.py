@@ -15,7 +15,7 @@ from mkdocs.structure.files import File
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "creditlab"
 #: Packages of the reference, in the order of the layers (bottom first); ``cli`` is documented by ``--help``.
-PACKAGES = ("core", "envs", "models", "judge", "rewards", "lab", "diagnose", "integrations")
+PACKAGES = ("core", "envs", "models", "judge", "rewards", "diagnose", "train", "lab", "labs", "integrations")
 
 
 def _summary(path: Path) -> str:
@@ -34,7 +34,10 @@ def pages() -> dict[str, str]:
     out["api/index.md"] = "\n".join([
         "# API reference", "",
         "Generated from the docstrings of the installed source (`src/creditlab`), one page per package, "
-        "in the order of the layers: a package imports only from those above it in this table "
+        "in the order of the layers, bottom first: a package imports only from those above it in this "
+        "table, imports inside functions included (`envs` and `models` sit side by side: neither imports "
+        "the other), and `creditlab.errors` is importable from every package; the command line, "
+        "`creditlab.cli`, is the top layer and is documented by `--help` "
         "([design.md](../design.md#1-architecture)). Shapes use the letters of the vocabulary "
         "(`B` trajectories, `L` tokens, `T` steps, ...).", "",
         "| package | what it holds |", "|---|---|", *rows,

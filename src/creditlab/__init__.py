@@ -2,7 +2,8 @@
 
 Three places where training goes wrong without an error message, and the minimal correction for
 each: the reward definition (FORK), the numerical execution (InterQ-RL) and the credit assignment
-(credit geometries, PRM mixing, on-policy self-distillation). See ``docs/`` and DESIGN notes.
+(credit geometries, PRM mixing, on-policy self-distillation). See ``docs/``; ``docs/design.md`` has the
+layers and the formulas.
 """
 
 from creditlab.errors import ConfigError, CreditlabError, InputError

@@ -20,6 +20,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from creditlab.cli._apps import lab_app
 from creditlab.errors import ConfigError
@@ -48,12 +49,16 @@ def _common_parameters(lab) -> list[inspect.Parameter]:
                                          "a local Ray instance for this run."),
         "experiment": typer.Option(None, "--experiment", "-e", help=f"Run only these experiments ({exps})."),
         "fresh": typer.Option(False, "--fresh", help="Discard a previous run in --out (its store and outputs)."),
+        "keep_cells": typer.Option(False, "--keep-cells",
+                                   help="Resume an --out whose stored cells were computed by other creditlab code "
+                                        "(refused otherwise); report.md then lists the modules that changed."),
         "dump": typer.Option(None, "--dump", metavar="DIR",
                              help="Write the training rollouts in the `creditlab diagnose` schema into DIR (labs with "
                                   "token-level rollouts; the cells this run computes)."),
     }
     types = {"quick": bool, "out": Path, "seeds": int | None, "updates": int | None, "workers": int,
              "executor": str | None, "ray_address": str | None, "experiment": list[str] | None, "fresh": bool,
+             "keep_cells": bool,
              "dump": Path | None}
     return [P(name, P.KEYWORD_ONLY, default=default, annotation=types[name]) for name, default in opts.items()]
 
@@ -135,12 +140,15 @@ def lab_command(lab) -> Callable[..., None]:
 
             torch.set_num_threads(threads)
         out, workers, executor, fresh = kw.pop("out"), kw.pop("workers"), kw.pop("executor"), kw.pop("fresh")
+        keep_cells = kw.pop("keep_cells")
         ray_address = kw.pop("ray_address")
         cfg = _configure(lab, kw)
-        ex = make_executor(workers, executor, ray_address)
         console = Console()
+        ex = make_executor(workers, executor, ray_address,
+                           warn=lambda m: console.print(f"[yellow]warning:[/] {escape(m)}", highlight=False))
         t0 = time.perf_counter()
-        res = run_lab(lab, cfg, out, ex, fresh=fresh, status=lambda m: console.print(m, highlight=False))
+        res = run_lab(lab, cfg, out, ex, fresh=fresh, keep_cells=keep_cells,
+                      status=lambda m: console.print(m, highlight=False))
         for t in res.tables.values():
             if t.console:
                 console.print(f"[bold]{t.title}[/]")

@@ -1,6 +1,6 @@
 """Diagnostics of credit assignment: verifier density, chain coverage, mixing, learning curves.
 
-Formulas (docs/design.md sections 1 and 6):
+Formulas (docs/design.md sections 4 and 5):
 
 * verifier density ``V_d = k / C``: ``k`` steps the verifier can judge independently, ``C`` the
   length of the hard-prerequisite chain.

@@ -74,7 +74,7 @@ def constant(l0: float) -> Constant:
 
 
 def decay(l0: float, start: float = 20, end: float = 30, power: float = 3) -> Decay:
-    """``l0`` until ``start``, then ``l0 (1 - s)^power`` down to 0 at ``end`` (docs/design.md section 2).
+    """``l0`` until ``start``, then ``l0 (1 - s)^power`` down to 0 at ``end`` (docs/design.md section 6).
 
     >>> lam = decay(1.0, start=20, end=30, power=3)
     >>> lam(0), lam(20), lam(25), lam(30), lam(99)

@@ -1,6 +1,9 @@
 """Diagnostics on rollout dumps: read a dump, run the checks, write a report.
 
-Layering: uses ``creditlab.core`` (the metrics) and ``creditlab.envs``, never ``creditlab.lab``.
+The schema of a rollout dump (``schema``), its readers (``readers``), the checks (``checks``), the
+plots and the report (``report``). Layering: uses ``creditlab.core`` (the metrics) only, never the
+trainers or the lab machinery; ``creditlab.train`` and ``creditlab.integrations`` write dumps in its
+schema.
 """
 
 from creditlab.diagnose.checks import CHECKS, CheckResult, Threshold, register_check, run_checks

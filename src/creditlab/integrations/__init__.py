@@ -1,9 +1,12 @@
 """Trainer integrations (each imports its trainer library; import the one you use).
 
-* :mod:`creditlab.integrations.verl`: rollout correction (InterQ-RL as ``rollout_is_weights``),
-  registered advantage estimators and policy loss, FORK reward function. Load it in every verl
-  process with ``VERL_USE_EXTERNAL_MODULES=creditlab.integrations.verl``.
-* :mod:`creditlab.integrations.trl`: ``CreditlabGRPOTrainer`` and the FORK GRPO reward function.
+* ``creditlab.integrations.verl``: rollout correction (InterQ-RL as ``rollout_is_weights``),
+  registered advantage estimators and policy loss, FORK reward function, rollout dumps. Load it in
+  every verl process with ``VERL_USE_EXTERNAL_MODULES=creditlab.integrations.verl``.
+* ``creditlab.integrations.trl``: ``CreditlabGRPOTrainer`` and the FORK GRPO reward function.
 
-See docs/integrations.md.
+They build on ``core``, ``judge``, ``rewards`` and the dump schema of ``diagnose``, never on the
+trainers or labs of creditlab. An edge of the package, like the CLI: a trainer process loads an
+integration without our command, so an integration reads its own environment variables (e.g.
+``CREDITLAB_ALLOW_UNTESTED_VERL``). See docs/integrations.md.
 """

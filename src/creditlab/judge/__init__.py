@@ -1,4 +1,4 @@
-"""FORK judges: the :class:`Judge` protocol, an OpenAI-compatible HTTP judge, an offline embedding judge.
+"""FORK judges: the `Judge` protocol, an OpenAI-compatible HTTP judge, an offline embedding judge.
 
 ``creditlab.judge.testing`` holds a loopback chat-completions server used by the tests and the
 benchmark in place of a remote model.

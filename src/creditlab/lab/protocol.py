@@ -27,6 +27,7 @@ This module imports no lab.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 import types
@@ -43,7 +44,7 @@ from creditlab.lab.report import to_markdown
 from creditlab.lab.runner import Cell, Executor, run_cells
 from creditlab.lab.store import ResultStore
 
-__all__ = ["Lab", "LabConfig", "LabOption", "LabResult", "Table", "run_lab"]
+__all__ = ["Lab", "LabConfig", "LabOption", "LabResult", "Table", "check_count", "run_lab"]
 
 MANIFEST = "lab.json"
 #: Version of the manifest layout (bump when the store or manifest format changes).
@@ -108,6 +109,13 @@ class LabConfig:
         for f in self.SELECTION:
             d.pop(f, None)
         return d
+
+
+def check_count(value: Any, flag: str) -> None:
+    """For a config's ``validate``: ``value`` must be an integer >= 1 (a bool is not), e.g.
+    ``check_count(self.seeds, "--seeds")``; the :class:`ConfigError` names ``flag``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(flag, f"must be an integer >= 1, got {value!r}")
 
 
 def _replace_path(cfg: Any, path: str, value: Any) -> Any:
@@ -222,6 +230,43 @@ class LabResult:
     """Cells computed by this run (the others were read back from the store)."""
 
 
+#: Packages whose code cannot change a stored cell (the edges): left out of :func:`code_fingerprint`.
+EDGES = ("cli", "integrations")
+
+
+def code_fingerprint() -> dict[str, str]:
+    """``{module path: content hash}`` of every creditlab module that can compute a cell (the package
+    without its edges, :data:`EDGES`). A lab run records it, so a resume after the code changed is
+    refused instead of mixing cells computed by two versions of the code."""
+    root = Path(__file__).resolve().parents[1]
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.split("/", 1)[0] in EDGES or "__pycache__" in rel:
+            continue
+        out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return out
+
+
+def _changed(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def _check_code(out: Path, old: dict, keep_cells: bool) -> list[str]:
+    """The modules changed since the stored cells were computed ([] when none); refuses unless ``keep_cells``."""
+    if not (out / "store").is_dir() or not ResultStore(out / "store").done():
+        return []  # nothing computed yet: nothing to mix
+    recorded = old.get("code")
+    changed = _changed(recorded, code_fingerprint()) if recorded is not None else ["(not recorded)"]
+    if not changed or keep_cells:
+        return changed
+    what = ("was made before creditlab recorded the code of a run" if recorded is None else
+            f"holds cells computed by other code (changed since: {', '.join(changed[:4])}"
+            f"{f', +{len(changed) - 4} more' if len(changed) > 4 else ''})")
+    raise ConfigError("--out", f"{out} {what}; pass --fresh to compute every cell again, or --keep-cells to "
+                               "reuse the stored cells (the report then says that the run mixes code)")
+
+
 def _check_out(out: Path, lab: Lab, config: LabConfig, fresh: bool) -> dict | None:
     """Refuse an ``--out`` that holds another lab or another configuration; returns the old manifest."""
     if out.exists() and not out.is_dir():
@@ -277,11 +322,12 @@ def _clean(out: Path, old: dict | None, everything: bool) -> None:
         (out / MANIFEST).unlink(missing_ok=True)
 
 
-def _write_manifest(out: Path, lab: Lab, config: LabConfig, outputs: list[str]) -> None:
+def _write_manifest(out: Path, lab: Lab, config: LabConfig, outputs: list[str], mixed: list[str]) -> None:
     from creditlab import __version__
 
     data = {"lab": lab.name, "manifest_version": MANIFEST_VERSION, "creditlab_version": __version__,
-            "identity": config.identity(), "config": config.to_dict(), "outputs": sorted(outputs)}
+            "identity": config.identity(), "config": config.to_dict(), "outputs": sorted(outputs),
+            "code": code_fingerprint(), "mixed_code": mixed}
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
     tmp.replace(out / MANIFEST)
@@ -296,7 +342,8 @@ def _markdown(t: Table) -> str:
 
 
 def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | None = None, *,
-            fresh: bool = False, progress: bool = True, status: Callable[[str], None] | None = None) -> LabResult:
+            fresh: bool = False, keep_cells: bool = False, progress: bool = True,
+            status: Callable[[str], None] | None = None) -> LabResult:
     """Run (or resume) ``lab`` with ``config`` into ``out``.
 
     Writes ``out/lab.json`` (the lab, the configuration and the files this run wrote),
@@ -305,7 +352,10 @@ def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | N
     only the cells missing from the store; a rerun with another one raises
     :class:`~creditlab.errors.ConfigError` naming ``--out``, unless ``fresh`` (discard the old
     run first). Selecting other experiments (``-e``) is the same run: finished cells are reused
-    and the tables, plots and report are rewritten for the new selection.
+    and the tables, plots and report are rewritten for the new selection. The manifest records the
+    code (:func:`code_fingerprint`): a resume after a module that computes cells changed is refused,
+    naming the modules, unless ``keep_cells`` (reuse them anyway; ``report.md`` and the manifest's
+    ``mixed_code`` then list what changed).
 
     Args:
         executor: where cells run (:func:`~creditlab.lab.runner.make_executor`); None: in process.
@@ -317,6 +367,9 @@ def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | N
     config.validate()
     out = Path(out)
     old = _check_out(out, lab, config, fresh)
+    mixed = []
+    if old is not None and not fresh:
+        mixed = sorted(set(old.get("mixed_code", [])) | set(_check_code(out, old, keep_cells)))
     cells = lab.cells(config)
     _clean(out, old, everything=fresh)
     prepare = getattr(lab, "prepare", None)
@@ -324,7 +377,7 @@ def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | N
         prepare(config, progress)
     out.mkdir(parents=True, exist_ok=True)
     store = ResultStore(out / "store")
-    _write_manifest(out, lab, config, [])  # an interrupted run is resumable from here on
+    _write_manifest(out, lab, config, [], mixed)  # an interrupted run is resumable from here on
     before = store.done()
     frame = run_cells(cells, store, executor=executor, desc=f"{lab.name} lab", progress=progress)
     computed = len({c.key for c in cells} - before)
@@ -347,16 +400,20 @@ def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | N
     plots = [Path(p) for p in lab.plots(tables, config, out)]
     written += [p.name for p in plots]
     report = out / "report.md"
-    report.write_text(_report(lab, config, tables, texts, plots))
+    report.write_text(_report(lab, config, tables, texts, plots, mixed))
     written.append(report.name)
-    _write_manifest(out, lab, config, written)
+    _write_manifest(out, lab, config, written, mixed)
     if status is not None:
         status(f"{lab.name} lab: {computed} cell(s) computed, {len(cells) - computed} read back from {out}/store")
     return LabResult(tables=tables, plots=plots, report=report, computed=computed)
 
 
-def _report(lab: Lab, config: LabConfig, tables: dict[str, Table], texts: dict[str, str], plots: list[Path]) -> str:
+def _report(lab: Lab, config: LabConfig, tables: dict[str, Table], texts: dict[str, str], plots: list[Path],
+            mixed: list[str]) -> str:
     lines = [f"# {lab.name} lab", "", lab.describe(config).strip(), ""]
+    if mixed:
+        lines += [f"**This run mixes code**: some stored cells were computed before these modules changed and "
+                  f"were reused (--keep-cells): {', '.join(mixed)}. Rerun with --fresh for numbers of one code.", ""]
     for name, t in tables.items():
         if not t.report:
             continue

@@ -19,6 +19,9 @@ import concurrent.futures as cf
 import hashlib
 import json
 import multiprocessing as mp
+import os
+import socket
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -30,7 +33,7 @@ from creditlab.errors import ConfigError, CreditlabError, InputError
 from creditlab.lab.store import ResultStore
 
 __all__ = ["EXECUTORS", "Cell", "CellLost", "Executor", "ProcessPoolExecutorBackend", "RayExecutor", "SerialExecutor",
-           "digest", "make_executor", "run_cells"]
+           "check_ray_address", "digest", "local_cpus", "make_executor", "run_cells"]
 
 
 def digest(value: Any) -> str:
@@ -219,10 +222,41 @@ class RayExecutor:
 EXECUTORS = ("serial", "process", "ray")
 
 
-def make_executor(workers: int = 1, kind: str | None = None, address: str | None = None) -> Executor:
+def local_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one, else the CPU count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or 1
+
+
+def check_ray_address(address: str, timeout: float = 3.0) -> None:
+    """Fail fast when nothing listens at a ``HOST:PORT`` or ``ray://HOST:PORT`` Ray address (Ray itself
+    retries for minutes); ``auto`` is left to Ray."""
+    if address == "auto":
+        return
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError("--ray-address", f"expected auto, HOST:PORT or ray://HOST:PORT, got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as err:
+        raise ConfigError("--ray-address", f"nothing answers at {hostport} ({err.strerror or err}); start the "
+                                           "cluster there (ray start --head), or drop --ray-address to run on a "
+                                           "local Ray instance") from None
+
+
+def make_executor(workers: int = 1, kind: str | None = None, address: str | None = None, *,
+                  warn: Callable[[str], None] | None = None) -> Executor:
     """``serial`` (in process), ``process`` (a local pool of ``workers`` processes) or ``ray`` (Ray tasks
     on the cluster at ``address``, or on a local instance of ``workers`` CPUs when ``workers > 1``, of all
-    CPUs otherwise); ``kind=None`` picks ``process`` when ``workers > 1``."""
+    CPUs otherwise); ``kind=None`` picks ``process`` when ``workers > 1``.
+
+    A local executor (``process``, or ``ray`` without ``address``) gets at most :func:`local_cpus`
+    workers: more only oversubscribe the cores; the cap is reported through ``warn`` (default
+    :func:`warnings.warn`). On a cluster its resources decide. A ``HOST:PORT`` address that nothing
+    answers at is an error at once (:func:`check_ray_address`)."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ConfigError("--workers", f"must be an integer >= 1, got {workers!r}")
     kind = kind or ("process" if workers > 1 else "serial")
@@ -230,7 +264,14 @@ def make_executor(workers: int = 1, kind: str | None = None, address: str | None
         raise ConfigError("--executor", f"unknown executor {kind!r}; valid: {', '.join(EXECUTORS)}")
     if address is not None and kind != "ray":
         raise ConfigError("--ray-address", f"needs --executor ray (got --executor {kind})")
+    cpus = local_cpus()
+    if workers > cpus and address is None and kind != "serial":
+        (warn or (lambda m: warnings.warn(m, stacklevel=3)))(
+            f"--workers {workers} is more than the {cpus} CPUs of this machine: using {cpus}")
+        workers = cpus
     if kind == "ray":
+        if address is not None:
+            check_ray_address(address)
         return RayExecutor(address, num_cpus=workers if workers > 1 and address is None else None)
     return SerialExecutor() if kind == "serial" else ProcessPoolExecutorBackend(workers)
 
