@@ -26,7 +26,7 @@ Per batch (``B`` trajectories x ``L`` tokens, ``S`` segments):
 The idea of bounding a cumulative importance ratio by an envelope that grows like a random walk
 and shrinking it per action follows the truncated/per-decision importance sampling literature
 (Precup et al., 2000; Ionides, 2008); the application to quantized multi-turn rollouts is the
-InterQ-RL design of this library (docs/design.md section 3).
+InterQ-RL design of this library (docs/design.md section 7).
 
 Baselines under the same signature ``fn(old_logprobs, rollout_logprobs, policy_mask,
 valid_mask=None, **params) -> (weights, metrics)``: :func:`tis_weights` (truncated token IS),
@@ -52,7 +52,8 @@ import contextlib
 import inspect
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -65,12 +66,15 @@ from creditlab.core.masks import (
     segment_bounds,
     segments_from_bounds,
 )
+from creditlab.core.registry import Registry
 from creditlab.errors import ConfigError, InputError
 
 __all__ = [
     "CORRECTIONS",
+    "INTERQ",
     "INTERQ_MODES",
     "CorrectionFn",
+    "InterQParams",
     "InterQTerms",
     "allocate_budget",
     "correction_params",
@@ -103,7 +107,7 @@ _F64 = torch.float64
 CorrectionFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
 #: Every registered arm by name (read it, register with :func:`register_correction`).
-CORRECTIONS: dict[str, CorrectionFn] = {}
+CORRECTIONS: Registry[CorrectionFn] = Registry("correction", validate=lambda fn: _arm_parameters(fn, "correction"))
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _NAME = re.compile(r"^[A-Za-z0-9_]+$")
@@ -141,39 +145,29 @@ def register_correction(name: str) -> Callable[[_F], _F]:
     again is a no-op; another function under a taken name raises :class:`ConfigError`. Use a
     module-level function (not a lambda) so that the arm pickles.
     """
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ConfigError("correction", f"arm names are letters, digits and '_', got {name!r}")
+    _arm_name(name)
 
     def register(fn: _F) -> _F:
-        taken = CORRECTIONS.get(name)
-        if taken is fn:
-            return fn
-        if taken is not None:
-            raise ConfigError("correction", f"{name!r} is already registered to "
-                                            f"{taken.__module__}.{taken.__qualname__}")
-        _arm_parameters(fn, "correction")
-        CORRECTIONS[name] = fn
+        CORRECTIONS.register(name, fn)
         return fn
 
     return register
 
 
+def _arm_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ConfigError("correction", f"arm names are letters, digits and '_', got {name!r}")
+    return name
+
+
 def unregister_correction(name: str) -> CorrectionFn:
     """Remove the arm ``name`` from :data:`CORRECTIONS` and return it (tests, notebooks)."""
-    fn = get_correction(name)
-    del CORRECTIONS[name]
-    return fn
+    return CORRECTIONS.unregister(name)
 
 
-@contextlib.contextmanager
-def registered_correction(name: str, fn: CorrectionFn) -> Iterator[CorrectionFn]:
+def registered_correction(name: str, fn: CorrectionFn) -> contextlib.AbstractContextManager[CorrectionFn]:
     """``with registered_correction("half_tis", fn):`` registers ``fn`` for the block, then removes it."""
-    register_correction(name)(fn)
-    try:
-        yield fn
-    finally:
-        if CORRECTIONS.get(name) is fn:
-            del CORRECTIONS[name]
+    return CORRECTIONS.registered(_arm_name(name), fn)
 
 
 def get_correction(name: str) -> CorrectionFn:
@@ -182,10 +176,7 @@ def get_correction(name: str) -> CorrectionFn:
     >>> get_correction("tis") is tis_weights
     True
     """
-    fn = CORRECTIONS.get(name) if isinstance(name, str) else None
-    if fn is None:
-        raise ConfigError("correction", f"unknown {name!r}; valid: {', '.join(CORRECTIONS)}")
-    return fn
+    return CORRECTIONS.get(name)
 
 
 def correction_params(name: str) -> tuple[str, ...]:
@@ -316,6 +307,50 @@ def _weight_metrics(w: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> dict[s
 
 
 # --------------------------------------------------------------------------------------------
+# the parameters of InterQ-RL
+
+
+def _check_iters(iters) -> None:
+    if iters is not None and (isinstance(iters, bool) or int(iters) != iters or iters < 1):
+        raise ConfigError("iters", f"must be None (exact) or a positive integer, got {iters!r}")
+
+
+@dataclass(frozen=True)
+class InterQParams:
+    """The parameters of InterQ-RL, checked when the record is made.
+
+    :data:`INTERQ` (this record with no arguments) is the one source of their defaults: every
+    function of this module that takes them (:func:`interq_weights`, :func:`interq_terms`,
+    :func:`mismatch_metrics`, :func:`allocate_budget`, the ``interq`` / ``prefix`` / ``global`` arms)
+    declares ``param: type = INTERQ.param``.
+    """
+
+    eps_low: float = 0.025
+    """Lower slope of the envelope: the prefix log ratio ``E_t`` is clipped below at
+    ``-eps_low * sqrt(n_t)`` (``>= 0``)."""
+    eps_high: float = 0.05
+    """Upper slope of the envelope: ``E_t`` is clipped above at ``eps_high * sqrt(n_t)`` (``>= 0``)."""
+    alpha_g: float = 0.5
+    """Global shrinkage in ``[0, 1]``: the batch budget ``sum_s C_s alpha_s^2 = alpha_g^2 sum_s C_s``
+    (and every segment's alpha in the ``global`` arm)."""
+    rho_eps: float = 1e-8
+    """``eps`` of the support's magnitude gate ``C_s / (C_s + eps)`` (``>= 0``; 0 turns the gate off)."""
+    iters: int | None = None
+    """None for the exact budget allocation, or a number of bisection steps (:func:`allocate_budget`)."""
+
+    def __post_init__(self) -> None:
+        check_scalar("eps_low", self.eps_low, low=0.0)
+        check_scalar("eps_high", self.eps_high, low=0.0)
+        check_scalar("alpha_g", self.alpha_g, low=0.0, high=1.0)
+        check_scalar("rho_eps", self.rho_eps, low=0.0)
+        _check_iters(self.iters)
+
+
+#: The default InterQ-RL parameters.
+INTERQ = InterQParams()
+
+
+# --------------------------------------------------------------------------------------------
 # budget allocation
 
 
@@ -341,7 +376,7 @@ def _budget_log_scale_exact(C: torch.Tensor, rho: torch.Tensor, target: torch.Te
 
 
 def _budget_log_scale_bisection(C, rho, target, pos, iters: int) -> torch.Tensor:
-    """The same ``log c`` by ``iters`` steps of bisection on ``log c`` (the method of docs/design.md).
+    """The same ``log c`` by ``iters`` steps of bisection on ``log c`` (the method of docs/design.md section 7).
 
     Bracket: ``c0 = sqrt(target / sum C rho^2)`` (no segment capped; ``f(c0) <= target``) and
     ``1 / min rho`` (every positive-support segment capped). Working on ``log c`` keeps the
@@ -361,13 +396,8 @@ def _budget_log_scale_bisection(C, rho, target, pos, iters: int) -> torch.Tensor
     return log_hi
 
 
-def _check_iters(iters) -> None:
-    if iters is not None and (isinstance(iters, bool) or int(iters) != iters or iters < 1):
-        raise ConfigError("iters", f"must be None (exact) or a positive integer, got {iters!r}")
-
-
 def allocate_budget(
-    C_s: torch.Tensor, rho_s: torch.Tensor, alpha_g: float = 0.5, iters: int | None = None
+    C_s: torch.Tensor, rho_s: torch.Tensor, alpha_g: float = INTERQ.alpha_g, iters: int | None = INTERQ.iters
 ) -> torch.Tensor:
     """Per-segment shrinkage ``alpha_s`` ``(S,)`` under a fixed correction budget.
 
@@ -425,12 +455,7 @@ def _allocate(C: torch.Tensor, rho: torch.Tensor, alpha_g: float, iters: int | N
 # InterQ-RL
 
 
-def _check_params(eps_low=0.025, eps_high=0.05, alpha_g=0.5, rho_eps=1e-8, iters=None, mode="interq") -> None:
-    check_scalar("eps_low", eps_low, low=0.0)
-    check_scalar("eps_high", eps_high, low=0.0)
-    check_scalar("alpha_g", alpha_g, low=0.0, high=1.0)
-    check_scalar("rho_eps", rho_eps, low=0.0)
-    _check_iters(iters)
+def _check_mode(mode: str) -> None:
     if mode not in INTERQ_MODES:
         raise ConfigError("mode", f"unknown mode {mode!r}; valid: {', '.join(INTERQ_MODES)}")
 
@@ -448,12 +473,19 @@ def _segment_sums(x: torch.Tensor, b: SegmentBounds) -> torch.Tensor:
     return run[b.end] - before
 
 
-def _interq(delta, m, b: SegmentBounds, *, eps_low, eps_high, alpha_g, rho_eps, iters, mode):
-    """Core of InterQ-RL on ``delta`` / ``m`` from :func:`_prepare` (neither is modified).
+class _InterQ(NamedTuple):
+    """What one InterQ pass computes (:func:`_interq`; the public view is :class:`InterQTerms`)."""
 
-    Returns ``(weights, d, clip, C, rho, alpha)``: ``clip`` is ``(B, L)`` +1/-1 where the prefix
-    was clipped high/low and 0 elsewhere.
-    """
+    weights: torch.Tensor  # (B, L) W_t, 1 off policy, working dtype
+    displacement: torch.Tensor  # (B, L) d_t = W~_t - 1, 0 off policy
+    clip: torch.Tensor  # (B, L) +1 / -1 where the prefix was clipped high / low, 0 elsewhere
+    C: torch.Tensor  # (S,) float64
+    rho: torch.Tensor  # (S,) float64
+    alpha: torch.Tensor  # (S,) float64, as the mode chose it
+
+
+def _interq(delta, m, b: SegmentBounds, p: InterQParams, mode: str) -> _InterQ:
+    """Core of InterQ-RL on ``delta`` / ``m`` from :func:`_prepare` (neither is modified)."""
     wd = delta.dtype
     B, L = delta.shape
     E = torch.cumsum(delta, 1, dtype=_F64)  # (B, L) prefix log ratio, carried over tool tokens
@@ -461,8 +493,8 @@ def _interq(delta, m, b: SegmentBounds, *, eps_low, eps_high, alpha_g, rho_eps, 
     if wd != _F64:
         E = E.to(wd)
     bound = torch.cumsum(m, 1).sqrt_()  # (B, L) sqrt(n_t)
-    hi = bound * eps_high
-    lo = bound.mul_(-eps_low)
+    hi = bound * p.eps_high
+    lo = bound.mul_(-p.eps_low)
     logw = torch.clamp(E, min=lo, max=hi)
     del hi, lo
     clip = E.sub_(logw).sign_().mul_(m)
@@ -474,49 +506,52 @@ def _interq(delta, m, b: SegmentBounds, *, eps_low, eps_high, alpha_g, rho_eps, 
     C = sum_sq / n_s
     ess = torch.where(sum_sq > 0, sum_abs.square() / sum_sq.clamp_min(1e-300), 1.0)
     spread = torch.where(n_s > 1, (ess - 1.0) / (n_s - 1.0).clamp_min(1.0), 0.0)
-    rho = spread * (C / (C + rho_eps)) if rho_eps > 0 else spread
+    rho = spread * (C / (C + p.rho_eps)) if p.rho_eps > 0 else spread
     rho = torch.where(C > 0, rho.clamp(0.0, 1.0), 0.0)
 
     if mode == "interq":
-        alpha = _allocate(C, rho, alpha_g, iters)
+        alpha = _allocate(C, rho, p.alpha_g, p.iters)
         run = torch.cumsum(b.starts.view(torch.uint8).reshape(-1), 0)  # (B*L,) segments started so far
         alpha_pad = torch.cat([alpha.new_zeros(1), alpha]).to(wd)
         weights = alpha_pad.index_select(0, run).view(B, L).mul_(d).add_(1.0)
     else:
-        a = 1.0 if mode == "prefix" else alpha_g
+        a = 1.0 if mode == "prefix" else p.alpha_g
         alpha = torch.full_like(C, a)
         weights = torch.add(d, 1.0) if a == 1.0 else torch.mul(d, a).add_(1.0)
-    return weights, d, clip, C, rho, alpha
+    return _InterQ(weights, d, clip, C, rho, alpha)
 
 
-def _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, params: dict[str, Any], mode: str):
-    """Checks, segment bounds, ``delta`` and one InterQ pass: ``(pm, b, delta, m, (w, d, clip, C, rho, alpha))``.
+class _Pass(NamedTuple):
+    """The checked inputs of a batch and its InterQ pass (:func:`_interq_pass`)."""
+
+    policy: torch.Tensor  # (B, L) bool effective policy mask
+    bounds: SegmentBounds
+    delta: torch.Tensor  # (B, L) from _prepare, unconsumed
+    m: torch.Tensor  # (B, L) 0/1 policy mask in the working dtype
+    interq: _InterQ
+
+
+def _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p: InterQParams, mode: str) -> _Pass:
+    """Checks, segment bounds, ``delta`` and one InterQ pass.
 
     ``delta`` is returned unconsumed (the pass works on a copy only where it must: it never writes
     into ``delta``)."""
-    _check_params(mode=mode, **params)
+    _check_mode(mode)
     pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
     b = segment_bounds(pm)
     delta, m = _prepare(old_logprobs, rollout_logprobs, pm)
-    out = _interq(delta, m, b, mode=mode, **_with_defaults(params))
-    return pm, b, delta, m, out
+    return _Pass(pm, b, delta, m, _interq(delta, m, b, p, mode))
 
 
-def _with_defaults(params: dict[str, Any]) -> dict[str, Any]:
-    return {**_INTERQ_DEFAULTS, **params}
-
-
-_INTERQ_DEFAULTS = {"eps_low": 0.025, "eps_high": 0.05, "alpha_g": 0.5, "rho_eps": 1e-8, "iters": None}
-
-
-def _interq_metrics(delta, m, n, b: SegmentBounds, w, clip, rho, alpha) -> dict[str, torch.Tensor]:
+def _interq_metrics(run: _Pass) -> dict[str, torch.Tensor]:
     """The metrics of :func:`interq_weights` from one pass (tensors; see :func:`_to_floats`)."""
-    metrics = _token_metrics(delta, n)
-    S = torch.tensor(float(b.num_segments), dtype=_F64, device=m.device)
-    metrics["correction/clip_rate"] = _safe_mean(clip.abs().sum(), n)
-    metrics["correction/rho_mean"] = _safe_mean(rho.sum(), S)
-    metrics["correction/alpha_mean"] = _safe_mean(alpha.sum(), S)
-    metrics.update(_weight_metrics(w, m, n))
+    q, m, n = run.interq, run.m, run.policy.sum()
+    metrics = _token_metrics(run.delta, n)
+    S = torch.tensor(float(run.bounds.num_segments), dtype=_F64, device=m.device)
+    metrics["correction/clip_rate"] = _safe_mean(q.clip.abs().sum(), n)
+    metrics["correction/rho_mean"] = _safe_mean(q.rho.sum(), S)
+    metrics["correction/alpha_mean"] = _safe_mean(q.alpha.sum(), S)
+    metrics.update(_weight_metrics(q.weights, m, n))
     metrics["correction/segments"] = S
     return metrics
 
@@ -527,11 +562,11 @@ def interq_terms(
     policy_mask: torch.Tensor,
     valid_mask: torch.Tensor | None = None,
     *,
-    eps_low: float = 0.025,
-    eps_high: float = 0.05,
-    alpha_g: float = 0.5,
-    rho_eps: float = 1e-8,
-    iters: int | None = None,
+    eps_low: float = INTERQ.eps_low,
+    eps_high: float = INTERQ.eps_high,
+    alpha_g: float = INTERQ.alpha_g,
+    rho_eps: float = INTERQ.rho_eps,
+    iters: int | None = INTERQ.iters,
     mode: str = "interq",
 ) -> InterQTerms:
     """All intermediate quantities of :func:`interq_weights` (for diagnostics, labs and tests).
@@ -539,11 +574,12 @@ def interq_terms(
     Pass them to :func:`mismatch_metrics` (``terms=``) to get the mismatch fingerprints of the same
     batch without a second InterQ pass.
     """
-    params = dict(eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps, iters=iters)
+    p = InterQParams(eps_low, eps_high, alpha_g, rho_eps, iters)
     with torch.no_grad():
-        _, b, _, _, (w, d, clip, C, rho, alpha) = _interq_pass(old_logprobs, rollout_logprobs, policy_mask,
-                                                                valid_mask, params, mode)
-    return InterQTerms(w, d, clip > 0, clip < 0, C, rho, alpha, segments_from_bounds(b), b)
+        run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, mode)
+    q, b = run.interq, run.bounds
+    return InterQTerms(q.weights, q.displacement, q.clip > 0, q.clip < 0, q.C, q.rho, q.alpha,
+                       segments_from_bounds(b), b)
 
 
 def interq_weights(
@@ -552,11 +588,11 @@ def interq_weights(
     policy_mask: torch.Tensor,
     valid_mask: torch.Tensor | None = None,
     *,
-    eps_low: float = 0.025,
-    eps_high: float = 0.05,
-    alpha_g: float = 0.5,
-    rho_eps: float = 1e-8,
-    iters: int | None = None,
+    eps_low: float = INTERQ.eps_low,
+    eps_high: float = INTERQ.eps_high,
+    alpha_g: float = INTERQ.alpha_g,
+    rho_eps: float = INTERQ.rho_eps,
+    iters: int | None = INTERQ.iters,
     mode: str = "interq",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """InterQ-RL execution-prefix weights ``W`` ``(B, L)`` (detached) and metrics.
@@ -588,42 +624,33 @@ def interq_weights(
     >>> w
     tensor([[1.0101, 1.0202, 1.0000, 1.0305]])
     """
-    params = dict(eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps, iters=iters)
+    p = InterQParams(eps_low, eps_high, alpha_g, rho_eps, iters)
     with torch.no_grad():
-        pm, b, delta, m, (w, _, clip, _, rho, alpha) = _interq_pass(old_logprobs, rollout_logprobs, policy_mask,
-                                                                     valid_mask, params, mode)
-        metrics = _interq_metrics(delta, m, pm.sum(), b, w, clip, rho, alpha)
-    return w, _to_floats(metrics)
+        run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, mode)
+        metrics = _interq_metrics(run)
+    return run.interq.weights, _to_floats(metrics)
 
 
-def _arm_docstring(mode: str) -> str:
-    return (f"Registered arm ``{mode}``: :func:`interq_weights` with ``mode=\"{mode}\"`` (same parameters, "
-            "same result).")
+def _mode_arm(mode: str) -> CorrectionFn:
+    """The registered arm ``mode``: :func:`interq_weights` with that ``mode``, under the module-level name
+    ``_<mode>_arm`` (so that it pickles)."""
+
+    def arm(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, eps_low: float = INTERQ.eps_low,
+            eps_high: float = INTERQ.eps_high, alpha_g: float = INTERQ.alpha_g, rho_eps: float = INTERQ.rho_eps,
+            iters: int | None = INTERQ.iters):
+        return interq_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask, eps_low=eps_low,
+                              eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps, iters=iters, mode=mode)
+
+    arm.__name__ = arm.__qualname__ = f"_{mode}_arm"
+    arm.__doc__ = (f"Registered arm ``{mode}``: :func:`interq_weights` with ``mode=\"{mode}\"`` (same "
+                   "parameters, same result).")
+    return register_correction(mode)(arm)
 
 
-def _interq_arm(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, eps_low: float = 0.025,
-                eps_high: float = 0.05, alpha_g: float = 0.5, rho_eps: float = 1e-8, iters: int | None = None):
-    return interq_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask, eps_low=eps_low,
-                          eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps, iters=iters, mode="interq")
-
-
-def _prefix_arm(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, eps_low: float = 0.025,
-                eps_high: float = 0.05, alpha_g: float = 0.5, rho_eps: float = 1e-8, iters: int | None = None):
-    return interq_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask, eps_low=eps_low,
-                          eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps, iters=iters, mode="prefix")
-
-
-def _global_arm(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, eps_low: float = 0.025,
-                eps_high: float = 0.05, alpha_g: float = 0.5, rho_eps: float = 1e-8, iters: int | None = None):
-    return interq_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask, eps_low=eps_low,
-                          eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps, iters=iters, mode="global")
-
-
-for _mode, _fn in zip(INTERQ_MODES, (_interq_arm, _prefix_arm, _global_arm), strict=True):
-    _fn.__doc__ = _arm_docstring(_mode)
-    _fn.interq_mode = _mode  # correction_weights shares this arm's InterQ pass with mismatch_metrics
-    register_correction(_mode)(_fn)
-del _mode, _fn
+#: The InterQ mode of each mode arm: :func:`correction_weights` shares such an arm's pass with
+#: :func:`mismatch_metrics`.
+_ARM_MODES: dict[CorrectionFn, str] = {_mode_arm(mode): mode for mode in INTERQ_MODES}
+_interq_arm, _prefix_arm, _global_arm = _ARM_MODES
 
 
 # --------------------------------------------------------------------------------------------
@@ -721,6 +748,11 @@ def none_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None):
 # --------------------------------------------------------------------------------------------
 # metrics
 
+#: Defaults of :func:`mismatch_metrics` (``max_turns``, ``quantiles``), which :func:`correction_weights`
+#: uses too.
+_MAX_TURNS = 8
+_QUANTILES = (0.1, 0.5, 0.9)
+
 
 def mismatch_metrics(
     old_logprobs: torch.Tensor,
@@ -728,13 +760,13 @@ def mismatch_metrics(
     policy_mask: torch.Tensor,
     valid_mask: torch.Tensor | None = None,
     *,
-    eps_low: float = 0.025,
-    eps_high: float = 0.05,
-    alpha_g: float = 0.5,
-    rho_eps: float = 1e-8,
-    iters: int | None = None,
-    max_turns: int = 8,
-    quantiles: tuple[float, ...] = (0.1, 0.5, 0.9),
+    eps_low: float = INTERQ.eps_low,
+    eps_high: float = INTERQ.eps_high,
+    alpha_g: float = INTERQ.alpha_g,
+    rho_eps: float = INTERQ.rho_eps,
+    iters: int | None = INTERQ.iters,
+    max_turns: int = _MAX_TURNS,
+    quantiles: tuple[float, ...] = _QUANTILES,
     terms: InterQTerms | None = None,
 ) -> dict[str, float]:
     """Fingerprints of rollout/learner mismatch, as a dict of floats.
@@ -758,7 +790,7 @@ def mismatch_metrics(
     ``rho_eps`` (any ``mode``): their segments, clip flags, ``C`` and ``rho`` are used instead of a
     second InterQ pass (only the ``(S,)``-sized budget allocation is redone). Same numbers.
     """
-    _check_params(eps_low, eps_high, alpha_g, rho_eps, iters, "interq")
+    p = InterQParams(eps_low, eps_high, alpha_g, rho_eps, iters)
     if isinstance(max_turns, bool) or int(max_turns) != max_turns or max_turns < 0:
         raise ConfigError("max_turns", f"must be a non-negative integer, got {max_turns!r}")
     for q in quantiles:
@@ -768,12 +800,9 @@ def mismatch_metrics(
         delta, m = _prepare(old_logprobs, rollout_logprobs, pm)
         if terms is None:
             b = segment_bounds(pm)
-            _, _, clip, C, rho, _ = _interq(
-                delta, m, b, eps_low=eps_low, eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps,
-                iters=iters, mode="interq",
-            )
-            high = clip.clamp(min=0.0).sum(dtype=_F64)
-            low = (-clip).clamp(min=0.0).sum(dtype=_F64)
+            iq = _interq(delta, m, b, p, "interq")
+            C, rho = iq.C, iq.rho
+            high, low = _clip_counts(iq.clip)
         else:
             if not isinstance(terms, InterQTerms):
                 raise InputError(f"terms: expected the InterQTerms of interq_terms, got {type(terms).__name__}")
@@ -786,6 +815,11 @@ def mismatch_metrics(
         alpha = _allocate(C, rho, alpha_g, iters)
         out = _mismatch(delta, m, b, high, low, C, rho, alpha, int(max_turns), quantiles)
     return _to_floats(out)
+
+
+def _clip_counts(clip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 counts of the tokens clipped high and low, from the ``clip`` of :class:`_InterQ`."""
+    return clip.clamp(min=0.0).sum(dtype=_F64), (-clip).clamp(min=0.0).sum(dtype=_F64)
 
 
 def _mismatch(delta, m, b: SegmentBounds, high, low, C, rho, alpha, T: int, quantiles) -> dict[str, torch.Tensor]:
@@ -885,19 +919,18 @@ def correction_weights(
     if unknown:
         raise ConfigError("correction_params",
                           f"unknown {unknown} for arm {name!r}; valid: {', '.join(valid) or 'none'}")
-    mode = getattr(fn, "interq_mode", None)
+    mode = _ARM_MODES.get(fn)
     if mode is None or not diagnostics:
         w, metrics = fn(old_logprobs, rollout_logprobs, policy_mask, valid_mask, **params)
         if diagnostics:
             metrics = {**mismatch_metrics(old_logprobs, rollout_logprobs, policy_mask, valid_mask), **metrics}
         return w, metrics
-    full = _with_defaults(params)
+    p = InterQParams(**params)
     with torch.no_grad():
-        pm, b, delta, m, (w, _, clip, C, rho, alpha) = _interq_pass(old_logprobs, rollout_logprobs, policy_mask,
-                                                                     valid_mask, full, mode)
-        arm = _interq_metrics(delta, m, pm.sum(), b, w, clip, rho, alpha)
-        high = clip.clamp(min=0.0).sum(dtype=_F64)
-        low = (-clip).clamp(min=0.0).sum(dtype=_F64)
-        alloc = alpha if mode == "interq" else _allocate(C, rho, full["alpha_g"], full["iters"])
-        diag = _mismatch(delta, m, b, high, low, C, rho, alloc, 8, (0.1, 0.5, 0.9))
-    return w, _to_floats({**diag, **arm})
+        run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, mode)
+        q = run.interq
+        arm = _interq_metrics(run)
+        alloc = q.alpha if mode == "interq" else _allocate(q.C, q.rho, p.alpha_g, p.iters)
+        diag = _mismatch(run.delta, run.m, run.bounds, *_clip_counts(q.clip), q.C, q.rho, alloc, _MAX_TURNS,
+                         _QUANTILES)
+    return q.weights, _to_floats({**diag, **arm})

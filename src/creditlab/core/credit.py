@@ -8,7 +8,7 @@ With ``conserve=True`` each rollout's credit satisfies ``sum_t |a[i,t]| = |A_i|`
 same total credit, so comparisons between shapes are at equal budget); with ``conserve=False`` the
 unnormalised shape is returned (e.g. plain GRPO broadcast, ``A_i`` on every step).
 
-Shapes follow docs/design.md section 1:
+Shapes follow docs/design.md section 3:
 
 * uniform: ``a[i,t] = A_i / T_i``  (``conserve=False``: ``A_i``)
 * per_turn: ``a[i,t] = A_i dS[i,t] / sum_u dS[i,u]``, uniform fallback when ``sum dS = 0``
@@ -49,6 +49,7 @@ import torch
 
 from creditlab.core._checks import any_true, check_scalar, check_tensor
 from creditlab.core.advantages import group_stats, grpo_advantages, prm_mixed_advantages
+from creditlab.core.registry import Registry
 from creditlab.errors import ConfigError, InputError
 
 __all__ = [
@@ -385,7 +386,7 @@ class StepBatch(NamedTuple):
 GeometryFn = Callable[..., torch.Tensor]
 
 #: Every registered geometry by name (read it; register with :func:`register_geometry`).
-GEOMETRIES: dict[str, GeometryFn] = {}
+GEOMETRIES: Registry[GeometryFn] = Registry("geometry", validate=lambda fn: _geometry_parameters(fn))
 _NEEDS: dict[str, frozenset[str]] = {}
 _NEED_FIELDS = frozenset({"advantages", "rewards", "step_scores", "selected", "keys"})
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -430,14 +431,10 @@ def register_geometry(name: str, *, needs: Iterable[str] = ("advantages",)) -> C
                                    f"{', '.join(sorted(_NEED_FIELDS))}")
 
     def register(fn: _F) -> _F:
-        taken = GEOMETRIES.get(name)
-        if taken is fn:
-            return fn
-        if taken is not None:
-            raise ConfigError("geometry", f"{name!r} is already registered to {taken.__module__}.{taken.__qualname__}")
-        _geometry_parameters(fn)
-        GEOMETRIES[name] = fn
-        _NEEDS[name] = wanted
+        new = name not in GEOMETRIES
+        GEOMETRIES.register(name, fn)
+        if new:  # registering the same function again keeps its needs
+            _NEEDS[name] = wanted
         return fn
 
     return register
@@ -445,8 +442,7 @@ def register_geometry(name: str, *, needs: Iterable[str] = ("advantages",)) -> C
 
 def unregister_geometry(name: str) -> GeometryFn:
     """Remove the geometry ``name`` from :data:`GEOMETRIES` and return it (tests, notebooks)."""
-    fn = get_geometry(name)
-    del GEOMETRIES[name]
+    fn = GEOMETRIES.unregister(name)
     _NEEDS.pop(name, None)
     return fn
 
@@ -457,10 +453,10 @@ def registered_geometry(name: str, fn: GeometryFn, *, needs: Iterable[str] = ("a
     """``with registered_geometry("mine", fn):`` registers ``fn`` for the block, then removes it."""
     register_geometry(name, needs=needs)(fn)
     try:
-        yield fn
+        with GEOMETRIES.registered(name, fn):
+            yield fn
     finally:
-        if GEOMETRIES.get(name) is fn:
-            del GEOMETRIES[name]
+        if name not in GEOMETRIES:
             _NEEDS.pop(name, None)
 
 
@@ -471,10 +467,7 @@ def get_geometry(name: str) -> GeometryFn:
     >>> get_geometry("uniform")(batch)
     tensor([[1.5000, 1.5000]])
     """
-    fn = GEOMETRIES.get(name) if isinstance(name, str) else None
-    if fn is None:
-        raise ConfigError("geometry", f"unknown {name!r}; valid: {', '.join(GEOMETRIES)}")
-    return fn
+    return GEOMETRIES.get(name)
 
 
 def geometry_params(name: str) -> tuple[str, ...]:

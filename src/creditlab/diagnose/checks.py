@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from creditlab.core.diagnostics import chain_length, mixing_score, p_cover
+from creditlab.core.registry import Registry
 from creditlab.diagnose._tokens import TokenStats, token_stats
 from creditlab.diagnose.readers import FORMAT_VERL, Dump
 from creditlab.diagnose.schema import TOKEN_COLUMNS
@@ -112,18 +113,17 @@ class Check:
     fn: Callable[[Context], Outcome]
 
 
-CHECKS: dict[str, Check] = {}
+CHECKS: Registry[Check] = Registry("check", key=lambda check: check.fn)
 """Every registered check by id, in report order."""
 
 
 def register_check(id: str, *, title: str, needs: Sequence[str], threshold: Threshold, fix: str):
     """Decorator registering ``fn(ctx) -> Outcome`` as check ``id``; ``needs``: the columns without
-    which it is skipped."""
+    which it is skipped. Registering the same function again is a no-op; another function under a
+    taken id raises :class:`ConfigError` naming the function it is registered to."""
 
     def deco(fn: Callable[[Context], Outcome]) -> Callable[[Context], Outcome]:
-        if id in CHECKS:
-            raise ConfigError("check", f"{id!r} is already registered")
-        CHECKS[id] = Check(id, title, tuple(needs), threshold, fix, fn)
+        CHECKS.register(id, Check(id, title, tuple(needs), threshold, fix, fn))
         return fn
 
     return deco

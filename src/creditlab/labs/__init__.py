@@ -18,6 +18,7 @@ import importlib
 from importlib.metadata import entry_points
 from typing import Any
 
+from creditlab.core.registry import Registry
 from creditlab.errors import ConfigError
 
 __all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "get_lab", "lab_names", "register_lab", "unregister_lab"]
@@ -33,7 +34,7 @@ BUILTIN: dict[str, str] = {
 #: Entry-point group of labs from other packages (value: ``"module:LAB"`` or a module defining ``LAB``).
 ENTRY_POINT_GROUP = "creditlab.labs"
 _MEMBERS = ("name", "summary", "config_type", "describe", "cells", "tables", "plots", "interpret")
-_REGISTERED: dict[str, Any] = {}
+_REGISTERED: Registry[Any] = Registry("lab")  # the session registrations
 
 
 def _entry_points() -> dict[str, Any]:
@@ -60,21 +61,16 @@ def register_lab(lab: Any) -> Any:
     no-op; another object under a taken name (a built-in, an entry point or a registration) raises
     :class:`ConfigError`, as the other registries of creditlab do."""
     _checked(lab, f"lab {getattr(lab, 'name', lab)!r}")
-    taken = _REGISTERED.get(lab.name)
-    if taken is lab:
-        return lab
-    if taken is not None or lab.name in BUILTIN or lab.name in _entry_points():
-        where = type(taken).__module__ if taken is not None else BUILTIN.get(lab.name, "an entry point")
-        raise ConfigError("lab", f"{lab.name!r} is already registered to {where}")
-    _REGISTERED[lab.name] = lab
-    return lab
+    if lab.name not in _REGISTERED and (lab.name in BUILTIN or lab.name in _entry_points()):
+        raise ConfigError("lab", f"{lab.name!r} is already registered to {BUILTIN.get(lab.name, 'an entry point')}")
+    return _REGISTERED.register(lab.name, lab)
 
 
 def unregister_lab(name: str) -> Any:
     """Remove a session registration (tests, notebooks) and return it."""
     if name not in _REGISTERED:
         raise ConfigError("lab", f"{name!r} is not a session registration; registered: {', '.join(_REGISTERED)}")
-    return _REGISTERED.pop(name)
+    return _REGISTERED.unregister(name)
 
 
 def get_lab(name: str) -> Any:
