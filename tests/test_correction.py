@@ -54,8 +54,8 @@ def _batch(seed, B=3, L=40, p=0.7, p_valid=0.95, scale=0.05, dtype=F64):
     g = torch.Generator().manual_seed(seed)
     pm = torch.rand(B, L, generator=g) < p
     vm = torch.rand(B, L, generator=g) < p_valid
-    old = (torch.randn(B, L, generator=g, dtype=F64) * 0.5 - 1.0).to(dtype)
-    ro = (old.to(F64) + torch.randn(B, L, generator=g, dtype=F64) * scale).to(dtype)
+    old = -(torch.randn(B, L, generator=g, dtype=F64) * 0.5 - 1.0).abs().to(dtype)  # log-probs are <= 0
+    ro = -(old.to(F64) + torch.randn(B, L, generator=g, dtype=F64) * scale).abs().to(dtype)
     return old, ro, pm, vm
 
 
@@ -230,8 +230,8 @@ def test_design_example_concentration_lowers_support():
         delta = _deltas_for_displacements(d)
         rows.append(delta)
     # second segment must start from E = 0 again: put each in its own row, and also both in one row
-    old = torch.zeros(2, n, dtype=F64)
-    ro = -torch.tensor(rows, dtype=F64)
+    old = torch.full((2, n), -1.0, dtype=F64)  # log-probs are <= 0; only old - rollout matters
+    ro = old - torch.tensor(rows, dtype=F64)
     pm = torch.ones(2, n, dtype=torch.bool)
     t = interq_terms(old, ro, pm)
     assert float(t.C[0]) == pytest.approx(float(t.C[1]), rel=1e-3)
@@ -243,8 +243,8 @@ def test_design_example_concentration_lowers_support():
     # the second action's deltas are relative to the prefix the first one left behind.
     E_end = math.log1p(even[-1])
     delta_row = rows[0] + [0.0] * gap + [rows[1][0] - E_end] + rows[1][1:]
-    old1 = torch.zeros(1, len(delta_row), dtype=F64)
-    ro1 = -torch.tensor([delta_row], dtype=F64)
+    old1 = torch.full((1, len(delta_row)), -1.0, dtype=F64)
+    ro1 = old1 - torch.tensor([delta_row], dtype=F64)
     pm1 = torch.tensor([[True] * n + [False] * gap + [True] * n])
     t1 = interq_terms(old1, ro1, pm1, eps_high=0.1)
     torch.testing.assert_close(t1.rho, t.rho, atol=1e-9, rtol=0)
@@ -656,3 +656,22 @@ def test_mismatch_metrics_from_terms_are_the_same_numbers(mode):
         assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
     with pytest.raises(InputError, match="terms"):
         mismatch_metrics(old[:, :10], ro[:, :10], pm[:, :10], terms=t)
+
+
+@pytest.mark.parametrize("fn", ["interq_weights", "correction_weights", "mismatch_metrics"])
+def test_probabilities_or_positive_numbers_instead_of_log_probs_are_named(fn):
+    import creditlab.core.correction as corr
+
+    old, ro, pm, vm = _batch(3)
+    call = (lambda o, r: corr.correction_weights("interq", o, r, pm, vm)) if fn == "correction_weights" else \
+        (lambda o, r: getattr(corr, fn)(o, r, pm, vm))
+    call(old, ro)  # log-probs: fine
+    with pytest.raises(InputError, match=r"old_logprobs: log-probs are <= 0, .*look like probabilities"):
+        call(old.exp(), ro)
+    with pytest.raises(InputError, match=r"rollout_logprobs: log-probs are <= 0, got 3\.5.*a policy token"):
+        call(old, torch.where(pm & vm, torch.full_like(ro, 3.5), ro))
+    # positive junk where the mask is off changes nothing; float rounding just above 0 is allowed
+    junk = torch.where(pm & vm, ro, torch.full_like(ro, 7.0))
+    call(old, junk)
+    call(old, torch.where(pm & vm, torch.full_like(ro, 5e-5), ro))
+    assert corr.logprob_tolerance(torch.bfloat16) > corr.logprob_tolerance(torch.float32) == 1e-4

@@ -59,9 +59,8 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_full_item_costs_five_requests_and_matches_hand_computation(srv, monkeypatch):
-    monkeypatch.setenv("CREDITLAB_TEST_KEY", SECRET)
-    j = judge(srv.url, api_key_env="CREDITLAB_TEST_KEY")
+def test_full_item_costs_five_requests_and_matches_hand_computation(srv):
+    j = judge(srv.url, api_key=SECRET)
     res = run(FORKReward(j).score([ITEM]))[0]
     assert res.error is None
     assert res.requests == 5 and srv.stats["requests"] == 5
@@ -90,10 +89,9 @@ def test_transient_faults_are_retried(srv):
     assert usage.requests == 4 and usage.retries == 3
 
 
-def test_retries_exhausted_give_a_typed_error_and_none_reward(srv, monkeypatch):
-    monkeypatch.setenv("CREDITLAB_TEST_KEY", SECRET)
+def test_retries_exhausted_give_a_typed_error_and_none_reward(srv):
     srv.push_faults(["500"] * 4)
-    j = judge(srv.url, api_key_env="CREDITLAB_TEST_KEY")
+    j = judge(srv.url, api_key=SECRET)
     with pytest.raises(JudgeError) as info:
         run(j.unitize("q", "A fact."))
     assert info.value.kind == "http_500" and info.value.stage == "unitize"

@@ -73,13 +73,13 @@ def test_mismatch_rows_unchanged(tmp_path, toolshop_cache, one_thread):
 
 
 def test_granularity_rows_unchanged(tmp_path, toolshop_cache, one_thread):
-    from creditlab.labs.granularity import CHAINS, LAB, GranularityConfig
+    from creditlab.labs.granularity import LAB, TASK_CHAIN_LENGTHS, GranularityConfig
     from creditlab.train.toolshop_base import BaseConfig
     from creditlab.train.toolshop_grpo import GRPOConfig
 
-    grpo = GRPOConfig(updates=3, tasks_per_update=2, group_size=2, chain_lengths=CHAINS, eval_every=2)
-    cfg = GranularityConfig(base=BaseConfig(**TOOLSHOP_BASE, max_len=192, chain_lengths=CHAINS), grpo=grpo, seeds=2,
-                            eval_per_type=4, cache_dir=str(toolshop_cache))
+    grpo = GRPOConfig(updates=3, tasks_per_update=2, group_size=2, chain_lengths=TASK_CHAIN_LENGTHS, eval_every=2)
+    cfg = GranularityConfig(base=BaseConfig(**TOOLSHOP_BASE, max_len=192, chain_lengths=TASK_CHAIN_LENGTHS), grpo=grpo,
+                            seeds=2, eval_per_type=4, cache_dir=str(toolshop_cache))
     run_lab(LAB, cfg, tmp_path, progress=False)
     _same_rows(_stored(tmp_path), pd.read_parquet(GOLDEN / "granularity_rows.parquet"),
                ["arm", "seed", "kind", "update", "teacher", "placebo", "type"], max_tokens=160)

@@ -27,8 +27,8 @@ F64 = torch.float64
 def _tokens(seed, B, L, p=0.7, dtype=F64):
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(B, L, generator=g) < p
-    lp = (torch.randn(B, L, generator=g, dtype=F64) * 0.3 - 1.0).to(dtype)
-    old = (lp.to(F64) + torch.randn(B, L, generator=g, dtype=F64) * 0.2).to(dtype)
+    lp = -(torch.randn(B, L, generator=g, dtype=F64) * 0.3 - 1.0).abs().to(dtype)  # log-probs are <= 0
+    old = -(lp.to(F64) + torch.randn(B, L, generator=g, dtype=F64) * 0.2).abs().to(dtype)
     adv = torch.randn(B, generator=g, dtype=F64).to(dtype)
     return lp, old, adv, mask
 
@@ -159,7 +159,7 @@ def test_policy_loss_golden():
 def test_weights_scale_token_losses_and_gradients():
     lp, old, adv, mask = _tokens(3, 4, 30)
     lp.requires_grad_(True)
-    w, _ = interq_weights(old, old - 0.03, mask)
+    w, _ = interq_weights(old, old - 0.03, mask)  # old <= 0: old - 0.03 < 0 too
     loss_w, m = policy_loss(lp, old, adv, mask, weights=w)
     loss_w.backward()
     g_w = lp.grad.clone()

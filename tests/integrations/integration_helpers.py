@@ -48,8 +48,8 @@ def agent_batch(seed: int = 0, B: int = 6, L: int = 24, mismatch: float = 0.05, 
                 pos += int(torch.randint(1, 4, (1,), generator=g))  # tool observation
             if pos >= L - 2:
                 break
-    old = torch.randn(B, L, generator=g) * 0.5 - 1.5
-    rollout = old - torch.randn(B, L, generator=g) * mismatch
+    old = -(torch.randn(B, L, generator=g) * 0.5 - 1.5).abs()  # log-probs are <= 0
+    rollout = -(old - torch.randn(B, L, generator=g) * mismatch).abs()
     rollout = torch.where(rm > 0, rollout, torch.zeros_like(rollout))
     return old, rollout, rm
 

@@ -117,8 +117,8 @@ def _trl_inputs(trainer, seed):
         logp, _, _ = trainer._get_per_token_logps_and_entropies(
             trainer.model, torch.cat([prompt_ids, completion_ids], 1),
             torch.cat([torch.ones(B, P, dtype=torch.long), completion_mask], 1), C)
-    old = logp + torch.randn(B, C, generator=g) * 0.3
-    rollout = old + torch.randn(B, C, generator=g) * 0.1
+    old = -(logp + torch.randn(B, C, generator=g) * 0.3).abs()  # log-probs are <= 0
+    rollout = -(old + torch.randn(B, C, generator=g) * 0.1).abs()
     mask = (completion_mask * tool_mask).bool()
     inputs = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones(B, P, dtype=torch.long),
               "completion_ids": completion_ids, "completion_mask": completion_mask, "tool_mask": tool_mask,

@@ -282,8 +282,8 @@ def score(
 
     jcache = JudgeCache(cache) if cache is not None else None
     if judge == "openai":
-        j = OpenAIJudge(urls, model, api_key_env=api_key_env, concurrency=concurrency, timeout=timeout,
-                        max_retries=max_retries, cache=jcache, transport=_transport(transport, urls))
+        j = OpenAIJudge(urls, model, api_key=os.environ.get(api_key_env), concurrency=concurrency,
+                        timeout=timeout, max_retries=max_retries, cache=jcache, transport=_transport(transport, urls))
     else:
         j = EmbeddingJudge()
     if judge == "openai" and preflight and items:

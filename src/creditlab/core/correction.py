@@ -220,14 +220,33 @@ class InterQTerms(NamedTuple):
 # input handling
 
 
-def _check_finite(name: str, x: torch.Tensor, pm: torch.Tensor) -> None:
-    """NaN/inf at a policy token raises; junk elsewhere is allowed.
+def logprob_tolerance(dtype: torch.dtype) -> float:
+    """How far above 0 a log-prob of ``dtype`` may round (``log_softmax`` of the top token):
+    ``max(1e-4, 16 eps)``, e.g. 1e-4 for float32, 0.125 for bfloat16."""
+    return max(1e-4, 16 * torch.finfo(dtype).eps)
 
-    Fast path: the sum of a tensor with no NaN/inf at all is finite (one reduction); only when
-    it is not are the positions inspected against the mask.
+
+def _check_finite(name: str, x: torch.Tensor, pm: torch.Tensor) -> None:
+    """NaN/inf or a positive value (beyond :func:`logprob_tolerance`) at a policy token raises;
+    junk elsewhere is allowed.
+
+    Fast path: one host read of two reductions over the policy tokens, their sum (finite when no
+    NaN/inf is there) and their largest value; only when one is off are the positions inspected.
     """
-    if x.device.type != "meta" and not bool(torch.isfinite(x.sum())):
+    if x.device.type == "meta":
+        return
+    on = torch.where(pm, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    total, top = torch.stack([on.sum(), on.max() if on.numel() else on.new_zeros(())]).tolist()
+    if total != total or abs(total) == float("inf"):
         check_tensor(name, x, finite=True, finite_where=pm)
+    if top > logprob_tolerance(x.dtype):
+        bad = (x > logprob_tolerance(x.dtype)) & pm
+        idx = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        probs = bool(((on >= 0) & (on <= 1) | ~pm).all())
+        hint = ("they look like probabilities: pass their log (torch.log)" if probs else
+                "pass log-probs of the sampled tokens (log_softmax(logits).gather(...))")
+        raise InputError(f"{name}: log-probs are <= 0, got {x[idx].item():.4g} at index {idx} (a policy token); "
+                         f"{hint}")
 
 
 def _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask) -> torch.Tensor:

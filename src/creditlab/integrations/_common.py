@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -263,8 +264,8 @@ def fork_reward(judge: str = "offline", *, base_url: str | None = None, model: s
                 from creditlab.judge.cache import JudgeCache
 
                 cache = JudgeCache(cache_path)
-            j = OpenAIJudge(base_url, model, api_key_env=api_key_env, concurrency=concurrency, timeout=timeout,
-                            max_retries=max_retries, cache=cache)
+            j = OpenAIJudge(base_url, model, api_key=os.environ.get(api_key_env), concurrency=concurrency,
+                            timeout=timeout, max_retries=max_retries, cache=cache)
         elif judge == "offline":
             from creditlab.judge.offline import EmbeddingJudge
 

@@ -195,8 +195,10 @@ def rollout_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, spec: 
     check_tensor("response_mask", response_mask, shape=("B", "L"), dims=dims)
     check_tensor("log_ratio", log_ratio, shape=("B", "L"), floating=True, dims=dims)
     pm = response_mask.bool()
-    zeros = torch.zeros_like(log_ratio)
-    w, m = correction.correction_weights(arm, log_ratio, zeros, pm, params=params)  # one InterQ pass
+    # only old - rollout enters the arms and metrics: split the log ratio into two parts <= 0 (the
+    # log-prob check of core) whose difference is the log ratio exactly (one of them is 0)
+    old, rollout = log_ratio.clamp(max=0), (-log_ratio).clamp(max=0)
+    w, m = correction.correction_weights(arm, old, rollout, pm, params=params)  # one InterQ pass
     metrics = {f"creditlab/{k}": float(v) for k, v in m.items()}
     weights = (w.to(log_ratio.dtype) * response_mask.to(log_ratio.dtype)).detach()
     return weights, metrics

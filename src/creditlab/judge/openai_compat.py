@@ -1,9 +1,9 @@
 """``OpenAIJudge``: the five FORK judge stages over OpenAI-compatible chat-completions endpoints.
 
 Works with vLLM, SGLang, Ollama and hosted APIs (``POST {base_url}/chat/completions``), through
-httpx or a minimal asyncio HTTP/1.1 client. Temperature 0. The API key is read from an environment
-variable at construction and only ever placed in the ``Authorization`` header; it is never logged
-nor put in an error message.
+httpx or a minimal asyncio HTTP/1.1 client. Temperature 0. The API key is passed in (``api_key``;
+the caller, e.g. the CLI, reads it from the environment) and only ever placed in the
+``Authorization`` header; it is never logged nor put in an error message.
 
 Reliability, per request:
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
 import weakref
@@ -134,8 +133,8 @@ class OpenAIJudge:
         base_url: endpoint root, e.g. ``http://localhost:8000/v1`` (``/chat/completions`` is appended),
             or a list of them (see the module docstring).
         model: model name sent with every request.
-        api_key_env: name of the environment variable holding the API key (unset: no auth header);
-            the same key is sent to every endpoint.
+        api_key: the API key (None or empty: no auth header); the same key is sent to every
+            endpoint. The judge reads no environment variable: callers pass the key they read.
         concurrency: most requests on the wire at once, per endpoint.
         timeout: seconds per request (connect + read).
         max_retries: retries of a transient failure (429, 5xx, timeout) per request.
@@ -164,7 +163,7 @@ class OpenAIJudge:
     #: What this judge's verdicts are worth (shown in every result row and summary).
     quality = "llm judge"
 
-    def __init__(self, base_url: str | Sequence[str], model: str, *, api_key_env: str = "OPENAI_API_KEY",
+    def __init__(self, base_url: str | Sequence[str], model: str, *, api_key: str | None = None,
                  concurrency: int = 16, timeout: float = 60.0, max_retries: int = 4, max_reasks: int = 2,
                  backoff_base: float = 0.5, backoff_max: float = 8.0, structured: bool = True,
                  cache: JudgeCache | None = None, max_rubrics_per_request: int = 64, seed: int | None = None,
@@ -217,7 +216,7 @@ class OpenAIJudge:
         #: why the judge was taken as down: every endpoint out of rotation (None while one answers)
         self.down: str | None = None
         self.params: dict[str, Any] = {"temperature": 0}
-        self._key = os.environ.get(api_key_env) or None
+        self._key = api_key or None
         self._rng = random.Random(seed)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inflight: dict[tuple[str, ...], asyncio.Future] = {}

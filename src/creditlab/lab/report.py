@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,8 @@ import pandas as pd
 
 from creditlab.errors import InputError
 
-__all__ = ["mean_ci", "paired_diff", "summarize", "to_markdown", "write_table"]
+__all__ = ["ci_columns", "group_means", "knobs_table", "mean_ci", "paired_diff", "sort_in_order", "summarize",
+           "to_markdown", "write_table"]
 
 
 def _t975(df: int) -> float:
@@ -47,6 +49,15 @@ def mean_ci(values, bounds: tuple[float, float] | None = None) -> tuple[float, f
     return (m, lo, hi)
 
 
+def ci_columns(values, name: str | None = None, bounds: tuple[float, float] | None = None) -> dict[str, float]:
+    """:func:`mean_ci` of ``values`` as table columns: ``{name, name_lo, name_hi}``, or
+    ``{mean, lo, hi}`` without a ``name``."""
+    m, lo, hi = mean_ci(values, bounds)
+    if name is None:
+        return {"mean": m, "lo": lo, "hi": hi}
+    return {name: m, f"{name}_lo": lo, f"{name}_hi": hi}
+
+
 def summarize(df: pd.DataFrame, by: list[str], value: str, bounds: tuple[float, float] | None = None
               ) -> pd.DataFrame:
     """Mean, 95% interval (clipped to ``bounds``, see :func:`mean_ci`) and count of ``value`` per
@@ -54,9 +65,41 @@ def summarize(df: pd.DataFrame, by: list[str], value: str, bounds: tuple[float, 
     rows = []
     for key, g in df.groupby(by, sort=True, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
-        m, lo, hi = mean_ci(g[value], bounds)
-        rows.append({**dict(zip(by, key, strict=True)), "mean": m, "lo": lo, "hi": hi, "n": len(g)})
+        rows.append({**dict(zip(by, key, strict=True)), **ci_columns(g[value], bounds=bounds), "n": len(g)})
     return pd.DataFrame(rows)
+
+
+def group_means(df: pd.DataFrame, by: list[str], intervals: list[tuple[str, tuple[float, float] | None]],
+                means: tuple[str, ...] = ()) -> pd.DataFrame:
+    """One row per group of ``by`` (in order of appearance), e.g. an arm's seeds: for each
+    ``(column, bounds)`` of ``intervals`` its mean and 95% interval (:func:`ci_columns`), then the
+    plain mean of each column of ``means``, then the group's size ``n``."""
+    rows = []
+    for key, g in df.groupby(by, sort=False):
+        row: dict = dict(zip(by, key, strict=True))
+        for col, bounds in intervals:
+            row.update(ci_columns(g[col], col, bounds))
+        for col in means:
+            row[col] = float(g[col].mean())
+        row["n"] = len(g)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def sort_in_order(df: pd.DataFrame, by: list[str], orders: Mapping[str, Sequence],
+                  ascending: bool | list[bool] = True) -> pd.DataFrame:
+    """``df`` sorted by the columns ``by``, the columns named in ``orders`` in the order listed there
+    (e.g. arms in the lab's order; a value not listed sorts last), the others by value; index reset."""
+    ranks = {col: {v: i for i, v in enumerate(values)} for col, values in orders.items()}
+    return df.sort_values(by, key=lambda c: c.map(ranks[c.name]) if c.name in ranks else c,
+                          ascending=ascending).reset_index(drop=True)
+
+
+def knobs_table(here: list[tuple[str, str, str]], default: list[tuple[str, str, str]]) -> pd.DataFrame:
+    """The ``knobs`` table of a lab: each ``(knob, value, why)`` of this run beside the value of the
+    same knob in the lab's default configuration (``default``, in the same order)."""
+    return pd.DataFrame([(k, v, d, why) for (k, v, why), (_, d, _) in zip(here, default, strict=True)],
+                        columns=["knob", "this run", "lab default", "why the default"])
 
 
 def paired_diff(df: pd.DataFrame, arm_a: str, arm_b: str, by: list[str], value: str,
@@ -72,8 +115,7 @@ def paired_diff(df: pd.DataFrame, arm_a: str, arm_b: str, by: list[str], value: 
     a = df[df[arm_col] == arm_a].set_index([*by, pair_col])[value]
     b = df[df[arm_col] == arm_b].set_index([*by, pair_col])[value]
     d = (a - b).dropna().reset_index()
-    out = summarize(d, by, value, bounds) if by else pd.DataFrame(
-        [dict(zip(("mean", "lo", "hi"), mean_ci(d[value], bounds), strict=True)) | {"n": len(d)}])
+    out = summarize(d, by, value, bounds) if by else pd.DataFrame([ci_columns(d[value], bounds=bounds) | {"n": len(d)}])
     out.insert(0, "diff", f"{arm_a} - {arm_b}")
     return out
 

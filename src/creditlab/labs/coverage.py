@@ -1,7 +1,8 @@
 """The coverage lab: when does concentrating the terminal advantage on a few steps hurt?
 
 A hard-prerequisite chain (``creditlab.envs.chain``) trained with GRPO under different credit
-geometries at equal total credit. Four experiments:
+geometries at equal total credit (:func:`creditlab.train.chain.train_chain`; the one-update protocol
+is :func:`creditlab.train.chain.single_update`). Seven experiments:
 
 * ``c_sweep``: chain length C at fixed budget k — ``uniform`` vs ``concentrated`` on the first k
   causal steps. Expected: tie while C <= k, uniform ahead for every C > k.
@@ -36,7 +37,7 @@ import pandas as pd
 from creditlab.core.diagnostics import expected_open_fraction, p_cover
 from creditlab.errors import ConfigError
 from creditlab.lab.plotting import new_figure, save
-from creditlab.lab.protocol import LabConfig, LabOption, Table
+from creditlab.lab.protocol import LabConfig, LabOption, Table, check_count
 from creditlab.lab.report import paired_diff, read_diff, small_run_note, summarize
 from creditlab.lab.runner import Cell
 from creditlab.train.chain import ChainTrainConfig, ModelSpec, single_update, train_chain
@@ -45,7 +46,9 @@ __all__ = ["EXPERIMENTS", "LAB", "CoverageConfig", "CoverageLab", "run_cell"]
 
 EXPERIMENTS = ("c_sweep", "vd_sweep", "shuffle", "dose", "real_agent", "crossing", "single_update")
 SINGLE_ARMS = ("binary", "uniform", "per_turn", "shuffled", "discretized", "reward_to_go")
-CHAINS = ("independent_step", "state_dependent")
+#: Kinds of chain of the crossing experiment: the policy sees the step index only, or also the
+#: correct-prefix length and a broken bit (``ChainTrainConfig.state_dependent``).
+CHAIN_KINDS = ("independent_step", "state_dependent")
 #: The crossing points the credit-granularity paper reports (targeted passes uniform at this V_d).
 PAPER_CROSSING = {"independent_step": 0.95, "state_dependent": 0.81}
 UNIT, DIFF = (0.0, 1.0), (-1.0, 1.0)  # range of a score and of a difference of two scores (interval clipping)
@@ -103,8 +106,7 @@ class CoverageConfig(LabConfig):
     def validate(self) -> None:
         self.train.validate()
         T = self.train.T
-        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
-            raise ConfigError("--seeds", f"must be an integer >= 1, got {self.seeds!r}")
+        check_count(self.seeds, "--seeds")
         if self.k < 1:
             raise ConfigError("k", f"must be >= 1, got {self.k}")
         for C in (*self.Cs, self.vd_C, *self.shuffle_Cs, self.dose_C):
@@ -231,7 +233,7 @@ class CoverageLab:
                            for s in S]
                 for C in cfg.real_agent_Cs}, cfg.train)
         if "crossing" in cfg.experiments:
-            for chain in CHAINS:
+            for chain in CHAIN_KINDS:
                 train = replace(cfg.train, state_dependent=chain == "state_dependent")
                 out += _cells_of("crossing", {
                     f"{chain}/vd={vd}": [ModelSpec(seed=s, C=cfg.vd_C, arm=a, vd=vd) for a in ("uniform", "targeted")
@@ -295,7 +297,8 @@ class CoverageLab:
                 paired_diff(df, "per_turn", "uniform", ["C"], "final_score", bounds=DIFF),
             ], ignore_index=True), "Real-agent regime: paired differences", console=True)
         if "crossing" in rows:
-            df = rows["crossing"].assign(chain=lambda d: np.where(d["cfg_state_dependent"], CHAINS[1], CHAINS[0]))
+            independent, dependent = CHAIN_KINDS
+            df = rows["crossing"].assign(chain=lambda d: np.where(d["cfg_state_dependent"], dependent, independent))
             rows["crossing"] = df
             tabs["crossing_curve"] = Table(
                 paired_diff(df, "targeted", "uniform", ["chain", "vd"], "final_score", bounds=DIFF),
@@ -434,7 +437,7 @@ def crossing_table(df: pd.DataFrame, cfg: CoverageConfig) -> pd.DataFrame:
     bootstrap 95% interval over seeds (percentiles of the resamples that cross)."""
     rng = np.random.default_rng(0)
     out = []
-    for chain in CHAINS:
+    for chain in CHAIN_KINDS:
         sub = df[df["chain"] == chain]
         if sub.empty:
             continue

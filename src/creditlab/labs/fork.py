@@ -4,8 +4,9 @@ World: :class:`creditlab.envs.bagofunits.BagOfUnits` (rubric facts with known tr
 sequence of units: fact statements that are right or wrong, redundant restatements, filler). A
 small permutation-equivariant policy (one shared MLP scores each fact slot from its confidence and
 how often it was already stated; a second scores filler and stop) is trained with GRPO (group
-baseline and std, :func:`creditlab.core.advantages.grpo_advantages`) under one reward per arm,
-all computed by :func:`creditlab.core.precision.fork_scores` on the exact verdicts:
+baseline and std, :func:`creditlab.core.advantages.grpo_advantages`; the policy, the loop and its
+reward arms are :mod:`creditlab.train.bagofunits`) under one reward per arm, all computed by
+:func:`creditlab.core.precision.fork_scores` on the exact verdicts:
 
 * ``recall``: rubric recall only (what rubric rewards do today);
 * ``mean``: arithmetic mean of precision and recall;
@@ -36,11 +37,11 @@ import torch
 from creditlab.envs.bagofunits import BagOfUnits, Prompts
 from creditlab.errors import ConfigError
 from creditlab.lab.plotting import new_figure, save
-from creditlab.lab.protocol import LabConfig, Table
+from creditlab.lab.protocol import LabConfig, Table, check_count
 from creditlab.lab.report import paired_diff, read_diff, small_run_note, summarize
 from creditlab.lab.runner import Cell
 from creditlab.train.bagofunits import REWARD_ARMS, BagTrainConfig, eval_seed, new_policy, reward_of, rollout, train_bag
-from creditlab.train.common import single_thread
+from creditlab.train.common import generator, single_thread
 
 __all__ = ["LAB", "ForkLab", "ForkLabConfig", "oracle_thresholds", "run_fork_cell", "run_oracle_cell"]
 
@@ -126,10 +127,7 @@ class ForkLabConfig(LabConfig):
         if not 0.0 <= self.deletion_noise <= 0.5:
             raise ConfigError("deletion_noise", f"must be in [0, 0.5], got {self.deletion_noise}")
         for name in ("seeds", "updates", "prompts_per_update", "eval_every", "eval_prompts", "hidden"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                flag = f"--{name}" if name in ("seeds", "updates") else name
-                raise ConfigError(flag, f"must be an integer >= 1, got {v!r}")
+            check_count(getattr(self, name), f"--{name}" if name in ("seeds", "updates") else name)
         if not self.experiments or any(e not in EXPERIMENTS for e in self.experiments):
             raise ConfigError("--experiment", f"got {list(self.experiments)}; valid: {', '.join(EXPERIMENTS)}")
         if self.group_size < 2:
@@ -216,7 +214,7 @@ def run_deletion_cell(seed: int, config: dict) -> list[dict]:
     env = BagOfUnits(cfg.f_min, cfg.f_max, cfg.known_prob, cfg.max_units, lenient=cfg.lenient)
     policy = new_policy(cfg.hidden, seed)
     prompts = env.sample_prompts(cfg.eval_prompts, torch.Generator().manual_seed(eval_seed(seed)))
-    gen = torch.Generator().manual_seed(4_000_000 + seed)
+    gen = generator("fork/deletion", seed)
     with torch.no_grad():
         resp, _ = rollout(env, policy, prompts, gen)
     match, _ = env.verdicts(prompts, resp)

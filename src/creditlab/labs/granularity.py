@@ -17,7 +17,7 @@ Reads top to bottom:
    40% and 60% of the run, the schedule of 20 -> 30 of 50 updates scaled to the run length;
    :func:`creditlab.core.advantages.prm_mixed_advantages`, :func:`creditlab.core.schedules.decay`);
    on-policy self-distillation from a frozen copy of the base policy that sees privileged tokens
-   (:func:`train_opsd`, :func:`creditlab.core.losses.opsd_loss`): the reference answer
+   (:func:`creditlab.train.opsd.train_opsd`, :func:`creditlab.core.losses.opsd_loss`): the reference answer
    (``opsd_ref``: the final write's action in its instruction) or per-turn advice (``opsd_advice``:
    the next correct action before each of the student's actions);
 5. tables: per arm and task type, held-out success with 95% intervals, truncation, tool calls,
@@ -51,12 +51,14 @@ from creditlab.core.diagnostics import mixing_score
 from creditlab.envs.toolshop import Task, TurnRecord, make_task
 from creditlab.errors import ConfigError, InputError
 from creditlab.lab.plotting import new_figure, save
-from creditlab.lab.protocol import LabConfig, Table
-from creditlab.lab.report import mean_ci, paired_diff, read_diff, small_run_note
+from creditlab.lab.protocol import LabConfig, Table, check_count
+from creditlab.lab.report import group_means, knobs_table, paired_diff, read_diff, small_run_note, sort_in_order
 from creditlab.lab.runner import Cell
+from creditlab.labs._toolshop import BasePolicyConfig, BasePolicyLab, base_knob, fresh_dump, optim_knob, seeds_knob
 from creditlab.rewards.process import evidence_scores
+from creditlab.train.common import generator
 from creditlab.train.opsd import aligned_logits, call_key, correct_calls, teacher_logits, train_opsd
-from creditlab.train.toolshop_base import BaseConfig, base_policy, default_cache_dir, prepare_base_policy
+from creditlab.train.toolshop_base import BaseConfig, base_policy
 from creditlab.train.toolshop_grpo import GRPOConfig, make_prm_advantage, train_grpo
 from creditlab.train.toolshop_rollout import (
     EVAL_SEED_OFFSET,
@@ -76,7 +78,8 @@ __all__ = [
 
 #: Task types: name -> chain lengths (a task of the type draws one, cycling over the list).
 TASK_TYPES: dict[str, tuple[int, ...]] = {"short": (2, 3, 4), "long": (7, 8)}
-CHAINS = (2, 3, 4, 7, 8)
+#: Every chain length of the task types (the base policy's and training's chain lengths).
+TASK_CHAIN_LENGTHS = (2, 3, 4, 7, 8)
 #: Arm -> (kind, what); kinds: grpo (outcome), prm (mixed process reward), opsd (self-distillation).
 ARMS: dict[str, tuple[str, str]] = {
     "grpo": ("grpo", "outcome"),
@@ -99,17 +102,17 @@ def type_of(chain_length: int) -> str:
 
 
 @dataclass(frozen=True)
-class GranularityConfig(LabConfig):
+class GranularityConfig(BasePolicyConfig, LabConfig):
     """Configuration of the granularity lab."""
 
     OPTIONS: ClassVar[dict[str, str]] = {"updates": "grpo.updates"}
     EXPERIMENTS: ClassVar[tuple[str, ...]] = tuple(ARMS)
     SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "dump_dir")
 
-    base: BaseConfig = field(default_factory=lambda: BaseConfig(chain_lengths=CHAINS))
+    base: BaseConfig = field(default_factory=lambda: BaseConfig(chain_lengths=TASK_CHAIN_LENGTHS))
     """Supervised warm start of the shared base policy (cached), on every chain length of the mix."""
     grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(
-        updates=50, tasks_per_update=16, group_size=8, chain_lengths=CHAINS, eval_every=10))
+        updates=50, tasks_per_update=16, group_size=8, chain_lengths=TASK_CHAIN_LENGTHS, eval_every=10))
     """Training shared by every arm (outcome GRPO's settings; OPSD uses its lr, minibatches, grad clip)."""
     seeds: int = 3
     """Paired seeds per arm (task stream, sampling, minibatch order)."""
@@ -137,12 +140,12 @@ class GranularityConfig(LabConfig):
 
     @classmethod
     def quick(cls) -> GranularityConfig:
-        return cls(grpo=GRPOConfig(updates=6, tasks_per_update=4, group_size=4, chain_lengths=CHAINS, eval_every=3),
+        return cls(grpo=GRPOConfig(updates=6, tasks_per_update=4, group_size=4, chain_lengths=TASK_CHAIN_LENGTHS,
+                                   eval_every=3),
                    seeds=2, eval_per_type=16)
 
     def validate(self) -> None:
-        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
-            raise ConfigError("--seeds", f"must be an integer >= 1, got {self.seeds!r}")
+        check_count(self.seeds, "--seeds")
         if not self.experiments or any(e not in ARMS for e in self.experiments):
             raise ConfigError("--experiment", f"got {list(self.experiments)}; valid: {', '.join(ARMS)}")
         g = self.grpo
@@ -166,9 +169,6 @@ class GranularityConfig(LabConfig):
             raise ConfigError("lam", f"must be >= 0, got {self.lam}")
         if self.eval_per_type < 1:
             raise ConfigError("eval_per_type", f"must be >= 1, got {self.eval_per_type}")
-
-    def cache(self) -> Path:
-        return Path(self.cache_dir) if self.cache_dir else default_cache_dir(None)
 
     def schedule(self, arm: str):
         """The process weight of a PRM arm as a function of the update index."""
@@ -258,7 +258,7 @@ def evaluate_types(model, cfg: GranularityConfig) -> dict[str, float]:
     g = cfg.grpo
     batch = rollout(model, eval_tasks(cfg), precision="fp32", max_len=g.max_len, max_turns=g.max_turns,
                     max_action_len=g.max_action_len, temperature=g.temperature,
-                    generator=torch.Generator().manual_seed(12345))
+                    generator=generator("granularity/eval"))
     return {f"eval/{k}": v for k, v in batch_stats(batch, cfg.repeat).items()}
 
 
@@ -278,7 +278,7 @@ def run_teacher_cell(config: dict, cache_dir: str) -> list[dict]:
     model = base_policy(cfg.base, cache_dir=cache_dir)
     tasks = eval_tasks(cfg)
     batch = rollout(model, tasks, precision="fp32", max_len=g.max_len, max_turns=g.max_turns,
-                    max_action_len=g.max_action_len, generator=torch.Generator().manual_seed(54321))
+                    max_action_len=g.max_action_len, generator=generator("granularity/teacher"))
     pm = batch.policy_mask
     ls = torch.log_softmax(aligned_logits(model(batch.tokens).float()), -1)
     good_turn = torch.zeros_like(pm)
@@ -321,9 +321,7 @@ def run_arm(config: dict, arm: str, seed: int, cache_dir: str, dump_dir: str | N
     extra: dict[int, dict[str, float]] = {}
     path = None
     if dump_dir:
-        path = Path(dump_dir) / f"granularity-{arm}-seed={seed}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)  # this cell is computed again from scratch: so is its dump
+        path = fresh_dump(dump_dir, f"granularity-{arm}-seed={seed}.jsonl")
     evals: list[dict] = []
     scored: dict = {}  # the last batch on_rollouts scored, and its process scores
 
@@ -365,8 +363,8 @@ def run_arm(config: dict, arm: str, seed: int, cache_dir: str, dump_dir: str | N
 
 
 def _ordered(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
-    order = {a: i for i, a in enumerate(ARMS)} | {t: i for i, t in enumerate(TASK_TYPES)}
-    return df.sort_values(by, key=lambda c: c.map(order) if c.name in ("arm", "type") else c).reset_index(drop=True)
+    """Sorted by ``by``, arms in the order of :data:`ARMS`, task types in that of :data:`TASK_TYPES`."""
+    return sort_in_order(df, by, {"arm": ARMS, "type": TASK_TYPES})
 
 
 EVAL_METRICS = ("success", "truncation", "tool_calls", "turns_success", "mixing", "good_share", "process",
@@ -391,17 +389,9 @@ def _summary(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _means(summary: pd.DataFrame) -> pd.DataFrame:
-    rows = []
-    for (arm, t), g in summary.groupby(["arm", "type"], sort=False):
-        row = {"arm": arm, "type": t}
-        for m, bounds in (("success", UNIT), ("gain", DIFF), ("truncation", UNIT)):
-            mean, lo, hi = mean_ci(g[m], bounds)
-            row.update({m: mean, f"{m}_lo": lo, f"{m}_hi": hi})
-        for m in ("tool_calls", "turns_success", "mixing"):
-            row[m] = float(g[m].mean())
-        row["n"] = len(g)
-        rows.append(row)
-    return _ordered(pd.DataFrame(rows), ["arm", "type"])
+    means = group_means(summary, ["arm", "type"], [("success", UNIT), ("gain", DIFF), ("truncation", UNIT)],
+                        ("tool_calls", "turns_success", "mixing"))
+    return _ordered(means, ["arm", "type"])
 
 
 def _diffs(summary: pd.DataFrame) -> pd.DataFrame:
@@ -457,7 +447,7 @@ def _opsd(df: pd.DataFrame, U: int) -> pd.DataFrame:
     return _ordered(pd.DataFrame(rows), ["arm"])
 
 
-class GranularityLab:
+class GranularityLab(BasePolicyLab):
     """Outcome GRPO vs process reward (fixed / decayed weight) vs self-distillation (module docstring)."""
 
     name = "granularity"
@@ -487,19 +477,12 @@ class GranularityLab:
             f"{cfg.eval_per_type} fixed tasks per type every {g.eval_every} updates, fp32, sampled at temperature "
             f"{g.temperature:g} with the same uniforms for every arm.")
 
-    def prepare(self, cfg: GranularityConfig, progress: bool = True) -> None:
-        """Build the base policy once in the driver (cached), with a progress bar."""
-        prepare_base_policy(cfg.base, cfg.cache(), "granularity base policy", progress)
-
     def cells(self, cfg: GranularityConfig) -> list[Cell]:
-        ident, ctx = cfg.identity(), {"cache_dir": str(cfg.cache())}
-        if cfg.dump_dir:
-            ctx["dump_dir"] = cfg.dump_dir
+        ident, ctx = cfg.identity(), cfg.context(dump=True)
         cells = [Cell("train", f"{arm}/seed={s}", run_arm, {"config": ident, "arm": arm, "seed": s}, ctx)
                  for arm in cfg.experiments for s in range(cfg.seeds)]
         if any(ARMS[a][0] == "opsd" for a in cfg.experiments):
-            cells.append(Cell("teachers", "base", run_teacher_cell, {"config": ident},
-                              {"cache_dir": str(cfg.cache())}))
+            cells.append(Cell("teachers", "base", run_teacher_cell, {"config": ident}, cfg.context()))
         return cells
 
     def tables(self, rows: dict[str, pd.DataFrame], cfg: GranularityConfig) -> dict[str, Table]:
@@ -602,9 +585,8 @@ def _mixing_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _knobs(cfg: GranularityConfig) -> pd.DataFrame:
-    here, default = _knob_rows(cfg), _knob_rows(GranularityConfig())
-    return pd.DataFrame([(k, v, d, why) for (k, v, why), (_, d, _) in zip(here, default, strict=True)],
-                        columns=["knob", "this run", "lab default", "why the default"])
+    """Each knob with its value in this run, the lab's default, and why the default is what it is."""
+    return knobs_table(_knob_rows(cfg), _knob_rows(GranularityConfig()))
 
 
 def _knob_rows(cfg: GranularityConfig) -> list[tuple[str, str, str]]:
@@ -614,13 +596,12 @@ def _knob_rows(cfg: GranularityConfig) -> list[tuple[str, str, str]]:
          "short chains as in the toolshop lab; the long type needs 7-8 tool calls (up to 10 turns), where the base "
          "policy's rollouts mix good and bad turns. Each task draws one of the five chain lengths (short 60%, "
          "long 40%)."),
-        ("base policy", f"{cfg.base.n_demos} demos, noise {cfg.base.noise:g}, {cfg.base.steps} steps",
+        ("base policy", base_knob(cfg.base),
          "the toolshop defaults, on the lab's chain lengths; one base policy for every arm and seed."),
         ("updates", str(U), "the paper's 50, so its decay schedule (20 -> 30 of 50) applies unscaled."),
         ("rollouts per update", f"{g.tasks_per_update} tasks x {g.group_size}",
          "half the toolshop lab's 256, for time (the cost of a run is linear in rollouts)."),
-        ("optimisation", f"lr {g.lr:g}, {g.minibatches} minibatches, clip {g.clip_low:g}/{g.clip_high:g}, "
-                         f"grad clip {g.grad_clip:g}", "GRPOConfig defaults for every arm, OPSD included; not tuned."),
+        ("optimisation", optim_knob(g), "GRPOConfig defaults for every arm, OPSD included; not tuned."),
         ("process reward", f"new read 1, repeated read {cfg.repeat:g}, errors and writes 0",
          "the issue's hackable proxy: it pays for evidence, and a repeated read still pays a little."),
         ("process weight", f"fixed {cfg.lam:g}; decayed {cfg.lam:g} -> 0 over updates {cfg.decay_start * U:g}-"
@@ -630,7 +611,7 @@ def _knob_rows(cfg: GranularityConfig) -> list[tuple[str, str, str]]:
          "the core default beta; the teacher is the initial policy, as the issue asks; no outcome reward."),
         ("held-out evaluation", f"{cfg.eval_per_type} tasks per type every {g.eval_every} updates, sampled",
          "the same tasks and sampling uniforms for every arm, seed and evaluation point."),
-        ("seeds", str(cfg.seeds), "the minimum the issue asks for, for time; arms are paired seed by seed."),
+        seeds_knob(cfg.seeds),
     ]
 
 

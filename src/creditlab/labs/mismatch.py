@@ -37,10 +37,19 @@ import pandas as pd
 from creditlab.core.diagnostics import aulc, rollback
 from creditlab.errors import ConfigError
 from creditlab.lab.plotting import new_figure, save
-from creditlab.lab.protocol import LabConfig, Table
-from creditlab.lab.report import mean_ci, paired_diff, read_diff, small_run_note
+from creditlab.lab.protocol import LabConfig, Table, check_count
+from creditlab.lab.report import (
+    ci_columns,
+    group_means,
+    knobs_table,
+    paired_diff,
+    read_diff,
+    small_run_note,
+    sort_in_order,
+)
 from creditlab.lab.runner import Cell
-from creditlab.train.toolshop_base import BaseConfig, base_policy, default_cache_dir, prepare_base_policy
+from creditlab.labs._toolshop import BasePolicyConfig, BasePolicyLab, base_knob, fresh_dump, optim_knob, seeds_knob
+from creditlab.train.toolshop_base import BaseConfig, base_policy
 from creditlab.train.toolshop_grpo import GRPOConfig, train_grpo_stacked
 
 __all__ = ["ARMS", "DOSES", "LAB", "MismatchConfig", "MismatchLab", "arm_triple", "run_stack", "score_curve"]
@@ -61,7 +70,8 @@ LABELS = {"fp32": "fp32", "naive": "naive", "qat": "QAT", "qat_tis": "QAT+TIS", 
 #: Engine precisions of the dose (``-e`` selects among them).
 DOSES = ("fp8", "int8", "nvfp4", "mxfp4")
 DEFAULT_DOSES = ("fp8", "int8", "nvfp4")
-CHAINS = (5, 6, 7, 8)
+#: Chain lengths (tool calls) of the lab's tasks, for the base policy and for training.
+CHAIN_LENGTHS = (5, 6, 7, 8)
 UNIT, DIFF = (0.0, 1.0), (-1.0, 1.0)
 METRICS = ("final", "best", "rollback", "aulc")
 
@@ -75,17 +85,17 @@ def arm_triple(arm: str, dose: str) -> tuple[str, str, str]:
 
 
 @dataclass(frozen=True)
-class MismatchConfig(LabConfig):
+class MismatchConfig(BasePolicyConfig, LabConfig):
     """Configuration of the mismatch lab."""
 
     OPTIONS: ClassVar[dict[str, str]] = {"updates": "grpo.updates"}
     EXPERIMENTS: ClassVar[tuple[str, ...]] = DOSES
     SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "smooth", "dose_tasks", "dump_dir")
 
-    base: BaseConfig = field(default_factory=lambda: BaseConfig(chain_lengths=CHAINS))
+    base: BaseConfig = field(default_factory=lambda: BaseConfig(chain_lengths=CHAIN_LENGTHS))
     """Supervised warm start of the shared base policy (cached): chains of 5 to 8 tool calls."""
     grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(
-        updates=300, tasks_per_update=8, group_size=8, chain_lengths=CHAINS, eval_every=10, eval_tasks=256))
+        updates=300, tasks_per_update=8, group_size=8, chain_lengths=CHAIN_LENGTHS, eval_every=10, eval_tasks=256))
     """Outcome GRPO shared by every arm (its precisions, correction and seed are set per arm)."""
     seeds: int = 3
     """Paired seeds per arm (task stream, sampling uniforms, minibatch order)."""
@@ -107,13 +117,12 @@ class MismatchConfig(LabConfig):
 
     @classmethod
     def quick(cls) -> MismatchConfig:
-        return cls(grpo=GRPOConfig(updates=6, tasks_per_update=4, group_size=4, chain_lengths=CHAINS,
+        return cls(grpo=GRPOConfig(updates=6, tasks_per_update=4, group_size=4, chain_lengths=CHAIN_LENGTHS,
                                    eval_every=3, eval_tasks=32),
                    seeds=2, smooth=1, dose_tasks=32, experiments=("nvfp4",))
 
     def validate(self) -> None:
-        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
-            raise ConfigError("--seeds", f"must be an integer >= 1, got {self.seeds!r}")
+        check_count(self.seeds, "--seeds")
         if not self.arms or len(set(self.arms)) != len(self.arms):
             raise ConfigError("arms", f"needs distinct arms, got {list(self.arms)}")
         for a in self.arms:
@@ -133,9 +142,6 @@ class MismatchConfig(LabConfig):
             raise ConfigError("grpo.chain_lengths", "must equal base.chain_lengths (the base policy's tasks)")
         if g.advantage != "grpo":
             raise ConfigError("grpo.advantage", "the mismatch lab trains outcome GRPO (advantage='grpo')")
-
-    def cache(self) -> Path:
-        return Path(self.cache_dir) if self.cache_dir else default_cache_dir(None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,10 +170,7 @@ def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_
     if dump_dir:
         from creditlab.train.toolshop_dump import dump_rollouts
 
-        paths = [Path(dump_dir) / f"mismatch-{dose}-{a}-seed={s}.jsonl" for a, s in members]
-        for p in paths:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.unlink(missing_ok=True)  # this cell is computed again from scratch: so is its dump
+        paths = [fresh_dump(dump_dir, f"mismatch-{dose}-{a}-seed={s}.jsonl") for a, s in members]
 
         def on_rollouts(k, m, batch, rewards, old):
             dump_rollouts(batch, rewards, k, paths[m], logprobs=old)
@@ -261,10 +264,9 @@ def _mean_of(df: pd.DataFrame, col: str) -> float:
     return float(df[col].mean()) if col in df.columns else math.nan
 
 
-def _ordered(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+def _ordered(df: pd.DataFrame, by: list[str], ascending: bool | list[bool] = True) -> pd.DataFrame:
     """Sorted by ``by``, arms in the order of :data:`ARMS`."""
-    order = {a: i for i, a in enumerate(ARMS)}
-    return df.sort_values(by, key=lambda c: c.map(order) if c.name == "arm" else c).reset_index(drop=True)
+    return sort_in_order(df, by, {"arm": ARMS}, ascending)
 
 
 def _with_fp32_per_dose(summary: pd.DataFrame, doses: list[str]) -> pd.DataFrame:
@@ -275,19 +277,11 @@ def _with_fp32_per_dose(summary: pd.DataFrame, doses: list[str]) -> pd.DataFrame
 
 
 def _means(summary: pd.DataFrame, doses: list[str]) -> pd.DataFrame:
-    rows = []
-    df = _with_fp32_per_dose(summary, doses)
-    for (dose, arm), g in df.groupby(["dose", "arm"], sort=False):
-        row = {"dose": dose, "arm": arm}
-        for m, bounds in (("final", UNIT), ("rollback", (0.0, 1.0)), ("aulc", UNIT), ("k3_late", (0.0, math.inf)),
-                          ("k3_growth", (0.0, math.inf))):
-            mean, lo, hi = mean_ci(g[m], bounds)
-            row.update({m: mean, f"{m}_lo": lo, f"{m}_hi": hi})
-        row["interaction_cost"] = float(g["interaction_cost"].mean())
-        row["cap_exhaustion"] = float(g["cap_exhaustion"].mean())
-        row["n"] = len(g)
-        rows.append(row)
-    return _ordered(pd.DataFrame(rows), ["dose", "arm"])
+    intervals = [("final", UNIT), ("rollback", (0.0, 1.0)), ("aulc", UNIT), ("k3_late", (0.0, math.inf)),
+                 ("k3_growth", (0.0, math.inf))]
+    means = group_means(_with_fp32_per_dose(summary, doses), ["dose", "arm"], intervals,
+                        ("interaction_cost", "cap_exhaustion"))
+    return _ordered(means, ["dose", "arm"])
 
 
 def _diffs(summary: pd.DataFrame, doses: list[str], ref: str) -> pd.DataFrame:
@@ -320,10 +314,8 @@ def _by_turn(df: pd.DataFrame, cfg: MismatchConfig) -> pd.DataFrame:
                 if pre is None or pre.notna().sum() == 0:
                     continue
                 per_seed = sel.assign(p=pre, c=cur).groupby("seed")[["p", "c"]].mean()
-                mp, plo, phi = mean_ci(per_seed["p"])
-                mc, clo, chi = mean_ci(per_seed["c"])
-                rows.append({"arm": arm, "dose": dose, "phase": phase, "turn": k, "prefix": mp, "prefix_lo": plo,
-                             "prefix_hi": phi, "current": mc, "current_lo": clo, "current_hi": chi,
+                rows.append({"arm": arm, "dose": dose, "phase": phase, "turn": k,
+                             **ci_columns(per_seed["p"], "prefix"), **ci_columns(per_seed["c"], "current"),
                              "tokens": float(n.mean()) if n is not None else math.nan})
     return pd.DataFrame(rows)
 
@@ -338,18 +330,12 @@ def _fingerprint(by_turn: pd.DataFrame) -> pd.DataFrame:
         for what in ("prefix", "current"):
             rows.append({"dose": dose, "arm": arm, "log ratio": what,
                          **{f"turn {int(t)}": v for t, v in zip(g["turn"], g[what], strict=True)}})
-    out = pd.DataFrame(rows)
-    order = {a: i for i, a in enumerate(ARMS)}
-    return out.sort_values(["dose", "arm", "log ratio"], key=lambda c: c.map(order) if c.name == "arm" else c,
-                           ascending=[True, True, False]).reset_index(drop=True)
+    return _ordered(pd.DataFrame(rows), ["dose", "arm", "log ratio"], ascending=[True, True, False])
 
 
 def _knobs(cfg: MismatchConfig) -> pd.DataFrame:
     """Each knob with its value in this run, the lab's default, and why the default is what it is."""
-    here = _knob_rows(cfg)
-    default = _knob_rows(MismatchConfig())
-    return pd.DataFrame([(k, v, d, why) for (k, v, why), (_, d, _) in zip(here, default, strict=True)],
-                        columns=["knob", "this run", "lab default", "why the default"])
+    return knobs_table(_knob_rows(cfg), _knob_rows(MismatchConfig()))
 
 
 def _knob_rows(cfg: MismatchConfig) -> list[tuple[str, str, str]]:
@@ -359,7 +345,7 @@ def _knob_rows(cfg: MismatchConfig) -> list[tuple[str, str, str]]:
          "5 to 8 tool calls (7 turns on average, up to C + 2): a long interaction history for the mismatch to "
          "compound over, and a base policy at about 0.4 held-out success that GRPO does not saturate at once "
          "(at C = 4 outcome GRPO reached 0.96 in 100 updates)."),
-        ("base policy", f"{b.n_demos} demos, noise {b.noise:g}, {b.steps} steps",
+        ("base policy", base_knob(b),
          "the toolshop defaults, only the chain lengths changed; one base policy shared by every arm and seed."),
         ("updates", str(g.updates),
          "held-out success of fp32 rises for about the first 50-70 updates and creeps after that (pilot); the rest "
@@ -367,9 +353,7 @@ def _knob_rows(cfg: MismatchConfig) -> list[tuple[str, str, str]]:
          "is linear in updates."),
         ("rollouts per update", f"{g.tasks_per_update} tasks x {g.group_size}",
          "a quarter of the toolshop lab's 256, for time: the cost of a run is linear in rollouts per update."),
-        ("optimisation", f"lr {g.lr:g}, {g.minibatches} minibatches, clip {g.clip_low:g}/{g.clip_high:g}, "
-                         f"grad clip {g.grad_clip:g}",
-         "GRPOConfig defaults, as in the toolshop lab; not tuned."),
+        ("optimisation", optim_knob(g), "GRPOConfig defaults, as in the toolshop lab; not tuned."),
         ("held-out evaluation", f"{g.eval_tasks} tasks every {g.eval_every} updates, fp32 engine, sampled",
          "one evaluation for every arm (the fp32 engine measures the learned policy, not its engine); sampled at "
          f"temperature {g.temperature:g} like training, with the same uniforms for every arm and evaluation, so "
@@ -377,7 +361,7 @@ def _knob_rows(cfg: MismatchConfig) -> list[tuple[str, str, str]]:
         ("final / best window", f"{cfg.smooth} evaluation points",
          "a single point has a standard error of about 0.03 at 256 tasks, so best-minus-last of raw points reads "
          "noise as rollback; means of a window (and the fp32 arm as the no-mismatch reference) keep it honest."),
-        ("seeds", str(cfg.seeds), "the minimum the issue asks for, for time; arms are paired seed by seed."),
+        seeds_knob(cfg.seeds),
         ("correction parameters", "core defaults",
          "TIS cap 2, MIS [0.5, 2], InterQ eps 0.025 / 0.05, alpha_g 0.5 (prefix: alpha 1); not tuned."),
         ("doses", ", ".join(cfg.experiments),
@@ -397,7 +381,7 @@ CURVE_COLUMNS = {"eval/success": "success", "reward/success": "train_success", "
 # the lab
 
 
-class MismatchLab:
+class MismatchLab(BasePolicyLab):
     """Quantized-rollout GRPO of the toolshop agent under each correction arm (module docstring)."""
 
     name = "mismatch"
@@ -427,16 +411,10 @@ class MismatchLab:
             f"of the last {cfg.smooth} evaluation points, best the largest mean of {cfg.smooth} consecutive points, "
             "rollback = best - final.")
 
-    def prepare(self, cfg: MismatchConfig, progress: bool = True) -> None:
-        """Build the base policy once in the driver (cached), with a progress bar."""
-        prepare_base_policy(cfg.base, cfg.cache(), "mismatch base policy", progress)
-
     def cells(self, cfg: MismatchConfig) -> list[Cell]:
-        ident, ctx = cfg.identity(), {"cache_dir": str(cfg.cache())}
+        ident, ctx = cfg.identity(), cfg.context(dump=True)
         seeds = list(range(cfg.seeds))
-        cells = [Cell("dose", "base", run_dose_cell, {"config": ident, "tasks": cfg.dose_tasks}, ctx)]
-        if cfg.dump_dir:
-            ctx = {**ctx, "dump_dir": cfg.dump_dir}
+        cells = [Cell("dose", "base", run_dose_cell, {"config": ident, "tasks": cfg.dose_tasks}, cfg.context())]
         if "fp32" in cfg.arms:
             cells.append(Cell("train", "fp32", run_stack, {"dose": "fp32", "arms": ["fp32"], "seeds": seeds,
                                                            "config": ident}, ctx))

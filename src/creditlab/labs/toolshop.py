@@ -26,10 +26,11 @@ import torch
 from creditlab.core.correction import CORRECTIONS, get_correction
 from creditlab.errors import ConfigError
 from creditlab.lab.plotting import new_figure, save
-from creditlab.lab.protocol import LabConfig, LabOption, Table
-from creditlab.lab.report import mean_ci, small_run_note
+from creditlab.lab.protocol import LabConfig, LabOption, Table, check_count
+from creditlab.lab.report import ci_columns, small_run_note
 from creditlab.lab.runner import Cell
-from creditlab.train.toolshop_base import BaseConfig, base_policy, default_cache_dir, prepare_base_policy
+from creditlab.labs._toolshop import BasePolicyConfig, BasePolicyLab, fresh_dump
+from creditlab.train.toolshop_base import BaseConfig, base_policy
 from creditlab.train.toolshop_grpo import GRPOConfig, train_grpo
 from creditlab.train.toolshop_rollout import EVAL_SEED_OFFSET, evaluate, make_tasks, rollout, sequence_logprobs
 
@@ -45,7 +46,7 @@ K3_NOISE = 1e-12
 
 
 @dataclass(frozen=True)
-class ToolshopLabConfig(LabConfig):
+class ToolshopLabConfig(BasePolicyConfig, LabConfig):
     """Configuration of the toolshop lab."""
 
     OPTIONS: ClassVar[dict[str, str]] = {
@@ -76,8 +77,7 @@ class ToolshopLabConfig(LabConfig):
                    seeds=1, mismatch_tasks=64)
 
     def validate(self) -> None:
-        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
-            raise ConfigError("--seeds", f"must be an integer >= 1, got {self.seeds!r}")
+        check_count(self.seeds, "--seeds")
         if self.mismatch_tasks < 1:
             raise ConfigError("mismatch_tasks", f"must be >= 1, got {self.mismatch_tasks}")
         if self.grpo.max_len > self.base.max_len:
@@ -87,9 +87,6 @@ class ToolshopLabConfig(LabConfig):
         get_correction(self.grpo.correction)  # an unknown arm raises naming the field (--correction)
         if not self.experiments or any(e not in EXPERIMENTS for e in self.experiments):
             raise ConfigError("--experiment", f"got {list(self.experiments)}; valid: {', '.join(EXPERIMENTS)}")
-
-    def cache(self) -> Path:
-        return Path(self.cache_dir) if self.cache_dir else default_cache_dir(None)
 
 
 @torch.no_grad()
@@ -141,9 +138,7 @@ def run_seed(config: dict, seed: int, cache_dir: str, dump_dir: str | None = Non
     if dump_dir:
         from creditlab.train.toolshop_dump import dump_rollouts
 
-        path = Path(dump_dir) / f"toolshop-seed={seed}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)  # this cell is computed again from scratch: so is its dump
+        path = fresh_dump(dump_dir, f"toolshop-seed={seed}.jsonl")
 
         def on_rollouts(k, batch, rewards, old):
             dump_rollouts(batch, rewards, k, path, logprobs=old)
@@ -158,11 +153,10 @@ def run_seed(config: dict, seed: int, cache_dir: str, dump_dir: str | None = Non
 
 def _ci_row(what: str, values, bounds: tuple[float, float] | None = (0.0, 1.0)) -> dict:
     v = pd.Series(values, dtype=float).dropna().to_numpy()
-    m, lo, hi = mean_ci(v, bounds)
-    return {"what": what, "mean": m, "lo": lo, "hi": hi, "n": len(v)}
+    return {"what": what, **ci_columns(v, bounds=bounds), "n": len(v)}
 
 
-class ToolshopLab:
+class ToolshopLab(BasePolicyLab):
     """Outcome GRPO of the tiny tool-use agent from its supervised base policy (module docstring)."""
 
     name = "toolshop"
@@ -188,18 +182,13 @@ class ToolshopLab:
                 f"updates, {cfg.seeds} seed(s). Held-out success is measured on {g.eval_tasks} fixed evaluation "
                 "tasks with sampled actions.")
 
-    def prepare(self, cfg: ToolshopLabConfig, progress: bool = True) -> None:
-        """Build the base policy once in the driver (cached), with a progress bar."""
-        prepare_base_policy(cfg.base, cfg.cache(), "toolshop base policy", progress)
-
     def cells(self, cfg: ToolshopLabConfig) -> list[Cell]:
-        ident, ctx = cfg.identity(), {"cache_dir": str(cfg.cache())}
+        ident, ctx = cfg.identity(), cfg.context()
         cells = [Cell("base", "base", run_base_cell, {"config": ident}, ctx)]
         if "mismatch" in cfg.experiments:
             cells.append(Cell("mismatch", "mismatch", run_mismatch_cell, {"config": ident}, ctx))
         if "grpo" in cfg.experiments:
-            dump = {"dump_dir": cfg.dump_dir} if cfg.dump_dir else {}
-            cells += [Cell("grpo", f"seed={s}", run_seed, {"config": ident, "seed": s}, {**ctx, **dump})
+            cells += [Cell("grpo", f"seed={s}", run_seed, {"config": ident, "seed": s}, cfg.context(dump=True))
                       for s in range(cfg.seeds)]
         return cells
 
