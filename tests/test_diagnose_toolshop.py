@@ -15,7 +15,7 @@ from creditlab.core.diagnostics import chain_length
 from creditlab.diagnose import read_dump, run_checks, write_dump
 from creditlab.train.toolshop_base import BaseConfig, train_base
 from creditlab.train.toolshop_dump import dump_rollouts, rollout_rows
-from creditlab.train.toolshop_rollout import evidence_scores, make_tasks, rollout, sequence_logprobs
+from creditlab.train.toolshop_rollout import make_tasks, rollout, sequence_logprobs, successful_read_scores
 
 # a small base policy that succeeds about 40% of the time on chains of 2-3 calls (about 10 s on 2 cores)
 BASE = BaseConfig(chain_lengths=(2, 3), n_demos=512, steps=300, batch_size=32, d_model=48, n_layer=1, max_len=96,
@@ -107,7 +107,7 @@ def test_credit_checks_read_the_agents_tool_calls(model, tmp_path):
     assert res["credit.mixing"].status == "skipped"
     # with the (hackable) evidence score on every turn the mixing score is measured
     s, b, old = batches[0]
-    scored = rollout_rows(b, b.success, s, logprobs=old, process_scores=evidence_scores(b))
+    scored = rollout_rows(b, b.success, s, logprobs=old, process_scores=successful_read_scores(b))
     assert all(r["process_reward"] is not None for r in scored if r["turns"])
     res = {r.id: r for r in run_checks(read_dump(write_dump(scored, tmp_path / "s.jsonl")))}
     assert res["credit.mixing"].status in ("ok", "warn") and 0 <= res["credit.mixing"].value <= 1

@@ -291,13 +291,13 @@ def test_prm_advantage_with_a_schedule_matches_core(model):
     from creditlab.core.advantages import prm_mixed_advantages
     from creditlab.core.schedules import decay
     from creditlab.train.toolshop_grpo import make_prm_advantage
-    from creditlab.train.toolshop_rollout import evidence_scores, turn_mask_of
+    from creditlab.train.toolshop_rollout import successful_read_scores, turn_mask_of
 
     batch = _rollout(model, n=8, group_ids=[0, 0, 0, 0, 1, 1, 1, 1])
     rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 1])
     lam = decay(1.0, start=2, end=4)
-    fn = make_prm_advantage(evidence_scores, lam)
-    scores = evidence_scores(batch)
+    fn = make_prm_advantage(successful_read_scores, lam)
+    scores = successful_read_scores(batch)
     for k in (0, 3, 10):
         want = prm_mixed_advantages(rewards, scores, turn_mask_of(batch), batch.group_ids, lam(k))
         assert torch.allclose(fn(batch, rewards, k), turns_to_tokens(want, batch))

@@ -904,6 +904,14 @@ def _mismatch(delta, m, b: SegmentBounds, high, low, C, rho, alpha, T: int, quan
 # an arm and its diagnostics in one call
 
 
+def _merged(arm: dict, diagnostic: dict) -> dict:
+    """The arm's metrics and the diagnostic's in one dict: on a shared key, ``mismatch/*`` from the
+    diagnostic, anything else (``correction/*``) from the arm."""
+    out = {**diagnostic, **arm}
+    out.update({k: diagnostic[k] for k in arm if k in diagnostic and k.startswith("mismatch/")})
+    return out
+
+
 def correction_weights(
     name: str,
     old_logprobs: torch.Tensor,
@@ -915,7 +923,10 @@ def correction_weights(
     diagnostics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weights ``(B, L)`` of the registered arm ``name`` and its metrics merged with
-    :func:`mismatch_metrics` (the arm's own keys win), computing the InterQ pass once per batch.
+    :func:`mismatch_metrics`, computing the InterQ pass once per batch. Where both define a key, the
+    arm's ``correction/*`` value is kept (it describes the weights returned) and the diagnostic's
+    ``mismatch/*`` value (an arm's quick ``mismatch/k3`` is float32; the diagnostic's is the one
+    definition every arm shares).
 
     This is what the trainer integrations call once per batch. ``params`` are the arm's keyword
     parameters (:func:`correction_params`; an unknown key raises :class:`ConfigError` naming the
@@ -942,7 +953,7 @@ def correction_weights(
     if mode is None or not diagnostics:
         w, metrics = fn(old_logprobs, rollout_logprobs, policy_mask, valid_mask, **params)
         if diagnostics:
-            metrics = {**mismatch_metrics(old_logprobs, rollout_logprobs, policy_mask, valid_mask), **metrics}
+            metrics = _merged(metrics, mismatch_metrics(old_logprobs, rollout_logprobs, policy_mask, valid_mask))
         return w, metrics
     p = InterQParams(**params)
     with torch.no_grad():
@@ -952,4 +963,4 @@ def correction_weights(
         alloc = q.alpha if mode == "interq" else _allocate(q.C, q.rho, p.alpha_g, p.iters)
         diag = _mismatch(run.delta, run.m, run.bounds, *_clip_counts(q.clip), q.C, q.rho, alloc, _MAX_TURNS,
                          _QUANTILES)
-    return q.weights, _to_floats({**diag, **arm})
+    return q.weights, _to_floats(_merged(arm, diag))

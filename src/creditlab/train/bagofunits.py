@@ -18,6 +18,7 @@ import torch
 from creditlab.core.advantages import grpo_advantages
 from creditlab.envs.bagofunits import BagOfUnits, Prompts
 from creditlab.errors import ConfigError
+from creditlab.train.common import generator, seed_stream
 
 __all__ = ["REWARD_ARMS", "BagTrainConfig", "FactPolicy", "eval_seed", "evaluate", "init_linears", "new_policy",
            "reward_of", "rollout", "train_bag"]
@@ -62,7 +63,7 @@ class BagTrainConfig:
 
 def eval_seed(seed: int) -> int:
     """Seed of the fixed evaluation prompts of a run with ``seed`` (shared by every arm)."""
-    return 2_000_000 + seed
+    return seed_stream("bag/eval_prompts", seed)
 
 
 def new_policy(hidden: int, seed: int) -> FactPolicy:
@@ -173,21 +174,26 @@ def train_bag(arm: str, seed: int, cfg: BagTrainConfig) -> list[dict]:
     env = BagOfUnits(cfg.f_min, cfg.f_max, cfg.known_prob, cfg.max_units, lenient=cfg.lenient)
     policy = new_policy(cfg.hidden, seed)  # the same initial weights in every arm
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
-    train_gen = torch.Generator().manual_seed(1_000 + seed)
-    eval_prompts = env.sample_prompts(cfg.eval_prompts, torch.Generator().manual_seed(eval_seed(seed)))
+    train_gen = generator("bag/train", seed)
+    eval_prompts = env.sample_prompts(cfg.eval_prompts, generator("bag/eval_prompts", seed))
     mode, beta = reward_of(arm, cfg.beta)
     group_ids = torch.arange(cfg.prompts_per_update).repeat_interleave(cfg.group_size)
     rows = []
     for update in range(cfg.updates + 1):
+        # --- metrics: evaluation every eval_every updates and after the last
         if update % cfg.eval_every == 0 or update == cfg.updates:
             rows.append({"arm": arm, "seed": seed, "update": update,
-                         **evaluate(env, policy, eval_prompts, 3_000_000 + seed * 1_000 + update, cfg.tau)})
+                         **evaluate(env, policy, eval_prompts, seed_stream("bag/eval_sample", seed, update), cfg.tau)})
         if update == cfg.updates:
             break
+        # --- rollouts
         prompts = env.sample_prompts(cfg.prompts_per_update, train_gen).repeat(cfg.group_size)
         resp, logp = rollout(env, policy, prompts, train_gen)
+        # --- scores
         reward = env.score(prompts, resp, mode, cfg.tau, beta).reward
+        # --- advantages (no per-token weights: one summed log-prob per response)
         adv = grpo_advantages(reward, group_ids)
+        # --- step: REINFORCE, one clipped Adam step
         loss = -(adv * logp).mean()
         opt.zero_grad()
         loss.backward()

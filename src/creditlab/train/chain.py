@@ -13,6 +13,7 @@ noise) and a model's result does not depend on which other models share its batc
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -21,7 +22,7 @@ from creditlab.core.advantages import grpo_advantages
 from creditlab.envs.chain import ChainTasks, chain_outcome, exact_score, make_tasks, obs_dim, observe, validate
 from creditlab.errors import ConfigError
 from creditlab.models.batched_mlp import BatchedAdam, BatchedMLP
-from creditlab.train.common import single_thread
+from creditlab.train.common import generator, single_thread
 
 __all__ = ["ChainTrainConfig", "ModelSpec", "chain_step_batch", "single_update", "train_chain"]
 
@@ -117,8 +118,7 @@ def _exposed_steps(tasks: ChainTasks, specs: list[ModelSpec]) -> torch.Tensor:
     for m, s in enumerate(specs):
         C = s.C
         if s.exposure == "independent":
-            g = torch.Generator().manual_seed(int(s.seed) * 7_368_787 + C * 101 + 5)
-            ok = torch.rand(C, generator=g) < s.vd
+            ok = torch.rand(C, generator=generator("chain/exposure", s.seed, C)) < s.vd
         elif s.exposure == "final":
             ok = torch.arange(C) == C - 1
         else:
@@ -134,82 +134,151 @@ def train_chain(specs: list[ModelSpec], cfg: ChainTrainConfig) -> dict[str, torc
         return _train_chain(specs, cfg)
 
 
-def _train_chain(specs: list[ModelSpec], cfg: ChainTrainConfig) -> dict[str, torch.Tensor]:
+def _check(specs: list[ModelSpec], cfg: ChainTrainConfig, what: str) -> None:
     cfg.validate()
     if not specs:
-        raise ConfigError("specs", "no model to train")
+        raise ConfigError("specs", f"no model to {what}")
     for s in specs:
         s.validate(cfg.T, cfg.K)
+
+
+class _Noise(NamedTuple):
+    """The uniforms of one update, ``(M, G, T)`` each, drawn from the model's seed stream."""
+
+    act: torch.Tensor
+    """Action sampling (inverse CDF)."""
+    shuffle_keys: torch.Tensor
+    """Keys of the ``shuffled`` arm (and of every other arm's ``keys`` field)."""
+    step_keys: torch.Tensor
+    """Keys of the ``random_k`` arm."""
+
+
+def _draw_noise(streams: list[torch.Generator], stream_idx: torch.Tensor, G: int, T: int) -> _Noise:
+    noise = torch.stack([torch.rand(3, G, T, generator=g) for g in streams])[stream_idx]  # (M, 3, G, T)
+    return _Noise(noise[:, 0], noise[:, 1], noise[:, 2])
+
+
+class _Rollouts(NamedTuple):
+    """``G`` rollouts of every model and what the policy gradient needs of them."""
+
+    x: torch.Tensor
+    """Observations the policy saw: ``(M, T, T)`` (independent steps) or ``(M, G*T, obs)``."""
+    h: torch.Tensor
+    """Hidden activations of the policy at ``x`` (for :meth:`BatchedMLP.backward`)."""
+    probs: torch.Tensor
+    """Action probabilities at ``x``."""
+    actions: torch.Tensor
+    """``(M, G, T)`` sampled actions."""
+    reward: torch.Tensor
+    """``(M, G)`` outcome reward."""
+    step_correct: torch.Tensor
+    """``(M, G, T)`` local correctness of each step."""
+    progress: torch.Tensor
+    """``(M, G, T)`` progress of each step."""
+
+
+def _rollouts(policy: BatchedMLP, tasks: ChainTasks, act_noise: torch.Tensor, x_static: torch.Tensor | None
+              ) -> _Rollouts:
+    """Sample ``G`` rollouts per model by inverse-CDF sampling from ``act_noise`` ``(M, G, T)``;
+    ``x_static`` the step-index observations of independent-step chains (None: state-dependent)."""
+    M, G, T = act_noise.shape
+    if x_static is not None:
+        logits, h = policy.forward(x_static)  # (M, T, K): the observation is the step index only
+        probs = torch.softmax(logits, -1)
+        cdf = probs.cumsum(-1).unsqueeze(1)  # (M, 1, T, K)
+        actions = (act_noise.unsqueeze(-1) > cdf[..., :-1]).sum(-1)  # inverse-CDF sampling
+        x_used = x_static
+    else:
+        prefix = torch.zeros(M, G, dtype=torch.long)
+        broken = torch.zeros(M, G, dtype=torch.bool)
+        xs, acts = [], []
+        for t in range(T):
+            x_t = observe(T, torch.full((M, G), t), prefix, broken)
+            lg, _ = policy.forward(x_t)
+            cdf = torch.softmax(lg, -1).cumsum(-1)
+            a_t = (act_noise[:, :, t].unsqueeze(-1) > cdf[..., :-1]).sum(-1)
+            causal_t = tasks.is_causal[:, t].unsqueeze(1)
+            ok = a_t == tasks.correct[:, t].unsqueeze(1)
+            prefix = prefix + (causal_t & ok & ~broken).long()
+            broken = broken | (causal_t & ~ok)
+            xs.append(x_t)
+            acts.append(a_t)
+        x_used = torch.stack(xs, 2).reshape(M, G * T, -1)
+        actions = torch.stack(acts, 2)
+        logits, h = policy.forward(x_used)
+        probs = torch.softmax(logits, -1)
+    reward, step_correct, progress = chain_outcome(tasks, actions)
+    return _Rollouts(x_used, h, probs, actions, reward, step_correct, progress)
+
+
+class _Arms(NamedTuple):
+    """The models of each credit arm and the per-model world tensors the arms read."""
+
+    rows: dict[str, torch.Tensor]
+    """Model indices of each arm, arms in first-seen order."""
+    k_col: torch.Tensor
+    """``(M, 1, 1)`` each model's ``k``."""
+    first_k: torch.Tensor
+    """``(M, T)`` the first ``k`` causal steps (``concentrated``)."""
+    exposed: torch.Tensor
+    """``(M, T)`` the causal steps the verifier can judge."""
+
+
+def _arms(specs: list[ModelSpec], tasks: ChainTasks) -> _Arms:
+    M = len(specs)
+    arms = [s.arm for s in specs]
+    rows = {a: torch.tensor([i for i, x in enumerate(arms) if x == a]) for a in dict.fromkeys(arms)}
+    k_col = torch.tensor([s.k for s in specs]).view(M, 1, 1)
+    first_k = tasks.is_causal & (tasks.order < k_col.view(M, 1))  # concentrated selection
+    return _Arms(rows, k_col, first_k, _exposed_steps(tasks, specs))
+
+
+def _credit(arms: _Arms, advantages: torch.Tensor, ro: _Rollouts, noise: _Noise) -> torch.Tensor:
+    """``(M, G, T)`` credit of every model: its arm's geometry over the GRPO ``advantages`` ``(M*G,)``."""
+    M, G, T = ro.actions.shape
+    credit = torch.zeros(M, G, T)
+    for arm, rows in arms.rows.items():
+        batch, params = chain_step_batch(arm, rows, G, advantages.view(M, G)[rows].reshape(-1), reward=ro.reward,
+                                         progress=ro.progress, step_correct=ro.step_correct, exposed=arms.exposed,
+                                         first_k=arms.first_k, k_col=arms.k_col, shuffle_keys=noise.shuffle_keys,
+                                         step_keys=noise.step_keys)
+        credit[rows] = cr.get_geometry(arm)(batch, **params).view(len(rows), G, T)
+    return credit
+
+
+def _train_chain(specs: list[ModelSpec], cfg: ChainTrainConfig) -> dict[str, torch.Tensor]:
+    _check(specs, cfg, "train")
     T, K, G = cfg.T, cfg.K, cfg.group
     M = len(specs)
     tasks = make_tasks(T, K, [s.C for s in specs], [s.seed for s in specs])
     seeds = sorted({s.seed for s in specs})
     seed_idx = torch.tensor([seeds.index(s.seed) for s in specs])
-    streams = [torch.Generator().manual_seed(int(sd) * 15_485_863 + 3) for sd in seeds]
+    streams = [generator("chain/train", sd) for sd in seeds]
     policy = BatchedMLP.init([s.seed for s in specs], obs_dim(T, cfg.state_dependent), cfg.hidden, K)
     opt = BatchedAdam(policy, cfg.lr, cfg.max_grad_norm, eps=cfg.adam_eps)
-
-    arms = [s.arm for s in specs]
-    arm_rows = {a: torch.tensor([i for i, x in enumerate(arms) if x == a]) for a in dict.fromkeys(arms)}
-    k_col = torch.tensor([s.k for s in specs]).view(M, 1, 1)
-    first_k = tasks.is_causal & (tasks.order < k_col.view(M, 1))  # concentrated selection
-    exposed = _exposed_steps(tasks, specs)
+    arms = _arms(specs, tasks)
     group_ids = torch.arange(M).repeat_interleave(G)
-    t_idx = torch.arange(T)
     eval_at = torch.unique(torch.linspace(0, cfg.updates, cfg.eval_points + 1).round().long()[1:])
     curve = torch.zeros(M, len(eval_at))
     train_reward = torch.zeros(M, cfg.updates)
-    x_static = observe(T, t_idx).expand(M, T, T) if not cfg.state_dependent else None
-
-    def evaluate() -> torch.Tensor:
-        return _exact_eval(policy, tasks, cfg.state_dependent)
+    x_static = observe(T, torch.arange(T)).expand(M, T, T) if not cfg.state_dependent else None
 
     e = 0
     for u in range(cfg.updates):
-        noise = torch.stack([torch.rand(3, G, T, generator=g) for g in streams])[seed_idx]  # (M, 3, G, T)
-        act_noise, shuffle_keys, step_keys = noise[:, 0], noise[:, 1], noise[:, 2]
+        noise = _draw_noise(streams, seed_idx, G, T)
         # --- rollouts
-        if not cfg.state_dependent:
-            logits, h = policy.forward(x_static)  # (M, T, K): the observation is the step index only
-            probs = torch.softmax(logits, -1)
-            cdf = probs.cumsum(-1).unsqueeze(1)  # (M, 1, T, K)
-            actions = (act_noise.unsqueeze(-1) > cdf[..., :-1]).sum(-1)  # inverse-CDF sampling
-            x_used = x_static
-        else:
-            prefix = torch.zeros(M, G, dtype=torch.long)
-            broken = torch.zeros(M, G, dtype=torch.bool)
-            xs, acts = [], []
-            for t in range(T):
-                x_t = observe(T, torch.full((M, G), t), prefix, broken)
-                lg, _ = policy.forward(x_t)
-                cdf = torch.softmax(lg, -1).cumsum(-1)
-                a_t = (act_noise[:, :, t].unsqueeze(-1) > cdf[..., :-1]).sum(-1)
-                causal_t = tasks.is_causal[:, t].unsqueeze(1)
-                ok = a_t == tasks.correct[:, t].unsqueeze(1)
-                prefix = prefix + (causal_t & ok & ~broken).long()
-                broken = broken | (causal_t & ~ok)
-                xs.append(x_t)
-                acts.append(a_t)
-            x_used = torch.stack(xs, 2).reshape(M, G * T, -1)
-            actions = torch.stack(acts, 2)
-            logits, h = policy.forward(x_used)
-            probs = torch.softmax(logits, -1)
-        reward, step_correct, progress = chain_outcome(tasks, actions)
-        train_reward[:, u] = reward.mean(1)
-        # --- advantages and credit (flattened B = M * G rollouts)
-        A = grpo_advantages(reward.reshape(-1), group_ids)
-        credit = torch.zeros(M, G, T)
-        for arm, rows in arm_rows.items():
-            batch, params = chain_step_batch(arm, rows, G, A.view(M, G)[rows].reshape(-1), reward=reward,
-                                             progress=progress, step_correct=step_correct, exposed=exposed,
-                                             first_k=first_k, k_col=k_col, shuffle_keys=shuffle_keys,
-                                             step_keys=step_keys)
-            c = cr.get_geometry(arm)(batch, **params)
-            credit[rows] = c.view(len(rows), G, T)
-        # --- policy gradient of L = -(1/G) sum_{g,t} a[g,t] log pi(a_gt | s_gt)
-        opt.step(policy.backward(x_used, h, _dlogits(credit, actions, probs, cfg.state_dependent)))
+        ro = _rollouts(policy, tasks, noise.act, x_static)
+        # --- scores
+        train_reward[:, u] = ro.reward.mean(1)
+        # --- advantages (flattened B = M * G rollouts)
+        A = grpo_advantages(ro.reward.reshape(-1), group_ids)
+        # --- weights: each model's credit geometry
+        credit = _credit(arms, A, ro, noise)
+        # --- step: the policy gradient of L = -(1/G) sum_{g,t} a[g,t] log pi(a_gt | s_gt), one Adam step
+        opt.step(policy.backward(ro.x, ro.h, _dlogits(credit, ro.actions, ro.probs, cfg.state_dependent)))
+        # --- metrics: exact evaluation at the eval points
         if e < len(eval_at) and u + 1 == int(eval_at[e]):
-            curve[:, e] = evaluate()
+            curve[:, e] = _exact_eval(policy, tasks, cfg.state_dependent)
             e += 1
     return {"final_score": curve[:, -1].clone(), "curve": curve, "eval_at": eval_at, "train_reward": train_reward,
             "policy": policy}
@@ -266,16 +335,12 @@ def single_update(specs: list[ModelSpec], cfg: ChainTrainConfig, *, base_updates
 
 
 def _single_update(specs, cfg, base_updates, step, clip, G):
-    cfg.validate()
+    _check(specs, cfg, "update")
     if cfg.state_dependent:
         raise ConfigError("state_dependent", "single_update supports independent-step chains only")
-    if not specs:
-        raise ConfigError("specs", "no model to update")
     if base_updates < 1 or not step > 0 or not clip > 0:
         raise ConfigError("single_update", f"needs base_updates >= 1, step > 0, clip > 0; got "
                                            f"{base_updates}, {step}, {clip}")
-    for s in specs:
-        s.validate(cfg.T, cfg.K)
     if G < 2:
         raise ConfigError("rollouts", f"GRPO needs at least 2 rollouts, got {G}")
     T = cfg.T
@@ -287,31 +352,21 @@ def _single_update(specs, cfg, base_updates, step, clip, G):
     policy = BatchedMLP(**{k: v[idx].clone() for k, v in base.params().items()})
     tasks = make_tasks(T, cfg.K, [s.C for s in specs], [s.seed for s in specs])
     # one stream per (seed, C), distinct from the training streams: the arms of a base share rollouts
-    streams = [torch.Generator().manual_seed(int(sd) * 15_485_863 + C * 7_919 + 11) for sd, C in bases]
-    noise = torch.stack([torch.rand(3, G, T, generator=g) for g in streams])[idx]  # (M, 3, G, T)
-    act_noise, shuffle_keys, step_keys = noise[:, 0], noise[:, 1], noise[:, 2]
+    noise = _draw_noise([generator("chain/single_update", sd, C) for sd, C in bases], idx, G, T)
     before = _exact_eval(policy, tasks, False)
-    logits, h = policy.forward(observe(T, torch.arange(T)).expand(M, T, T))
-    probs = torch.softmax(logits, -1)
-    actions = (act_noise.unsqueeze(-1) > probs.cumsum(-1).unsqueeze(1)[..., :-1]).sum(-1)
-    reward, step_correct, progress = chain_outcome(tasks, actions)
-    A = grpo_advantages(reward.reshape(-1), torch.arange(M).repeat_interleave(G))
-    k_col = torch.tensor([s.k for s in specs]).view(M, 1, 1)
-    first_k = tasks.is_causal & (tasks.order < k_col.view(M, 1))
-    exposed = _exposed_steps(tasks, specs)
-    credit = torch.zeros(M, G, T)
-    arms = [s.arm for s in specs]
-    for arm in dict.fromkeys(arms):
-        rows = torch.tensor([i for i, x in enumerate(arms) if x == arm])
-        batch, params = chain_step_batch(arm, rows, G, A.view(M, G)[rows].reshape(-1), reward=reward,
-                                         progress=progress, step_correct=step_correct, exposed=exposed,
-                                         first_k=first_k, k_col=k_col, shuffle_keys=shuffle_keys, step_keys=step_keys)
-        credit[rows] = cr.get_geometry(arm)(batch, **params).view(len(rows), G, T)
-    grads = policy.backward(observe(T, torch.arange(T)).expand(M, T, T), h, _dlogits(credit, actions, probs, False))
+    # --- rollouts and scores
+    ro = _rollouts(policy, tasks, noise.act, observe(T, torch.arange(T)).expand(M, T, T))
+    # --- advantages
+    A = grpo_advantages(ro.reward.reshape(-1), torch.arange(M).repeat_interleave(G))
+    # --- weights: each spec's credit geometry
+    credit = _credit(_arms(specs, tasks), A, ro, noise)
+    # --- step: one clipped SGD step per spec
+    grads = policy.backward(ro.x, ro.h, _dlogits(credit, ro.actions, ro.probs, False))
     norm = torch.sqrt(sum((g.reshape(M, -1) ** 2).sum(-1) for g in grads.values()))
     coef = (clip / norm.clamp_min(1e-12)).clamp(max=1.0)
     for k, g in grads.items():
         getattr(policy, k).sub_(g * (step * coef).view(M, *([1] * (g.dim() - 1))))
+    # --- metrics
     return {"before": before, "after": _exact_eval(policy, tasks, False), "grad_norm": norm, "binding": norm > clip}
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ import torch
 from creditlab.core.diagnostics import concentration
 from creditlab.envs.toolshop import PAD, TOK, TOOL_TABLE, Task, TurnRecord, make_task, run_scripted
 from creditlab.errors import ConfigError, InputError
+from creditlab.train.common import adamw, generator
 from creditlab.train.toolshop_grpo import GRPOConfig, task_seeds
 from creditlab.train.toolshop_rollout import RolloutBatch, make_tasks, rollout
 
@@ -150,63 +152,92 @@ def train_opsd(model, teacher, cfg: GRPOConfig, kind: str, *, beta: float = 0.5,
     ``grad_norm`` (mean before clipping), ``grad/clipped`` (optimizer steps whose norm was clipped),
     ``loss/opsd``, ``episode/policy_tokens``, ``time/update_s``.
     """
-    from creditlab.core.losses import opsd_loss
-
     for p in teacher.parameters():
         p.requires_grad_(False)
     teacher.eval()
-    gen = torch.Generator().manual_seed(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
+    gen = generator("grpo/sampling", cfg.seed)
+    opt = adamw(model.parameters(), cfg.lr)
     G = cfg.group_size
     rows = []
     for k in range(cfg.updates):
         t0 = time.perf_counter()
+        # --- rollouts (the student's own, fp32)
         model.eval()
         tasks = [t for t in make_tasks(task_seeds(cfg, k), cfg.chain_lengths) for _ in range(G)]
         batch = rollout(model, tasks, precision="fp32", max_len=cfg.max_len, max_turns=cfg.max_turns,
                         max_action_len=cfg.max_action_len, temperature=cfg.temperature, generator=gen,
                         group_ids=[j // G for j in range(len(tasks))])
         pm = batch.policy_mask
+        # --- scores: the teacher's and the student's distributions at every position
         with torch.no_grad():
             t_logits = teacher_logits(teacher, batch, kind) / cfg.temperature
             s_logits = aligned_logits(model(batch.tokens).float()) / cfg.temperature
             if on_rollouts is not None:
                 lp = torch.log_softmax(s_logits, -1).gather(-1, batch.tokens[..., None]).squeeze(-1)
                 on_rollouts(k, batch, batch.success.float(), torch.where(pm, lp, torch.zeros_like(lp)))
-            ls, lt = torch.log_softmax(s_logits, -1), torch.log_softmax(t_logits, -1)
-            rev = (ls.exp() * (ls - lt)).sum(-1)  # KL(student || teacher) per position
-            fwd = (lt.exp() * (lt - ls)).sum(-1)
-            n_pol = max(int(pm.sum()), 1)
-            row = {"update": float(k), "opsd/reverse_kl": float(rev[pm].sum()) / n_pol,
-                   "opsd/forward_kl": float(fwd[pm].sum()) / n_pol}
-            # the KL of each turn taken, and the policy tokens it holds
-            T = max(batch.n_turns_max, 1)
-            tid = batch.turn_ids.clamp(min=0)
-            on = pm & (batch.turn_ids >= 0)
-            per_turn = torch.zeros(len(batch), T, dtype=torch.float64).scatter_add_(
-                1, tid, torch.where(on, rev, torch.zeros_like(rev)).double().clamp(min=0))
-            toks = torch.zeros(len(batch), T, dtype=torch.float64).scatter_add_(1, tid, on.double())
-            taken = toks > 0
-            share, _ = concentration(per_turn[taken], top_frac)
-            n_top = max(1, math.ceil(top_frac * int(taken.sum())))
-            top = per_turn[taken].argsort(descending=True)[:n_top]
-            row["opsd/kl_top_share"] = share
-            row["opsd/kl_top_token_share"] = float(toks[taken][top].sum() / toks[taken].sum())
-        model.train()
-        norms, clipped, losses = [], 0, []
-        for chunk in torch.randperm(len(batch), generator=gen).chunk(cfg.minibatches):
-            s = aligned_logits(model(batch.tokens[chunk]).float()) / cfg.temperature
-            loss, _ = opsd_loss(s, t_logits[chunk], pm[chunk], beta, agg=cfg.agg)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-            norms.append(gn)
-            clipped += int(gn > cfg.grad_clip)
-            losses.append(float(loss.detach()))
-            opt.step()
-        model.eval()
-        row.update({"loss/opsd": float(np.mean(losses)), "grad_norm": float(np.mean(norms)),
-                    "grad/clipped": float(clipped), "episode/policy_tokens": float(pm.sum()) / len(batch),
+            row = {"update": float(k), **_kl_metrics(batch, s_logits, t_logits, top_frac)}
+        # --- minibatch steps (no advantages, no weights: the loss is the distillation itself)
+        steps = _opsd_steps(model, opt, cfg, batch, t_logits, beta, gen)
+        # --- metrics
+        row.update({"loss/opsd": float(np.mean(steps.losses)), "grad_norm": float(np.mean(steps.grad_norms)),
+                    "grad/clipped": float(steps.clipped), "episode/policy_tokens": float(pm.sum()) / len(batch),
                     "time/update_s": time.perf_counter() - t0})
         rows.append(row)
     return rows
+
+
+def _kl_metrics(batch: RolloutBatch, s_logits: torch.Tensor, t_logits: torch.Tensor, top_frac: float
+                ) -> dict[str, float]:
+    """``opsd/*`` of one batch before the update: the KLs per policy token and how concentrated the
+    reverse KL is on the top ``top_frac`` of the turns taken."""
+    pm = batch.policy_mask
+    ls, lt = torch.log_softmax(s_logits, -1), torch.log_softmax(t_logits, -1)
+    rev = (ls.exp() * (ls - lt)).sum(-1)  # KL(student || teacher) per position
+    fwd = (lt.exp() * (lt - ls)).sum(-1)
+    n_pol = max(int(pm.sum()), 1)
+    row = {"opsd/reverse_kl": float(rev[pm].sum()) / n_pol, "opsd/forward_kl": float(fwd[pm].sum()) / n_pol}
+    # the KL of each turn taken, and the policy tokens it holds
+    T = max(batch.n_turns_max, 1)
+    tid = batch.turn_ids.clamp(min=0)
+    on = pm & (batch.turn_ids >= 0)
+    per_turn = torch.zeros(len(batch), T, dtype=torch.float64).scatter_add_(
+        1, tid, torch.where(on, rev, torch.zeros_like(rev)).double().clamp(min=0))
+    toks = torch.zeros(len(batch), T, dtype=torch.float64).scatter_add_(1, tid, on.double())
+    taken = toks > 0
+    share, _ = concentration(per_turn[taken], top_frac)
+    n_top = max(1, math.ceil(top_frac * int(taken.sum())))
+    top = per_turn[taken].argsort(descending=True)[:n_top]
+    row["opsd/kl_top_share"] = share
+    row["opsd/kl_top_token_share"] = float(toks[taken][top].sum() / toks[taken].sum())
+    return row
+
+
+class _OPSDSteps(NamedTuple):
+    """What the minibatch steps of one OPSD update report (one value per optimizer step)."""
+
+    losses: list[float]
+    grad_norms: list[float]
+    clipped: int
+    """Steps whose gradient norm was clipped."""
+
+
+def _opsd_steps(model, opt: torch.optim.Optimizer, cfg: GRPOConfig, batch: RolloutBatch, t_logits: torch.Tensor,
+                beta: float, gen: torch.Generator) -> _OPSDSteps:
+    """``minibatches`` clipped AdamW steps on :func:`creditlab.core.losses.opsd_loss`."""
+    from creditlab.core.losses import opsd_loss
+
+    pm = batch.policy_mask
+    model.train()
+    norms, clipped, losses = [], 0, []
+    for chunk in torch.randperm(len(batch), generator=gen).chunk(cfg.minibatches):
+        s = aligned_logits(model(batch.tokens[chunk]).float()) / cfg.temperature
+        loss, _ = opsd_loss(s, t_logits[chunk], pm[chunk], beta, agg=cfg.agg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+        norms.append(gn)
+        clipped += int(gn > cfg.grad_clip)
+        losses.append(float(loss.detach()))
+        opt.step()
+    model.eval()
+    return _OPSDSteps(losses, norms, clipped)

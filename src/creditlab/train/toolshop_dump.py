@@ -32,7 +32,7 @@ def rollout_rows(batch: RolloutBatch, rewards: torch.Tensor, step: int, *, logpr
     ``rewards`` ``(B,)``: the outcome reward the advantage used. ``logprobs`` ``(B, L)``: the
     learner's log-probs of ``batch.tokens`` at the sampling checkpoint (without them the dump has no
     token columns and the mismatch checks are skipped). ``process_scores`` ``(B, T)``: per-turn
-    process scores (e.g. :func:`~creditlab.train.toolshop_rollout.evidence_scores`); each turn gets its
+    process scores (e.g. :func:`~creditlab.train.toolshop_rollout.successful_read_scores`); each turn gets its
     score and the row's ``process_reward`` is their mean over the turns taken.
     """
     B = len(batch)

@@ -20,10 +20,10 @@ execution-mismatch correction arms of :func:`make_weights`.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,17 +31,18 @@ import torch
 from creditlab.errors import ConfigError
 from creditlab.models.quant import check_precision
 from creditlab.models.tiny_lm import StackedTinyLM, TinyLM
+from creditlab.train.common import adamw, generator, seed_stream, task_rng
 from creditlab.train.toolshop_rollout import (
     EVAL_SEED_OFFSET,
     RolloutBatch,
     StackedRollout,
     evaluate,
-    evidence_scores,
     make_tasks,
     rollout,
     rollout_stacked,
     sequence_logprobs,
     stacked_logprobs,
+    successful_read_scores,
     turn_mask_of,
     turn_progress_deltas,
     turns_to_tokens,
@@ -119,7 +120,7 @@ def make_advantage(name: str, *, generator: torch.Generator | None = None, conse
     return credit
 
 
-def make_prm_advantage(process_scores: Callable[[RolloutBatch], torch.Tensor] = evidence_scores,
+def make_prm_advantage(process_scores: Callable[[RolloutBatch], torch.Tensor] = successful_read_scores,
                        lam: Callable[[int], float] | float = 0.5) -> AdvantageFn:
     """PRM mixing: ``A[i,t] = A_out[i] + lam(k) A_proc[i,t]`` per turn
     (:func:`creditlab.core.advantages.prm_mixed_advantages`), spread on each turn's policy tokens;
@@ -225,7 +226,7 @@ class GRPOConfig:
 
 def task_seeds(cfg: GRPOConfig, update: int) -> list[int]:
     """The task seeds of one update (deterministic in ``cfg.seed`` and ``update``)."""
-    rng = random.Random(f"grpo-{cfg.seed}-{update}")
+    rng = task_rng(cfg.seed, update)
     return [rng.randrange(EVAL_SEED_OFFSET) for _ in range(cfg.tasks_per_update)]
 
 
@@ -249,82 +250,132 @@ def train_grpo(model: TinyLM, cfg: GRPOConfig, *, advantage: AdvantageFn | None 
     (engine vs learner, :func:`creditlab.core.correction.mismatch_metrics`), ``correction/*``,
     ``loss/*``, ``grad_norm``, ``time/*`` and ``eval/*`` when evaluated.
     """
-    from creditlab.core.correction import mismatch_metrics
-    from creditlab.core.losses import policy_loss
-
-    adv_fn = advantage or make_advantage(cfg.advantage, generator=torch.Generator().manual_seed(cfg.seed))
-    w_fn = weights or make_weights(cfg.correction)
-    gen = torch.Generator().manual_seed(cfg.seed)  # the rollouts and minibatch order
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
-    eval_seeds = range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + cfg.eval_tasks)
-    G = cfg.group_size
+    adv_fn = advantage or make_advantage(cfg.advantage, generator=generator("grpo/sampling", cfg.seed))
+    correction = weights or cfg.correction
+    gen = generator("grpo/sampling", cfg.seed)  # the rollouts and minibatch order
+    opt = adamw(model.parameters(), cfg.lr)
     rows: list[dict[str, float]] = []
     for k in range(cfg.updates):
         row: dict[str, float] = {"update": float(k)}
         if cfg.eval_every and k % cfg.eval_every == 0:
-            model.eval()
-            ev = evaluate(model, eval_seeds, cfg.chain_lengths, precision=cfg.rollout_precision,
-                          seed=cfg.seed + 1, max_len=cfg.max_len, max_turns=cfg.max_turns,
-                          max_action_len=cfg.max_action_len, temperature=cfg.temperature)
-            row.update({f"eval/{n}": v for n, v in ev.items()})
+            row.update(_eval_grpo(model, cfg))
         t0 = time.perf_counter()
+        # --- rollouts
         model.eval()
-        seeds = task_seeds(cfg, k)
-        tasks = [t for t in make_tasks(seeds, cfg.chain_lengths) for _ in range(G)]
-        batch = rollout(model, tasks, precision=cfg.rollout_precision, max_len=cfg.max_len,
-                        max_turns=cfg.max_turns, max_action_len=cfg.max_action_len,
-                        temperature=cfg.temperature, generator=gen,
-                        group_ids=[j // G for j in range(len(tasks))])
+        batch = _rollouts(model, cfg, k, gen)
         t1 = time.perf_counter()
         pm, vm = batch.policy_mask, batch.valid_mask
         with torch.no_grad():
             old = sequence_logprobs(model, batch.tokens, cfg.learner_precision, cfg.temperature)
-        rewards = batch.success if cfg.reward == "success" else batch.progress
+        # --- scores
+        rewards = (batch.success if cfg.reward == "success" else batch.progress).float()
         if on_rollouts is not None:
-            on_rollouts(k, batch, rewards.float(), old)
-        adv = adv_fn(batch, rewards.float(), k)
+            on_rollouts(k, batch, rewards, old)
+        # --- advantages
+        adv = adv_fn(batch, rewards, k)
         if adv.dim() == 1:
             adv = adv[:, None].expand_as(old)
-        w, wm = w_fn(old, batch.rollout_logprobs, pm, vm)
-        row.update(mismatch_metrics(old, batch.rollout_logprobs, pm, vm))
-        row.update({n: v for n, v in wm.items() if n.startswith("correction/")})
-        model.train()
-        B = len(batch)
-        loss_m: dict[str, list[float]] = {}
-        gnorms = []
-        for _ in range(cfg.epochs):
-            perm = torch.randperm(B, generator=gen)
-            for chunk in perm.chunk(cfg.minibatches):
-                lp = sequence_logprobs(model, batch.tokens[chunk], cfg.learner_precision, cfg.temperature)
-                loss, lm = policy_loss(lp, old[chunk], adv[chunk], pm[chunk], clip_low=cfg.clip_low,
-                                       clip_high=cfg.clip_high, weights=w[chunk].to(lp.dtype), agg=cfg.agg)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                gnorms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
-                opt.step()
-                for n, v in lm.items():
-                    loss_m.setdefault(n, []).append(v)
-        model.eval()
+        # --- weights
+        w, w_metrics = _correction(correction, old, batch.rollout_logprobs, pm, vm)
+        row.update(w_metrics)
+        # --- minibatch steps
+        steps = _minibatch_steps(model, opt, cfg, batch, old, adv, w, gen)
         t2 = time.perf_counter()
-        n_policy = int(pm.sum())
-        row.update({n: float(np.mean(v)) for n, v in loss_m.items()})
-        row.update({
-            "reward/success": float(batch.success.mean()),
-            "reward/progress": float(batch.progress.mean()),
-            "episode/truncation_rate": float(batch.truncated.float().mean()),
-            "episode/tool_calls": float(batch.n_calls.float().mean()),
-            "episode/length": float(vm.sum(1).float().mean()),
-            "episode/policy_tokens": float(n_policy) / B,
-            "adv/abs_mean": float(adv[pm].abs().mean()) if n_policy else 0.0,
-            "grad_norm": float(np.mean(gnorms)),
-            "time/rollout_s": t1 - t0,
-            "time/update_s": t2 - t0,
-            "time/rollout_tokens_per_s": float(vm.sum()) / max(t1 - t0, 1e-9),
-        })
+        # --- metrics
+        row.update({n: float(np.mean(v)) for n, v in steps.losses.items()})
+        row.update(_update_metrics(batch, adv, float(np.mean(steps.grad_norms))))
+        row.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t0,
+                    "time/rollout_tokens_per_s": float(vm.sum()) / max(t1 - t0, 1e-9)})
         rows.append(row)
         if on_update is not None:
             on_update(row)
     return rows
+
+
+def _eval_grpo(model: TinyLM, cfg: GRPOConfig) -> dict[str, float]:
+    """``eval/*`` of :func:`train_grpo`: the held-out tasks, sampled with the rollout engine."""
+    model.eval()
+    ev = evaluate(model, range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + cfg.eval_tasks), cfg.chain_lengths,
+                  precision=cfg.rollout_precision, seed=seed_stream("grpo/eval", cfg.seed), max_len=cfg.max_len,
+                  max_turns=cfg.max_turns, max_action_len=cfg.max_action_len, temperature=cfg.temperature)
+    return {f"eval/{n}": v for n, v in ev.items()}
+
+
+def _rollouts(model: TinyLM, cfg: GRPOConfig, update: int, gen: torch.Generator) -> RolloutBatch:
+    """The rollouts of one update: ``group_size`` per task of :func:`task_seeds`, in contiguous groups."""
+    G = cfg.group_size
+    tasks = [t for t in make_tasks(task_seeds(cfg, update), cfg.chain_lengths) for _ in range(G)]
+    return rollout(model, tasks, precision=cfg.rollout_precision, max_len=cfg.max_len, max_turns=cfg.max_turns,
+                   max_action_len=cfg.max_action_len, temperature=cfg.temperature, generator=gen,
+                   group_ids=[j // G for j in range(len(tasks))])
+
+
+def _correction(correction: str | WeightFn, old: torch.Tensor, rollout_lp: torch.Tensor, pm: torch.Tensor,
+                vm: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token weights and the row's ``mismatch/*`` and ``correction/*`` metrics of one batch.
+
+    A registered arm (by name) runs :func:`creditlab.core.correction.correction_weights`: one call,
+    one InterQ pass, the arm's own keys winning over :func:`~creditlab.core.correction.mismatch_metrics`'.
+    A callable :data:`WeightFn` gets :func:`~creditlab.core.correction.mismatch_metrics` beside it."""
+    from creditlab.core.correction import correction_weights, mismatch_metrics
+
+    if isinstance(correction, str):
+        w, metrics = correction_weights(correction, old, rollout_lp, pm, vm)
+        return w, {n: float(v) for n, v in metrics.items() if n.startswith(("mismatch/", "correction/"))}
+    w, metrics = correction(old, rollout_lp, pm, vm)
+    return w, {**mismatch_metrics(old, rollout_lp, pm, vm),
+               **{n: v for n, v in metrics.items() if n.startswith("correction/")}}
+
+
+class _StepStats(NamedTuple):
+    """What the minibatch steps of one update report."""
+
+    losses: dict[str, list[float]]
+    """Each loss metric, one value per optimizer step."""
+    grad_norms: list[float]
+    """The gradient norm before clipping, one per optimizer step."""
+
+
+def _minibatch_steps(model: TinyLM, opt: torch.optim.Optimizer, cfg: GRPOConfig, batch: RolloutBatch,
+                     old: torch.Tensor, adv: torch.Tensor, w: torch.Tensor, gen: torch.Generator) -> _StepStats:
+    """``epochs`` passes of ``minibatches`` clipped AdamW steps on the weighted clipped token loss."""
+    from creditlab.core.losses import policy_loss
+
+    pm = batch.policy_mask
+    model.train()
+    losses: dict[str, list[float]] = {}
+    gnorms = []
+    for _ in range(cfg.epochs):
+        perm = torch.randperm(len(batch), generator=gen)
+        for chunk in perm.chunk(cfg.minibatches):
+            lp = sequence_logprobs(model, batch.tokens[chunk], cfg.learner_precision, cfg.temperature)
+            loss, lm = policy_loss(lp, old[chunk], adv[chunk], pm[chunk], clip_low=cfg.clip_low,
+                                   clip_high=cfg.clip_high, weights=w[chunk].to(lp.dtype), agg=cfg.agg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
+            opt.step()
+            for n, v in lm.items():
+                losses.setdefault(n, []).append(v)
+    model.eval()
+    return _StepStats(losses, gnorms)
+
+
+def _update_metrics(batch: RolloutBatch, adv: torch.Tensor, grad_norm: float) -> dict[str, float]:
+    """The per-update row of both trainers: rewards, episode shape, advantage size, gradient norm
+    (``adv`` ``(B, L)`` per token)."""
+    pm, vm = batch.policy_mask, batch.valid_mask
+    n_policy = int(pm.sum())
+    return {
+        "reward/success": float(batch.success.mean()),
+        "reward/progress": float(batch.progress.mean()),
+        "episode/truncation_rate": float(batch.truncated.float().mean()),
+        "episode/tool_calls": float(batch.n_calls.float().mean()),
+        "episode/length": float(vm.sum(1).float().mean()),
+        "episode/policy_tokens": float(n_policy) / len(batch),
+        "adv/abs_mean": float(adv[pm].abs().mean()) if n_policy else 0.0,
+        "grad_norm": grad_norm,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,14 +396,10 @@ def _model_batch(batch: StackedRollout, m: int, group_size: int) -> RolloutBatch
                         group_ids=torch.arange(B) // group_size)
 
 
-def _stream_seed(*parts: object) -> int:
-    return random.Random("-".join(map(str, parts))).getrandbits(63)
-
-
 def _uniforms(seeds: list[int], tag: str, update: int, B: int, L: int) -> torch.Tensor:
     """``(M, B, L)`` sampling uniforms: one stream per distinct seed, shared by the models that have it."""
-    per = {s: torch.rand(B, L, generator=torch.Generator().manual_seed(_stream_seed("u", tag, s, update)),
-                         dtype=torch.float64) for s in dict.fromkeys(seeds)}
+    per = {s: torch.rand(B, L, generator=generator("grpo/uniforms", tag, s, update), dtype=torch.float64)
+           for s in dict.fromkeys(seeds)}
     return torch.stack([per[s] for s in seeds])
 
 
@@ -363,8 +410,7 @@ def _stacked_eval(stack: StackedTinyLM, cfg: GRPOConfig, precision: str | tuple[
     M = stack.n_models
     seeds = list(range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + cfg.eval_tasks))
     tasks = make_tasks(seeds, cfg.chain_lengths)
-    u = torch.rand(cfg.eval_tasks, cfg.max_len, generator=torch.Generator().manual_seed(_stream_seed("eval")),
-                   dtype=torch.float64)
+    u = torch.rand(cfg.eval_tasks, cfg.max_len, generator=generator("grpo/eval_uniforms"), dtype=torch.float64)
     b = rollout_stacked(stack, [tasks] * M, u.expand(M, -1, -1), precision=precision, max_len=cfg.max_len,
                         max_turns=cfg.max_turns, max_action_len=cfg.max_action_len, temperature=cfg.temperature)
     return {"success": b.success, "progress": b.progress, "truncated": b.truncated.float(),
@@ -410,10 +456,87 @@ def train_grpo_stacked(stack: StackedTinyLM, configs: list[GRPOConfig], *, eval_
     the optimisation; ``time/decode_steps`` counts the engine's positions.
     """
     from creditlab.core.advantages import grpo_advantages
-    from creditlab.core.correction import mismatch_metrics
-    from creditlab.core.losses import policy_loss
 
     M = stack.n_models
+    cfg = _check_stacked(configs, M, eval_precision)
+    engines, learners = tuple(c.rollout_precision for c in configs), tuple(c.learner_precision for c in configs)
+    seeds = [c.seed for c in configs]
+    eval_engines = eval_precision or engines
+    opt = adamw(stack.parameters(), cfg.lr)
+    G, n_tasks = cfg.group_size, cfg.tasks_per_update
+    B = G * n_tasks
+    gids = (torch.arange(M)[:, None] * n_tasks + torch.arange(B)[None, :] // G).reshape(-1)  # groups never span models
+    rows: list[list[dict[str, float]]] = [[] for _ in range(M)]
+    for k in range(cfg.updates):
+        new = [{"update": float(k)} for _ in range(M)]
+        t_eval = _eval_into(new, stack, cfg, eval_engines) if cfg.eval_every and k % cfg.eval_every == 0 else 0.0
+        t0 = time.perf_counter()
+        # --- rollouts
+        batch = _stacked_rollouts(stack, cfg, seeds, k, engines)
+        t1 = time.perf_counter()
+        pm, vm, rlp = batch.policy_mask, batch.valid_mask, batch.rollout_logprobs
+        orders = _minibatch_orders(seeds, k, B, cfg)
+        old = _stacked_old_logprobs(stack, batch.tokens, orders, learners, cfg)
+        t2 = time.perf_counter()
+        # --- scores
+        rewards = (batch.success if cfg.reward == "success" else batch.progress).float()
+        if on_rollouts is not None:
+            for m in range(M):
+                on_rollouts(k, m, _model_batch(batch, m, G), rewards[m], old.all[m])
+        # --- advantages
+        adv = grpo_advantages(rewards.reshape(-1), gids).view(M, B)
+        # --- weights
+        w = torch.ones_like(old.all)
+        for m in range(M):  # one correction_weights call per model and batch
+            w[m], w_metrics = _correction(configs[m].correction, old.all[m], rlp[m], pm[m], vm[m])
+            new[m].update(w_metrics)
+        t3 = time.perf_counter()
+        # --- minibatch steps
+        adv_tok = adv[:, :, None].expand_as(old.all)
+        steps = _stacked_steps(stack, opt, cfg, batch.tokens, orders, old, adv_tok, pm, w, learners)
+        t4 = time.perf_counter()
+        # --- metrics
+        gn = torch.stack(steps.grad_norms).mean(0)
+        times = {"time/eval_s": t_eval, "time/rollout_s": t1 - t0, "time/old_logprobs_s": t2 - t1,
+                 "time/weights_metrics_s": t3 - t2, "time/optimize_s": t4 - t3, "time/update_s": t4 - t0,
+                 "time/decode_steps": float(batch.decode_steps)}
+        for m in range(M):
+            new[m].update({n: float(np.mean(v)) for n, v in steps.losses[m].items()})
+            new[m].update({**_update_metrics(_model_batch(batch, m, G), adv_tok[m], float(gn[m])), **times})
+            rows[m].append(new[m])
+        if on_update is not None:
+            on_update(k, new)
+    final = [{"update": float(cfg.updates)} for _ in range(M)]
+    _eval_into(final, stack, cfg, eval_engines)
+    return [r + [f] for r, f in zip(rows, final, strict=True)]
+
+
+def _stacked_rollouts(stack: StackedTinyLM, cfg: GRPOConfig, seeds: list[int], update: int,
+                      engines: tuple[str, ...]) -> StackedRollout:
+    """One update's rollouts of every model: ``group_size`` per task of its seed's :func:`task_seeds`,
+    sampled from the uniforms of its seed (common random numbers), the stack in eval mode."""
+    stack.eval()
+    G = cfg.group_size
+    tasks = [[t for t in make_tasks(task_seeds(replace(cfg, seed=s), update), cfg.chain_lengths) for _ in range(G)]
+             for s in seeds]
+    B = G * cfg.tasks_per_update
+    return rollout_stacked(stack, tasks, _uniforms(seeds, "train", update, B, cfg.max_len), precision=engines,
+                           max_len=cfg.max_len, max_turns=cfg.max_turns, max_action_len=cfg.max_action_len,
+                           temperature=cfg.temperature)
+
+
+def _eval_into(rows: list[dict[str, float]], stack: StackedTinyLM, cfg: GRPOConfig,
+               precision: str | tuple[str, ...]) -> float:
+    """Add the held-out ``eval/*`` of every model to its row of ``rows``; returns the seconds it took."""
+    t0 = time.perf_counter()
+    ev = _stacked_eval(stack, cfg, precision)
+    for m, row in enumerate(rows):
+        row.update(_eval_row(ev, m))
+    return time.perf_counter() - t0
+
+
+def _check_stacked(configs: list[GRPOConfig], M: int, eval_precision: str | None) -> GRPOConfig:
+    """The shared config of a stack (``configs[0]``) once ``configs`` are valid for :func:`train_grpo_stacked`."""
     if len(configs) != M:
         raise ConfigError("configs", f"expected one GRPOConfig per stacked model ({M}), got {len(configs)}")
     base = configs[0]
@@ -426,120 +549,84 @@ def train_grpo_stacked(stack: StackedTinyLM, configs: list[GRPOConfig], *, eval_
         raise ConfigError("advantage", "train_grpo_stacked runs outcome GRPO (advantage='grpo')")
     if eval_precision is not None:
         check_precision(eval_precision)
-    cfg = base
-    engines = tuple(c.rollout_precision for c in configs)
-    learners = tuple(c.learner_precision for c in configs)
-    seeds = [c.seed for c in configs]
-    w_fns = [make_weights(c.correction) for c in configs]
-    opt = torch.optim.AdamW(stack.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
-    G, T = cfg.group_size, cfg.tasks_per_update
-    B = G * T
-    gids = (torch.arange(M)[:, None] * T + torch.arange(B)[None, :] // G).reshape(-1)  # groups never span models
-    rows: list[list[dict[str, float]]] = [[] for _ in range(M)]
+    return base
 
-    def evaluate_all(k: int, into: list[dict[str, float]]) -> float:
-        t0 = time.perf_counter()
-        ev = _stacked_eval(stack, cfg, eval_precision or engines)
+
+def _minibatch_orders(seeds: list[int], update: int, B: int, cfg: GRPOConfig) -> list[torch.Tensor]:
+    """The ``(M, B / minibatches)`` row indices of every optimizer step of one update: one order per
+    seed (models with the same seed share it), ``epochs`` permutations each cut into ``minibatches``."""
+    perm_gen = {s: generator("grpo/perm", s, update) for s in dict.fromkeys(seeds)}
+    orders = []
+    for _ in range(cfg.epochs):
+        perm = {s: torch.randperm(B, generator=g) for s, g in perm_gen.items()}
+        orders += list(torch.stack([perm[s] for s in seeds]).chunk(cfg.minibatches, dim=1))
+    return orders
+
+
+def _take(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` ``(M, R)`` of each model of ``x`` ``(M, B, ...)``."""
+    return x.gather(1, rows.view(rows.size(0), -1, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
+
+
+class _OldLogprobs(NamedTuple):
+    """The learner's log-probs at the sampling checkpoint."""
+
+    all: torch.Tensor
+    """``(M, B, L)`` of every row, detached."""
+    first: torch.Tensor
+    """``(M, R, L)`` of the first minibatch's rows, with grad (its forward is the first step's)."""
+
+
+def _stacked_old_logprobs(stack: StackedTinyLM, tokens: torch.Tensor, orders: list[torch.Tensor],
+                          learners: tuple[str, ...], cfg: GRPOConfig) -> _OldLogprobs:
+    """The first minibatch's forward runs before any step, so its log-probs are old_logprobs of
+    those rows: only the other rows need a separate no-grad pass (same values, less work). Leaves the
+    stack in train mode."""
+    stack.train()
+    first = orders[0]
+    lp_first = stacked_logprobs(stack, _take(tokens, first), learners, cfg.temperature)
+    rest = torch.cat(orders[1:cfg.minibatches], dim=1) if cfg.minibatches > 1 else None
+    old = torch.zeros(tokens.shape, dtype=lp_first.dtype)
+    old.scatter_(1, first[..., None].expand(-1, -1, old.size(2)), lp_first.detach())
+    if rest is not None:
+        with torch.no_grad():
+            old.scatter_(1, rest[..., None].expand(-1, -1, old.size(2)),
+                         stacked_logprobs(stack, _take(tokens, rest), learners, cfg.temperature))
+    return _OldLogprobs(old, lp_first)
+
+
+class _StackedStepStats(NamedTuple):
+    """What the minibatch steps of one stacked update report."""
+
+    losses: list[dict[str, list[float]]]
+    """Per model, each loss metric, one value per optimizer step."""
+    grad_norms: list[torch.Tensor]
+    """Per optimizer step, the ``(M,)`` gradient norms before clipping."""
+
+
+def _stacked_steps(stack: StackedTinyLM, opt: torch.optim.Optimizer, cfg: GRPOConfig, tokens: torch.Tensor,
+                   orders: list[torch.Tensor], old: _OldLogprobs, adv_tok: torch.Tensor, pm: torch.Tensor,
+                   w: torch.Tensor, learners: tuple[str, ...]) -> _StackedStepStats:
+    """One AdamW step per minibatch order on the sum of the models' weighted clipped token losses,
+    each model's gradient clipped to its own norm."""
+    from creditlab.core.losses import policy_loss
+
+    M = stack.n_models
+    losses: list[dict[str, list[float]]] = [{} for _ in range(M)]
+    gnorms: list[torch.Tensor] = []
+    for j, rows in enumerate(orders):
+        lp = old.first if j == 0 else stacked_logprobs(stack, _take(tokens, rows), learners, cfg.temperature)
+        old_c, adv_c, pm_c, w_c = _take(old.all, rows), _take(adv_tok, rows), _take(pm, rows), _take(w, rows)
+        total = lp.new_zeros(())
         for m in range(M):
-            into[m].update(_eval_row(ev, m))
-        return time.perf_counter() - t0
-
-    for k in range(cfg.updates):
-        new = [{"update": float(k)} for _ in range(M)]
-        t_eval = evaluate_all(k, new) if cfg.eval_every and k % cfg.eval_every == 0 else 0.0
-        t0 = time.perf_counter()
-        stack.eval()
-        tasks = []
-        for s in seeds:
-            ts = task_seeds(replace(cfg, seed=s), k)
-            tasks.append([t for t in make_tasks(ts, cfg.chain_lengths) for _ in range(G)])
-        batch: StackedRollout = rollout_stacked(
-            stack, tasks, _uniforms(seeds, "train", k, B, cfg.max_len), precision=engines, max_len=cfg.max_len,
-            max_turns=cfg.max_turns, max_action_len=cfg.max_action_len, temperature=cfg.temperature)
-        t1 = time.perf_counter()
-        pm, vm, rlp = batch.policy_mask, batch.valid_mask, batch.rollout_logprobs
-        # minibatches: one order per seed (models with the same seed share it), (M, B) row indices
-        perm_gen = {s: torch.Generator().manual_seed(_stream_seed("perm", s, k)) for s in dict.fromkeys(seeds)}
-        orders = []
-        for _ in range(cfg.epochs):
-            perm = {s: torch.randperm(B, generator=g) for s, g in perm_gen.items()}
-            orders += list(torch.stack([perm[s] for s in seeds]).chunk(cfg.minibatches, dim=1))
-
-        def take(x: torch.Tensor, rows_: torch.Tensor) -> torch.Tensor:
-            return x.gather(1, rows_.view(M, -1, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
-
-        stack.train()
-        # The first minibatch's forward runs before any step, so its log-probs are old_logprobs of
-        # those rows: only the other rows need a separate no-grad pass (same values, less work).
-        first = orders[0]
-        lp_first = stacked_logprobs(stack, take(batch.tokens, first), learners, cfg.temperature)
-        rest = torch.cat(orders[1:cfg.minibatches], dim=1) if cfg.minibatches > 1 else None
-        old = torch.zeros(rlp.shape, dtype=lp_first.dtype)
-        old.scatter_(1, first[..., None].expand(-1, -1, old.size(2)), lp_first.detach())
-        if rest is not None:
-            with torch.no_grad():
-                old.scatter_(1, rest[..., None].expand(-1, -1, old.size(2)),
-                             stacked_logprobs(stack, take(batch.tokens, rest), learners, cfg.temperature))
-        t2 = time.perf_counter()
-        rewards = (batch.success if cfg.reward == "success" else batch.progress).float()
-        if on_rollouts is not None:
-            for m in range(M):
-                on_rollouts(k, m, _model_batch(batch, m, G), rewards[m], old[m])
-        adv = grpo_advantages(rewards.reshape(-1), gids).view(M, B)
-        w = torch.ones_like(old)
-        for m in range(M):
-            wm_, wmet = w_fns[m](old[m], rlp[m], pm[m], vm[m])
-            w[m] = wm_
-            new[m].update(mismatch_metrics(old[m], rlp[m], pm[m], vm[m]))
-            new[m].update({n: float(v) for n, v in wmet.items() if n.startswith("correction/")})
-        t3 = time.perf_counter()
-        loss_m: list[dict[str, list[float]]] = [{} for _ in range(M)]
-        gnorms: list[torch.Tensor] = []
-        adv_tok = adv[:, :, None].expand_as(old)
-        for j, rows_ in enumerate(orders):
-            lp = lp_first if j == 0 else stacked_logprobs(stack, take(batch.tokens, rows_), learners, cfg.temperature)
-            old_c, adv_c, pm_c, w_c = take(old, rows_), take(adv_tok, rows_), take(pm, rows_), take(w, rows_)
-            total = lp.new_zeros(())
-            for m in range(M):
-                loss, lm = policy_loss(lp[m], old_c[m], adv_c[m], pm_c[m], clip_low=cfg.clip_low,
-                                       clip_high=cfg.clip_high, weights=w_c[m].to(lp.dtype), agg=cfg.agg)
-                total = total + loss
-                for n, v in lm.items():
-                    loss_m[m].setdefault(n, []).append(float(v))
-            opt.zero_grad(set_to_none=True)
-            total.backward()
-            gnorms.append(stack.clip_grad_norm_(cfg.grad_clip))
-            opt.step()
-        stack.eval()
-        t4 = time.perf_counter()
-        gn = torch.stack(gnorms).mean(0)
-        for m in range(M):
-            n_policy = int(pm[m].sum())
-            row = new[m]
-            row.update({n: float(np.mean(v)) for n, v in loss_m[m].items()})
-            row.update({
-                "reward/success": float(batch.success[m].mean()),
-                "reward/progress": float(batch.progress[m].mean()),
-                "episode/truncation_rate": float(batch.truncated[m].float().mean()),
-                "episode/tool_calls": float(batch.n_calls[m].float().mean()),
-                "episode/length": float(vm[m].sum(1).float().mean()),
-                "episode/policy_tokens": float(n_policy) / B,
-                "adv/abs_mean": float(adv[m][:, None].expand_as(pm[m])[pm[m]].abs().mean()) if n_policy else 0.0,
-                "grad_norm": float(gn[m]),
-                "time/eval_s": t_eval,
-                "time/rollout_s": t1 - t0,
-                "time/old_logprobs_s": t2 - t1,
-                "time/weights_metrics_s": t3 - t2,
-                "time/optimize_s": t4 - t3,
-                "time/update_s": t4 - t0,
-                "time/decode_steps": float(batch.decode_steps),
-            })
-            rows[m].append(row)
-        if on_update is not None:
-            on_update(k, [rows[m][-1] for m in range(M)])
-    final = [{"update": float(cfg.updates)} for _ in range(M)]
-    evaluate_all(cfg.updates, final)
-    for m in range(M):
-        rows[m].append(final[m])
-    return rows
-
+            loss, lm = policy_loss(lp[m], old_c[m], adv_c[m], pm_c[m], clip_low=cfg.clip_low,
+                                   clip_high=cfg.clip_high, weights=w_c[m].to(lp.dtype), agg=cfg.agg)
+            total = total + loss
+            for n, v in lm.items():
+                losses[m].setdefault(n, []).append(float(v))
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        gnorms.append(stack.clip_grad_norm_(cfg.grad_clip))
+        opt.step()
+    stack.eval()
+    return _StackedStepStats(losses, gnorms)

@@ -24,7 +24,7 @@ draw nearly the same trajectories, which is what paired comparisons between arms
 
 Turn helpers: a :class:`RolloutBatch` knows which turn each token belongs to, so per-turn values
 ``(B, T)`` go to tokens with :func:`turns_to_tokens`; :func:`turn_mask_of` (the turns taken),
-:func:`turn_progress_deltas` (the verifier's progress change per turn) and :func:`evidence_scores`
+:func:`turn_progress_deltas` (the verifier's progress change per turn) and :func:`successful_read_scores`
 (a deliberately hackable process score) feed the advantages of :mod:`creditlab.train.toolshop_grpo`.
 """
 
@@ -47,13 +47,13 @@ __all__ = [
     "EVAL_SEED_OFFSET",
     "RolloutBatch",
     "evaluate",
-    "evidence_scores",
     "StackedRollout",
     "make_tasks",
     "rollout",
     "rollout_stacked",
     "sequence_logprobs",
     "stacked_logprobs",
+    "successful_read_scores",
     "turn_mask_of",
     "turn_progress_deltas",
     "turns_to_tokens",
@@ -376,9 +376,10 @@ def turn_progress_deltas(batch: RolloutBatch) -> torch.Tensor:
     return out
 
 
-def evidence_scores(batch: RolloutBatch) -> torch.Tensor:
+def successful_read_scores(batch: RolloutBatch) -> torch.Tensor:
     """A turn-level process score ``(B, T)`` that likes evidence gathering: 1 for every successful
-    read, 0 for errors and writes. Hackable on purpose: repeated reads score too."""
+    read, 0 for errors and writes. Hackable on purpose: repeated reads score 1 too (unlike
+    :func:`creditlab.rewards.process.evidence_scores`, which scores a repeat ``repeat``)."""
     T = max(batch.n_turns_max, 1)
     out = torch.zeros(len(batch), T)
     for b, recs in enumerate(batch.records):
