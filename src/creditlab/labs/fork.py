@@ -53,8 +53,10 @@ UNIT_METRICS = ("recall", "precision", "f1")  # in [0, 1]: their intervals are c
 
 
 @dataclass(frozen=True)
-class ForkLabConfig(LabConfig):
-    """Configuration of the fork lab."""
+class ForkLabConfig(BagTrainConfig, LabConfig):
+    """Configuration of the fork lab: the training run of every cell (the fields of
+    :class:`~creditlab.train.bagofunits.BagTrainConfig`: updates, prompts, group size, the world, the
+    reward's tau and beta, evaluation) and the lab's own fields below."""
 
     EXPERIMENTS: ClassVar[tuple[str, ...]] = EXPERIMENTS
 
@@ -62,34 +64,6 @@ class ForkLabConfig(LabConfig):
     """Reward arms (from ``recall``, ``mean``, ``fork``, ``f2``)."""
     seeds: int = 8
     """Seeds per arm (paired across arms)."""
-    updates: int = 400
-    """GRPO updates per run."""
-    prompts_per_update: int = 32
-    """Prompts per update; each is sampled ``group_size`` times."""
-    group_size: int = 8
-    """GRPO group size."""
-    lr: float = 0.01
-    """Adam learning rate."""
-    hidden: int = 32
-    """Hidden width of the policy MLPs."""
-    f_min: int = 3
-    """Fewest rubric facts per prompt."""
-    f_max: int = 6
-    """Most rubric facts per prompt."""
-    known_prob: float = 0.5
-    """Probability that a fact is known (confidence 1); otherwise its confidence is U(0.05, 0.95)."""
-    max_units: int = 16
-    """Response length cap (units)."""
-    tau: float = 0.75
-    """Necessity threshold: one statement of a fact has credit 1, two restatements 1/2 each."""
-    beta: float = 1.0
-    """F-beta of the ``fork`` arm."""
-    eval_every: int = 25
-    """Updates between evaluations."""
-    eval_prompts: int = 512
-    """Prompts in the fixed evaluation batch (one sampled response each)."""
-    lenient: bool = True
-    """Judge leniency on paraphrases in ``train`` and ``oracle`` (lenient: restatements split the credit)."""
     map_known: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
     """``map``: shares of facts the policy knows (``known_prob``)."""
     map_lenient: tuple[bool, ...] = (True, False)
@@ -138,16 +112,13 @@ class ForkLabConfig(LabConfig):
             raise ConfigError("tau", f"must be > 0, got {self.tau}")
         BagOfUnits(self.f_min, self.f_max, self.known_prob, self.max_units, lenient=self.lenient)  # its checks
 
-    def train_config(self) -> BagTrainConfig:
-        """The training loop's share of this config (:func:`creditlab.train.bagofunits.train_bag`)."""
-        return BagTrainConfig(**{f: getattr(self, f) for f in BagTrainConfig.__dataclass_fields__})
 
 
 def run_fork_cell(arm: str, seed: int, config: dict) -> list[dict]:
     """Train one policy under ``arm`` with ``seed``; one row per evaluation point."""
     cfg = ForkLabConfig.from_dict(config)
     with single_thread():  # tiny tensors; the sweep runs one process per core
-        return train_bag(arm, seed, cfg.train_config())
+        return train_bag(arm, seed, cfg)
 
 
 def oracle_thresholds(cfg: ForkLabConfig, n_prompts: int = 2048, seed: int = 0) -> pd.DataFrame:
@@ -191,7 +162,7 @@ def run_map_cell(arm: str, seed: int, known: float, lenient: bool, config: dict)
     base = ForkLabConfig.from_dict(config)
     cfg = replace(base, known_prob=known, lenient=lenient, updates=base.map_updates, eval_every=base.map_updates)
     with single_thread():
-        rows = train_bag(arm, seed, cfg.train_config())
+        rows = train_bag(arm, seed, cfg)
     return [{**r, "known": known, "lenient": lenient} for r in rows]
 
 

@@ -50,7 +50,7 @@ class BagTrainConfig:
     max_units: int = 16
     """Response length cap (units)."""
     tau: float = 0.75
-    """Necessity threshold of the reward."""
+    """Necessity threshold of the reward: one statement of a fact has credit 1, two restatements 1/2 each."""
     beta: float = 1.0
     """F-beta of the ``fork`` arm."""
     eval_every: int = 25
@@ -58,7 +58,8 @@ class BagTrainConfig:
     eval_prompts: int = 512
     """Prompts in the fixed evaluation batch (one sampled response each)."""
     lenient: bool = True
-    """Judge leniency on paraphrases (lenient: restatements split the credit)."""
+    """Judge leniency on paraphrases (lenient: restatements split the credit; False: only the first
+    statement matches the rubric)."""
 
 
 def eval_seed(seed: int) -> int:
