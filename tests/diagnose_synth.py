@@ -21,9 +21,10 @@ def token_row(rng: np.random.Generator, turn_lengths, *, obs_len: int = 8, promp
             pm += [leak_obs] * obs_len
             turn += [t] * obs_len
     pm = np.asarray(pm)
-    lp = -rng.uniform(0.2, 3.0, pm.size)
+    margin = 5 * noise + abs(bias)  # keeps the engine's log-probs below 0, as real ones are
+    lp = -rng.uniform(0.2 + margin, 3.0 + margin, pm.size)
     delta = bias + noise * rng.standard_normal(pm.size)
-    rollout = np.where(pm, lp - delta, 0.0)
+    rollout = np.where(pm, np.minimum(lp - delta, -1e-6), 0.0)
     if leak_obs:  # the leaked observation tokens keep the engine's placeholder 0.0
         obs = np.ones(pm.size, dtype=bool)
         obs[:prompt_len] = False
@@ -85,3 +86,20 @@ CHAIN_TURNS = [
     {"tool": "cancel", "args": {"order_id": "o7"}, "returned": ["ok"], "is_write": True},
 ]
 """A trajectory whose chain by dataflow is find_user -> get_orders -> cancel (C = 3 of T = 4 calls)."""
+
+
+def trend_rows(seed: int = 0, *, length_growth: float = 0.0, precision_drop: float = 0.0, reward_rise: float = 0.3,
+               process_rise: float = 0.0, steps: int = 8) -> list[dict]:
+    """A dump without token columns whose response length grows by ``length_growth`` (relative), precision
+    falls by ``precision_drop`` and the process reward rises by ``process_rise`` from the first to the last
+    step, while the reward rises a little (``reward_rise``: share of failures turned into successes)."""
+    rows = clean_rows(seed, steps=steps, tokens=False)
+    rng = np.random.default_rng(seed + 1)
+    for r in rows:
+        f = r["step"] / (steps - 1)
+        r["response_length"] *= 1 + length_growth * f
+        r["precision"] = float(np.clip(r["precision"] - precision_drop * f, 0, 1))
+        r["process_reward"] = float(np.clip(0.3 * r["process_reward"] + process_rise * f, 0, 1))
+        if r["reward"] == 0 and rng.random() < reward_rise * f:
+            r["reward"] = 1.0
+    return rows

@@ -15,7 +15,7 @@ from creditlab.diagnose import CHECKS, read_dump, run_checks, write_dump
 from creditlab.diagnose._tokens import token_stats
 from creditlab.diagnose.checks import Context, turn_profile
 from creditlab.diagnose.report import exit_code
-from creditlab.errors import ConfigError
+from creditlab.errors import ConfigError, InputError
 from diagnose_synth import CHAIN_TURNS, clean_rows, token_row, topk_row
 
 
@@ -141,13 +141,17 @@ def test_placeholders_flag_leaked_observation_tokens_and_nans_and_stay_out_of_th
     assert leak["mismatch.k3"].value == pytest.approx(clean["mismatch.k3"].value, rel=0.2)
     rows = clean_rows()
     rows[5]["logprobs"][10] = float("nan")
-    rows[7]["rollout_logprobs"][12] = 0.5
     r = _run(tmp_path, rows, "nan.jsonl")["mismatch.placeholder_logprobs"]
-    assert r.status == "fail" and r.details["nonfinite"] == 1 and r.details["positive"] == 1
+    assert r.status == "fail" and r.details["nonfinite"] == 1
     assert "line 6, token 10" in r.message
-    rows = clean_rows()
-    rows[7]["rollout_logprobs"][12] = 0.5
-    assert _run(tmp_path, rows, "one.jsonl")["mismatch.placeholder_logprobs"].status == "warn"
+    rows = clean_rows()  # one engine 0.0 where the learner gives the token e^-2: below the fail share
+    rows[7]["logprobs"][12], rows[7]["rollout_logprobs"][12] = -2.0, 0.0
+    r = _run(tmp_path, rows, "one.jsonl")["mismatch.placeholder_logprobs"]
+    assert r.status == "warn" and r.details["zero_fill"] == 1
+    rows[7]["rollout_logprobs"][12] = 0.5  # a positive log-prob on a policy token is an input error
+    with pytest.raises(InputError, match="pos.jsonl: line 8: column 'rollout_logprobs': element 12 is 0.5 on a "
+                                         "policy token"):
+        _run(tmp_path, rows, "pos.jsonl")
 
 
 def test_sequence_ratio_vanishes_with_length(tmp_path):

@@ -57,7 +57,7 @@ def test_a_directory_collects_parts_in_natural_order_and_files_combine(tmp_path)
     assert d.has("response_length") and d.has("logprobs")
     append = tmp_path / "a.jsonl"
     write_dump(clean_rows(steps=1), append)
-    write_dump(clean_rows(steps=1), append, append=True)
+    write_dump(clean_rows(seed=1, steps=1), append, append=True)  # other rows: the same ones are a repeat
     assert len(read_dump(append)) == 64
     with pytest.raises(ConfigError, match="append"):
         write_dump(clean_rows(steps=1), tmp_path / "x.parquet", append=True)

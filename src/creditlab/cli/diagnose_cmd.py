@@ -25,22 +25,30 @@ def diagnose(
     fail_on: str = typer.Option("fail", "--fail-on", help="Exit 1 on: fail (default), or warn (stricter)."),
     check: list[str] = typer.Option(None, "--check", help="Run only this check (repeatable)."),
     max_turns: int = typer.Option(16, "--max-turns", help="Turns shown by the by-turn mismatch check."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress and no table on the terminal."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress and no table on the terminal (input warnings "
+                                                      "and notes still go to stderr)."),
 ) -> None:
     """Diagnose rollout dumps: execution mismatch, reward hacking, degenerate groups, credit coverage.
 
     Writes report.md (a verdict table, then one section per check with its plot), PNG plots and diagnose.json.
 
-    Exit code 0 when no check fails, 1 when one does (or warns, with --fail-on warn), 2 for unreadable input.
+    Exit code 0 when no check fails, 1 when one does (or warns, or the input has a warning, with --fail-on warn),
+    2 for unreadable input.
     """
+    from rich.markup import escape
+
     from creditlab.diagnose.checks import format_value
     from creditlab.diagnose.report import diagnose as run
+    from creditlab.diagnose.report import record_error
     from creditlab.errors import ConfigError
 
-    if max_turns < 2:
-        raise ConfigError("--max-turns", f"must be >= 2, got {max_turns}")
-    if fail_on not in ("fail", "warn"):
-        raise ConfigError("--fail-on", f"must be fail or warn, got {fail_on!r}")
+    try:
+        if max_turns < 2:
+            raise ConfigError("--max-turns", f"must be >= 2, got {max_turns}")
+        if fail_on not in ("fail", "warn"):
+            raise ConfigError("--fail-on", f"must be fail or warn, got {fail_on!r}")
+    except ConfigError as err:  # an earlier report in --out must not outlive a failed run
+        raise record_error(out, err, dumps) from None
     console = Console(stderr=True)
     if quiet:
         result = run(dumps, out, fail_on=fail_on, only=check or None, max_turns=max_turns)
@@ -63,5 +71,10 @@ def diagnose(
         for r in result.results:
             table.add_row(r.id, f"[{_STYLE[r.status]}]{r.status}[/]", format_value(r.value), r.message)
         Console().print(table)
+    for w in result.warnings:
+        console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
+    if result.replaced:
+        console.print(f"note: {escape(result.replaced)}", highlight=False, soft_wrap=True)
+    if not quiet:
         console.print(f"report: {out / 'report.md'}", highlight=False)
     raise typer.Exit(result.exit_code)

@@ -11,6 +11,12 @@ Tokens that the placeholder check flags (NaN/inf, log-probs above 0, an exact 0.
 the other model gives the token less than ``exp(-RUN_GAP)``, runs of one repeated value where the two
 models disagree) are left out of every other mismatch quantity, so a leak in the
 policy mask is reported once, by that check, and does not pose as a precision mismatch.
+
+``rollout_logprobs`` bit-identical to ``logprobs`` on every usable policy token is not a measurement
+of zero mismatch but one log-prob computation stored twice (a copied column, or a trainer that
+overwrote one with the other): ``copied_all`` says so for the whole dump, and the tokens of a file
+that is identical on all of its ``COPY_MIN_TOKENS``+ usable policy tokens (when others are not) are
+left out of the mismatch quantities like placeholders.
 """
 
 from __future__ import annotations
@@ -20,9 +26,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from creditlab.diagnose.readers import DERIVE_TURN, Dump
+from creditlab.diagnose.schema import LOGPROB_TOL
 
-POSITIVE_TOL = 1e-4
-"""A log-prob above this is impossible (float rounding of ``log_softmax`` stays far below it)."""
+POSITIVE_TOL = LOGPROB_TOL
+"""A log-prob above this is impossible (float rounding of ``log_softmax`` stays far below it); the
+readers already refuse one on a policy token."""
+COPY_MIN_TOKENS = 20
+"""Usable policy tokens a file needs before its bit-identical columns count as copied (fewer can agree
+by chance when engine and learner are close)."""
 RUN_MIN = 4
 """Shortest run of one repeated value that counts as a placeholder ..."""
 RUN_GAP = 0.5
@@ -46,6 +57,9 @@ class TokenStats:
     row_usable: np.ndarray   # (N,) usable tokens per row
     row_delta: np.ndarray    # (N,) sum of delta per row (sequence log ratio)
     row_policy: np.ndarray   # (N,) policy tokens per row
+    copied_all: bool = False  # every usable policy token has rollout_logprobs == logprobs exactly
+    copied_files: tuple[int, ...] = ()  # files identical on all their COPY_MIN_TOKENS+ usable tokens
+    copied: np.ndarray | None = None  # (M,) tokens of those files, left out of usable (None: none)
 
     @property
     def flagged(self) -> np.ndarray:
@@ -95,6 +109,22 @@ def token_stats(dump: Dump) -> TokenStats:
     placeholder = (_runs_of_equal(lp, policy & finite, row_start, gap)
                    | _runs_of_equal(rlp, policy & finite, row_start, gap)) & ~positive & ~zero_fill
     usable = policy & finite & ~positive & ~zero_fill & ~placeholder
+    # one computation stored twice: bit-identical on every usable token (of the dump, or of a file)
+    same = usable & (lp == rlp)
+    n_usable = int(usable.sum())
+    copied_all = n_usable > 0 and int(same.sum()) == n_usable
+    copied_files: tuple[int, ...] = ()
+    copied = None
+    if not copied_all and n_usable:
+        tok_file = dump.row_file[row]
+        F = len(dump.files)
+        u_f = np.bincount(tok_file[usable], minlength=F)
+        s_f = np.bincount(tok_file[same], minlength=F)
+        files = np.flatnonzero((u_f >= COPY_MIN_TOKENS) & (s_f == u_f))
+        if files.size:
+            copied_files = tuple(int(f) for f in files)
+            copied = usable & np.isin(tok_file, files)
+            usable = usable & ~copied
     delta = np.where(usable, np.where(finite, lp - rlp, 0.0), 0.0)
 
     def per_row_base(cs: np.ndarray) -> np.ndarray:
@@ -124,4 +154,5 @@ def token_stats(dump: Dump) -> TokenStats:
     return TokenStats(row=row, policy=policy, nonfinite=nonfinite, positive=positive, zero_fill=zero_fill,
                       placeholder=placeholder,
                       usable=usable, delta=delta, prefix=prefix, turn=turn, row_usable=row_usable,
-                      row_delta=row_delta, row_policy=row_policy)
+                      row_delta=row_delta, row_policy=row_policy, copied_all=copied_all, copied_files=copied_files,
+                      copied=copied)

@@ -6,7 +6,10 @@ turns missing columns into ``skipped`` results with the reason. Statuses: ``ok``
 ``fail``, ``skipped``. Thresholds and the reasons for them are in docs/diagnose.md.
 
 Trends over training compare the first and the last quarter of the dump's steps ("early" and
-"late"; at least 4 distinct steps).
+"late"; at least 4 distinct steps). A per-row value may be null in some rows: a trend uses the rows
+that have it and says how many, and is only judged when each quarter has it in at least half of its
+rows (and in ``MIN_PHASE_ROWS``); otherwise the check is skipped with that reason, or, for a
+secondary quantity (precision beside the length), judged without it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +26,7 @@ import torch
 
 from creditlab.core.diagnostics import chain_length, mixing_score, p_cover
 from creditlab.core.registry import Registry
-from creditlab.diagnose._tokens import TokenStats, token_stats
+from creditlab.diagnose._tokens import COPY_MIN_TOKENS, TokenStats, token_stats
 from creditlab.diagnose.readers import FORMAT_VERL, Dump
 from creditlab.diagnose.schema import TOKEN_COLUMNS
 from creditlab.errors import ConfigError, InputError
@@ -41,6 +45,9 @@ __all__ = [
 ]
 
 STATUSES = ("ok", "warn", "fail", "skipped")
+MIN_PHASE_ROWS, MIN_PHASE_SHARE = 4, 0.5
+"""A trend needs a per-row value in at least this many rows, and this share of the rows, of both the
+first and the last quarter of steps."""
 
 
 @dataclass(frozen=True)
@@ -168,12 +175,44 @@ class Context:
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(n > 0, s / np.maximum(n, 1), np.nan)
 
+    def coverage(self, values: np.ndarray, name: str) -> tuple[str | None, str]:
+        """Whether a per-row value (NaN = missing) can carry an early-vs-late trend: ``(reason, note)``.
+
+        ``reason`` is None when both quarters of steps have the value in at least half of their rows
+        and in ``MIN_PHASE_ROWS`` rows, else why not ("0 of the 64 rows of the last quarter of steps
+        have precision, ..."); ``note`` is "" when every row has the value, else "name in K of N rows"
+        for the evidence.
+        """
+        have = np.isfinite(values)
+        n, k = int(have.size), int(have.sum())
+        note = "" if k == n else f"{name} in {k:,} of {n:,} rows"
+        phases = self.phases()
+        if phases is None:
+            return f"needs at least 4 training steps for a trend, got {self.n_steps}", note
+        for rows, which in zip(phases, ("first", "last"), strict=True):
+            m, h = int(rows.sum()), int((have & rows).sum())
+            if h < max(MIN_PHASE_ROWS, MIN_PHASE_SHARE * m):
+                return (f"{h:,} of the {m:,} rows of the {which} quarter of steps have {name}, and a trend needs at "
+                        f"least half of them (and {MIN_PHASE_ROWS})"), note
+        return None, note
+
+    def length_unit_mix(self) -> str | None:
+        """Why lengths cannot be compared across files (characters in some, tokens in others), or None."""
+        units = {u for u in self.dump.length_units if u is not None}
+        if len(units) < 2:
+            return None
+        return "response_length is in characters in some files and in tokens in others (see the input warnings)"
+
     def lengths(self) -> tuple[np.ndarray, str] | None:
-        """Response length per row and its unit: ``response_length``, else the policy tokens, else
-        the characters of ``response``."""
+        """Response length per row and its unit: ``response_length`` (in the unit the readers found),
+        else the policy tokens, else the characters of ``response``."""
         d = self.dump
         if d.has("response_length"):
-            unit = "characters" if all(f == FORMAT_VERL for f in d.formats) else "tokens"
+            units = {u for u in d.length_units if u is not None}
+            if len(units) == 1:
+                unit = units.pop()
+            else:
+                unit = "characters" if all(f == FORMAT_VERL for f in d.formats) else "tokens"
             return d.scalars["response_length"], unit
         if d.has("policy_mask"):
             out = self.tokens.row_policy.astype(np.float64)
@@ -219,9 +258,58 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%" if x >= 0.01 or x == 0 else f"{100 * x:.2g}%"
 
 
-def _excluded(ts: TokenStats) -> str:
+def _excluded(ctx: Context) -> str:
+    """What the token-level evidence leaves out: flagged tokens, copied files, rows without tokens."""
+    ts = ctx.tokens
+    d = ctx.dump
+    out = []
     n = int(ts.flagged.sum())
-    return f" ({n:,} tokens flagged by mismatch.placeholder_logprobs left out)" if n else ""
+    if n:
+        out.append(f"{n:,} tokens flagged by mismatch.placeholder_logprobs left out")
+    if ts.copied_files:
+        names = ", ".join(Path(d.files[f]).name for f in ts.copied_files[:3])
+        more = f" and {len(ts.copied_files) - 3} more" if len(ts.copied_files) > 3 else ""
+        out.append(f"{int(ts.copied.sum()):,} tokens of {names}{more}, whose rollout_logprobs equal logprobs, "
+                   "left out")
+    no_tok = int((~d.tokens.has_tokens).sum())
+    if no_tok:
+        out.append(f"token columns in {len(d) - no_tok:,} of {len(d):,} rows")
+    return f" ({'; '.join(out)})" if out else ""
+
+
+COPIED = ("rollout_logprobs equal logprobs on every policy token: the dump holds one log-prob computation twice "
+          "(a copied column, or a trainer that overwrote one with the other, e.g. verl's bypass mode), so no "
+          "mismatch can be measured")
+
+
+def _copied_outcome(ctx: Context, *, headline: bool = False) -> Outcome | None:
+    """The finding for a dump whose two log-prob columns are bit-identical, or None.
+
+    ``headline`` (mismatch.k3): a warning with the evidence (skipped below ``COPY_MIN_TOKENS`` tokens,
+    which can agree by chance); the other mismatch checks are skipped with the reason."""
+    ts = ctx.tokens
+    if not ts.copied_all:
+        return None
+    n = int(ts.usable.sum())
+    if not headline:
+        return Outcome("skipped", None, f"{COPIED} (see mismatch.k3).")
+    if n < COPY_MIN_TOKENS:
+        return Outcome("skipped", None, f"All {n:,} usable policy tokens have rollout_logprobs equal to logprobs: too "
+                       f"few ({n} < {COPY_MIN_TOKENS}) to tell a copied column from close models, and no mismatch "
+                       "to measure.", {"tokens": n, "identical": n})
+    return Outcome("warn", None, f"{COPIED} ({n:,} of {n:,} usable policy tokens bit-identical); dump the engine's "
+                   "own log-probs, unless engine and learner are bitwise identical by design (batch-invariant "
+                   "kernels).", {"tokens": n, "identical": n, "copied": True},
+                   {"steps": ctx.steps, "k3": np.zeros(ctx.n_steps)})
+
+
+def _verb(a: float, b: float) -> str:
+    """How a positive quantity moved from ``a`` to ``b``: grows, shrinks or stays (within 1%)."""
+    if b > a * 1.01:
+        return "grows"
+    if b < a * 0.99:
+        return "shrinks"
+    return "stays"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -241,6 +329,9 @@ _FIX_INTERQ = ("InterQ-RL weights on the token loss: `creditlab.core.correction.
     fix=f"{_FIX_INTERQ}; or score with a learner in the engine's precision (QAT), which removes most of a "
         "quantized engine's mismatch.")
 def check_k3(ctx: Context) -> Outcome:
+    copied = _copied_outcome(ctx, headline=True)
+    if copied is not None:
+        return copied
     ts = ctx.tokens
     n = int(ts.usable.sum())
     if n == 0:
@@ -263,11 +354,20 @@ def check_k3(ctx: Context) -> Outcome:
         late = float(tot[-q:].sum() / l_cnt) if l_cnt else math.nan
         details.update(early=early, late=late)
         rising = bool(late >= 2 * early and late >= K3_FLOOR)
-        trend = f"; {format_value(early)} in the first quarter of steps and {format_value(late)} in the last" + \
-            (" (rising late)" if rising else "")
+        if e_cnt and l_cnt:
+            trend = f"; {format_value(early)} in the first quarter of steps and {format_value(late)} in the last" + \
+                (" (rising late)" if rising else "")
+        else:
+            trend = f"; no trend: no usable policy token in the {'first' if not e_cnt else 'last'} quarter of steps"
     status = "fail" if k3 >= K3_FAIL else "warn" if k3 >= K3_WARN or rising else "ok"
     msg = (f"K3 between engine and learner is {format_value(k3)} per policy token over {n:,} tokens{trend}"
-           f"{_excluded(ts)}.")
+           f"{_excluded(ctx)}.")
+    if ts.copied_files:  # part of the dump holds one computation twice: not a clean pass either
+        status = "warn" if status == "ok" else status
+        details["copied_files"] = [ctx.dump.files[f] for f in ts.copied_files]
+        msg += (f" In {len(ts.copied_files)} file{'s' if len(ts.copied_files) > 1 else ''} rollout_logprobs equal "
+                "logprobs on every policy token (a copied column, or a trainer that overwrote one): dump the "
+                "engine's own log-probs there.")
     return Outcome(status, k3, msg, details, {"steps": ctx.steps, "k3": by_step})
 
 
@@ -298,6 +398,9 @@ def turn_profile(ctx: Context) -> dict[str, np.ndarray]:
     fix=f"{_FIX_INTERQ}: they reweight each token by a bounded estimate of its execution-prefix ratio, which "
         "token-level TIS/MIS never see.")
 def check_prefix_drift(ctx: Context) -> Outcome:
+    copied = _copied_outcome(ctx)
+    if copied is not None:
+        return copied
     prof = turn_profile(ctx)
     good = np.flatnonzero(prof["tokens"] >= TURN_MIN_TOKENS)
     series = {k: v for k, v in prof.items()}
@@ -311,17 +414,21 @@ def check_prefix_drift(ctx: Context) -> Outcome:
     grows = pK >= 1.5 * p0
     status = "fail" if pK >= DRIFT_FAIL and grows else "warn" if pK >= DRIFT_WARN and grows else "ok"
     flat = cK <= max(2 * c0, c0 + 1e-3)  # changes below 1e-3 nats are float noise, not growth
-    cur = (f"while the current one stays flat ({format_value(c0)} -> {format_value(cK)})" if flat else
-           f"and the current one grows too ({format_value(c0)} -> {format_value(cK)})")
-    msg = (f"The RMS prefix log ratio grows from {format_value(p0)} at turn {first} to {format_value(pK)} nats at "
-           f"turn {last} {cur}{_excluded(ctx.tokens)}.")
+    verb = _verb(p0, pK)
+    if flat:
+        cur = f"while the current one stays flat ({format_value(c0)} -> {format_value(cK)})"
+    else:
+        cur = f"and the current one grows{' too' if verb == 'grows' else ''} ({format_value(c0)} -> {format_value(cK)})"
+    span = (f"{verb} from {format_value(p0)} at turn {first} to {format_value(pK)} nats at turn {last}"
+            if verb != "stays" else f"stays at {format_value(pK)} nats from turn {first} to turn {last}")
+    msg = f"The RMS prefix log ratio {span} {cur}{_excluded(ctx)}."
     details = {"turn_first": first, "turn_last": last, "prefix_rms_first": p0, "prefix_rms_last": pK,
                "current_rms_first": c0, "current_rms_last": cK,
                "prefix_mean_last": float(prof["prefix_mean"][last]), "current_flat": flat}
     return Outcome(status, pK, msg, details, series)
 
 
-ONE_SIDED_WARN, ONE_SIDED_FAIL, MEASURABLE, MIN_MEASURABLE = 0.75, 0.9, 1e-5, 100
+ONE_SIDED_WARN, ONE_SIDED_FAIL, MEASURABLE, MIN_MEASURABLE, NEGLIGIBLE_SHARE = 0.75, 0.9, 1e-5, 100, 0.05
 
 
 @register_check(
@@ -332,6 +439,9 @@ ONE_SIDED_WARN, ONE_SIDED_FAIL, MEASURABLE, MIN_MEASURABLE = 0.75, 0.9, 1e-5, 10
         "or the same truncation in the learner); until then bounded token weights (`tis`, `interq`) cap the "
         "bias, but do not remove it.")
 def check_one_sided(ctx: Context) -> Outcome:
+    copied = _copied_outcome(ctx)
+    if copied is not None:
+        return copied
     ts = ctx.tokens
     d = ts.delta[ts.usable]
     meas = np.abs(d) > MEASURABLE
@@ -343,8 +453,11 @@ def check_one_sided(ctx: Context) -> Outcome:
     if d.size == 0:
         return Outcome("skipped", None, "No usable policy tokens.")
     if m < MIN_MEASURABLE:
-        return Outcome("ok", 0.0, f"No measurable mismatch: |delta| <= {MEASURABLE:g} on {d.size - m:,} of "
-                       f"{d.size:,} policy tokens.", details)
+        if m <= NEGLIGIBLE_SHARE * d.size:  # (almost) no token differs: there is no side to take
+            return Outcome("ok", 0.0, f"No measurable mismatch: |delta| <= {MEASURABLE:g} on {d.size - m:,} of "
+                           f"{d.size:,} policy tokens.", details)
+        return Outcome("skipped", None, f"Too few measurable tokens to tell a side: |delta| > {MEASURABLE:g} on "
+                       f"{m:,} of {d.size:,} policy tokens ({m:,} < {MIN_MEASURABLE}).", details)
     above = float((d[meas] < 0).mean())  # delta = learner - engine < 0: the engine is above
     share = max(above, 1 - above)
     details.update(engine_above=above)
@@ -411,6 +524,9 @@ SEQ_WARN, SEQ_FAIL, SEQ_MIN_ROWS = 0.3, 1.0, 8
     fix="Use token-level or length-normalised weights (`tis`, `interq`, or the geometric mean `geo`) instead of "
         "a product of token ratios (`seq_is`).")
 def check_sequence_ratio(ctx: Context) -> Outcome:
+    copied = _copied_outcome(ctx)
+    if copied is not None:
+        return copied
     ts = ctx.tokens
     rows = np.flatnonzero(ts.row_usable > 0)
     if rows.size < SEQ_MIN_ROWS:
@@ -464,6 +580,9 @@ LENGTH_WARN, PRECISION_DROP = 0.3, 0.05
     fix="The FORK reward (`creditlab.rewards.fork`, F-beta of rubric recall and unit-level precision) makes "
         "padding and wrong content cost reward; `creditlab lab fork` shows the effect.")
 def check_length_hacking(ctx: Context) -> Outcome:
+    mix = ctx.length_unit_mix()
+    if mix is not None:
+        return Outcome("skipped", None, f"{mix[0].upper()}{mix[1:]}: lengths in two units cannot be averaged.")
     got = ctx.lengths()
     if got is None:
         return Outcome("skipped", None, "Needs response_length, token columns or response to measure length.")
@@ -478,17 +597,29 @@ def check_length_hacking(ctx: Context) -> Outcome:
     if phases is None:
         return Outcome("skipped", None, f"Needs at least 4 training steps for a trend, got {ctx.n_steps}.",
                        series=series)
+    name = "response_length" if d.has("response_length") else "token columns" if unit == "policy tokens" \
+        else "response"
+    reason, note = ctx.coverage(length, name)
+    if reason is not None:
+        return Outcome("skipped", None, f"Too few rows with {name} for a trend: {reason}.", series=series)
     L0, L1 = _early_late(length, phases)
     R0, R1 = _early_late(d.reward, phases)
     if not (L0 > 0):
         return Outcome("skipped", None, "No response length in the first quarter of steps.", series=series)
     g = L1 / L0 - 1
     details: dict[str, Any] = {"length_early": L0, "length_late": L1, "reward_early": R0, "reward_late": R1,
-                               "unit": unit}
+                               "unit": unit, "rows_with_length": int(np.isfinite(length).sum()), "rows": len(d)}
     rising = g >= LENGTH_WARN and R1 >= R0
-    base = (f"Mean response length went from {format_value(L0)} to {format_value(L1)} {unit} ({g:+.0%}) while the "
-            f"reward went from {format_value(R0)} to {format_value(R1)}")
+    notes = [note] if note else []
+    prec_reason = None
     if has_prec:
+        prec_reason, prec_note = ctx.coverage(d.scalars["precision"], "precision")
+        if prec_note and prec_reason is None:
+            notes.append(prec_note)
+    counted = f" ({'; '.join(notes)})" if notes else ""
+    base = (f"Mean response length went from {format_value(L0)} to {format_value(L1)} {unit} ({g:+.0%}) while the "
+            f"reward went from {format_value(R0)} to {format_value(R1)}{counted}")
+    if has_prec and prec_reason is None:
         P0, P1 = _early_late(d.scalars["precision"], phases)
         details.update(precision_early=P0, precision_late=P1)
         fell = P0 - P1 >= PRECISION_DROP
@@ -497,9 +628,10 @@ def check_length_hacking(ctx: Context) -> Outcome:
         tail = (f" and precision fell from {p0} to {p1}: the recall-reward padding signature" if fell else
                 f" and precision held ({p0} -> {p1}): the extra length is content")
         return Outcome(status, g, base + tail + ".", details, series)
+    why = "no precision column to tell" if not has_prec else f"precision cannot tell: {prec_reason}"
     if rising:
-        return Outcome("warn", g, base + ": the padding signature of a recall-only reward, unless the task "
-                       "rewards longer answers (no precision column to tell).", details, series)
+        return Outcome("warn", g, base + f": the padding signature of a recall-only reward, unless the task "
+                       f"rewards longer answers ({why}).", details, series)
     return Outcome("ok", g, base + ".", details, series)
 
 
@@ -529,35 +661,47 @@ def check_process_hacking(ctx: Context) -> Outcome:
     if phases is None:
         return Outcome("skipped", None, f"Needs at least 4 training steps for a trend, got {ctx.n_steps}.",
                        series=series)
+    reason, note = ctx.coverage(proc, "process_reward")
+    if reason is not None:
+        return Outcome("skipped", None, f"Too few rows with process_reward for a trend: {reason}.", series=series)
+    counted = f" ({note})" if note else ""
     fin = np.isfinite(proc)
-    sdP = float(proc[fin].std()) if fin.sum() > 1 else 0.0
+    sdP = float(proc[fin].std())
     sdR = float(d.reward.std())
     P0, P1 = _early_late(proc, phases)
     R0, R1 = _early_late(d.reward, phases)
-    if sdP == 0 or not math.isfinite(P1 - P0):
-        return Outcome("ok", 0.0, "The process reward is constant.", series=series)
+    if sdP == 0:
+        return Outcome("ok", 0.0, f"The process reward is constant ({format_value(P0)}){counted}.", series=series)
     dP = (P1 - P0) / sdP
     dR = (R1 - R0) / sdR if sdR > 0 else 0.0
     details: dict[str, Any] = {"process_early": P0, "process_late": P1, "outcome_early": R0, "outcome_late": R1,
-                               "process_rise_sd": dP, "outcome_rise_sd": dR}
-    act = []
-    if calls is not None:
-        C0, C1 = _early_late(calls, phases)
-        details.update(tool_calls_early=C0, tool_calls_late=C1)
-        if C0 > 0 and C1 / C0 - 1 >= CALLS_RISE:
-            act.append(f"tool calls per trajectory {format_value(C0)} -> {format_value(C1)}")
-    if trunc is not None:
-        T0, T1 = _early_late(trunc, phases)
-        details.update(truncated_early=T0, truncated_late=T1)
-        if T1 - T0 >= TRUNC_RISE:
-            act.append(f"truncation {_pct(T0)} -> {_pct(T1)}")
+                               "process_rise_sd": dP, "outcome_rise_sd": dR, "rows_with_process": int(fin.sum()),
+                               "rows": len(d)}
+    act, unjudged = [], []
+    for name, x, col in (("tool calls", calls, "turns"), ("truncation", trunc, "truncated")):
+        if x is None:
+            continue
+        why, _ = ctx.coverage(x, col)
+        if why is not None:
+            unjudged.append(f"{name} not compared: {why}")
+            continue
+        A0, A1 = _early_late(x, phases)
+        if name == "tool calls":
+            details.update(tool_calls_early=A0, tool_calls_late=A1)
+            if A0 > 0 and A1 / A0 - 1 >= CALLS_RISE:
+                act.append(f"tool calls per trajectory {format_value(A0)} -> {format_value(A1)}")
+        else:
+            details.update(truncated_early=A0, truncated_late=A1)
+            if A1 - A0 >= TRUNC_RISE:
+                act.append(f"truncation {_pct(A0)} -> {_pct(A1)}")
     base = (f"The process reward moved {dP:+.2f} sd ({format_value(P0)} -> {format_value(P1)}) and the outcome "
-            f"{dR:+.2f} sd ({format_value(R0)} -> {format_value(R1)})")
+            f"{dR:+.2f} sd ({format_value(R0)} -> {format_value(R1)}){counted}")
+    tail = f" ({'; '.join(unjudged)})" if unjudged else ""
     if dP >= PROCESS_RISE and dR < OUTCOME_STALL:
         if act:
             return Outcome("fail", dP, base + f", with {' and '.join(act)}: the policy is farming the process "
-                           "reward.", details, series)
-        return Outcome("warn", dP, base + ": the process reward is being optimised without the outcome.",
+                           f"reward{tail}.", details, series)
+        return Outcome("warn", dP, base + f": the process reward is being optimised without the outcome{tail}.",
                        details, series)
     return Outcome("ok", dP, base + ".", details, series)
 
@@ -623,6 +767,16 @@ def _calls(turns: list[dict]) -> list[dict]:
             for t in turns]
 
 
+def _turns_note(d: Dump, used: int | None = None) -> str:
+    """The evidence's count of rows: " (turns in J of N rows)" when rows lack turns, and the
+    trajectories used when ``used`` differs from the rows with turns."""
+    have = sum(bool(t) for t in d.turns)
+    parts = [] if used is None or used == have else [f"from {used:,} trajectories ending in a write"]
+    if have < len(d):
+        parts.append(f"turns in {have:,} of {len(d):,} rows")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 @register_check(
     "credit.coverage", title="Chain length, verifier density and coverage", needs=("turns",),
     threshold=Threshold(VD_WARN, None, direction="below", note="mean V_d over trajectories whose chain ends in "
@@ -667,7 +821,7 @@ def check_coverage(ctx: Context) -> Outcome:
     no_instr = "" if instr is not None else " (no instruction column: values it would give count as reads)"
     msg = (f"Chains by dataflow hold C = {format_value(C_mean)} of T = {format_value(T_mean)} calls on average and the "
            f"verifier sees k = {format_value(k_mean)} of them ({seen}): V_d = {format_value(vd)}, write fraction "
-           f"{format_value(w)}, P_cover {format_value(pc)}; {regime}{no_instr}.")
+           f"{format_value(w)}, P_cover {format_value(pc)}; {regime}{no_instr}{_turns_note(d, len(Cs))}.")
     return Outcome(status, vd, msg, details)
 
 
@@ -697,7 +851,8 @@ def check_mixing(ctx: Context) -> Outcome:
     tail = (": good and bad turns share rollouts, so an outcome broadcast to every turn pushes many of them the "
             "wrong way" if status == "warn" else ": turns mostly agree with their rollout, trajectory-level credit "
             "is adequate")
-    msg = f"Mean turn mixing score {format_value(value)} over {int(inc.sum()):,} trajectories with judged turns{tail}."
+    msg = (f"Mean turn mixing score {format_value(value)} over {int(inc.sum()):,} trajectories with judged turns"
+           f"{tail}{_turns_note(d)}.")
     return Outcome(status, value, msg, details)
 
 
@@ -717,11 +872,18 @@ def _skip_reason(check: Check, dump: Dump) -> str | None:
 
 def run_checks(dump: Dump, *, only: Sequence[str] | None = None, max_turns: int = 16,
                progress: Callable[[str, int, int], None] | None = None) -> list[CheckResult]:
-    """Run every registered check (or those in ``only``) on ``dump``, in registry order."""
+    """Run every registered check (or those in ``only``: one id, or a list of them) on ``dump``, in
+    registry order."""
+    if isinstance(only, str):
+        only = [only]
     if only is not None:
+        if not isinstance(only, Sequence | set | frozenset) or not all(isinstance(c, str) for c in only):
+            raise ConfigError("--check", f"expected a check id or a list of them, got {only!r}")
         unknown = [c for c in only if c not in CHECKS]
         if unknown:
-            raise ConfigError("--check", f"unknown check {unknown[0]!r}; valid: {', '.join(CHECKS)}")
+            s = "s" if len(unknown) > 1 else ""
+            raise ConfigError("--check", f"unknown check{s} {', '.join(repr(c) for c in unknown)}; "
+                                         f"valid: {', '.join(CHECKS)}")
     ids = [c for c in CHECKS if only is None or c in only]
     ctx = Context(dump, max_turns=max_turns)
     results = []

@@ -14,11 +14,21 @@ columns and mapped onto the schema: ``group`` is the prompt text (``input``), ``
 ``score``, ``response`` the ``output`` and ``response_length`` its length in characters (that
 format has no tokens); ``precision`` and ``recall`` come along when the reward function returned
 them (creditlab's FORK reward for verl does).
+
+Besides malformed values, these are input errors: a file given twice; a file whose rows all repeat
+another file's (the same dump twice); a log-prob above ``LOGPROB_TOL`` on a policy token
+(probabilities where log-probs belong); a nested list in a token column; a ``precision`` or
+``recall`` outside [0, 1]; a ``process_score`` outside [-1, 1]; verl's column names in a
+creditlab-format file. These are warnings (:attr:`Dump.warnings`, shown in the report): an
+incomplete last line of the newest file of a directory, or of the files given (a job still
+writing: the line is skipped); rows repeating identical rows of the same step written elsewhere (left
+out); response lengths in characters in some files and in tokens in others.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import itertools
 import json
 import math
@@ -31,7 +41,15 @@ from typing import Any
 
 import numpy as np
 
-from creditlab.diagnose.schema import COLUMNS, TOKEN_COLUMNS, is_number
+from creditlab.diagnose.schema import (
+    COLUMNS,
+    LOGPROB_TOL,
+    PROCESS_SCORE_RANGE,
+    SHARE_COLUMNS,
+    TOKEN_COLUMNS,
+    VERL_NAMES,
+    is_number,
+)
 from creditlab.errors import InputError
 
 __all__ = ["Dump", "TokenData", "read_dump", "dump_files"]
@@ -83,6 +101,8 @@ class Dump:
     scalars: dict[str, np.ndarray] = field(default_factory=dict)  # (N,) float64, NaN = missing
     texts: dict[str, list[str | None]] = field(default_factory=dict)
     turns: list[list[dict] | None] | None = None
+    warnings: list[str] = field(default_factory=list)  # about the input, one sentence each (report, json)
+    length_units: list[str | None] = field(default_factory=list)  # per file: unit of response_length
 
     def __len__(self) -> int:
         return int(self.step.shape[0])
@@ -123,48 +143,95 @@ def _natural(p: Path) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
 
 
-def dump_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
-    """The dump files behind ``paths``: files as given, directories expanded to their ``*.jsonl``,
-    ``*.jsonl.gz`` and ``*.parquet`` files (not recursive, in natural order: ``2.jsonl`` before
-    ``10.jsonl``)."""
+def _dump_files(paths: Sequence[str | os.PathLike]) -> list[tuple[Path, int]]:
+    """The dump files behind ``paths`` with their group: the index of the directory argument they
+    came from, or -1 for files given directly. A file reached twice is an error."""
     if not paths:
         raise InputError("no dump given")
-    out: list[Path] = []
-    for p in map(Path, paths):
+    out: list[tuple[Path, int]] = []
+    seen: dict[Path, str] = {}
+
+    def add(q: Path, group: int, arg: str) -> None:
+        key = q.resolve()
+        if key in seen:
+            how = f" (as '{seen[key]}' and '{arg}')" if seen[key] != arg else ""
+            raise InputError(f"{q}: given twice{how}: its rows would count twice; pass each dump once")
+        seen[key] = arg
+        out.append((q, group))
+
+    for g, p in enumerate(map(Path, paths)):
         if p.is_dir():
             found = sorted((q for q in p.iterdir() if q.is_file() and q.name.endswith(_SUFFIXES)), key=_natural)
             if not found:
                 raise InputError(f"{p}: directory holds no .jsonl, .jsonl.gz or .parquet file")
-            out += found
+            for q in found:
+                add(q, g, str(p))
         elif p.is_file():
             if not p.name.endswith(_SUFFIXES):
                 raise InputError(f"{p}: not a dump (expected .jsonl, .jsonl.gz, .parquet or a directory of them)")
-            out.append(p)
+            add(p, -1, str(p))
         else:
             raise InputError(f"{p}: no such file or directory")
     return out
 
 
+def dump_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
+    """The dump files behind ``paths``: files as given, directories expanded to their ``*.jsonl``,
+    ``*.jsonl.gz`` and ``*.parquet`` files (not recursive, in natural order: ``2.jsonl`` before
+    ``10.jsonl``). A file reached twice (given twice, or given and inside a directory given) is an
+    error."""
+    return [f for f, _ in _dump_files(paths)]
+
+
+def _newest(files: list[tuple[Path, int]]) -> set[int]:
+    """Indices of the files that a job may still be writing: the most recently modified file of each
+    directory given, and of the files given directly."""
+    best: dict[int, tuple[int, int]] = {}
+    for i, (f, g) in enumerate(files):
+        t = f.stat().st_mtime_ns
+        if g not in best or t >= best[g][0]:
+            best[g] = (t, i)
+    return {i for _, i in best.values()}
+
+
 def read_dump(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
               progress: Progress | None = None) -> Dump:
-    """Read and validate one or more dumps (files or directories) into one :class:`Dump`."""
+    """Read and validate one or more dumps (files or directories) into one :class:`Dump`.
+
+    Input errors raise :class:`creditlab.errors.InputError`; what the checks should know about the
+    input but can work around lands in :attr:`Dump.warnings`.
+    """
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
-    files = dump_files(paths)
+    grouped = _dump_files(paths)
+    files = [f for f, _ in grouped]
+    live = _newest(grouped)
     total = sum(f.stat().st_size for f in files)
     done = 0
-    parts = []
-    for f in files:
+    parts, kept, skipped = [], [], []
+    for k, f in enumerate(files):
         size = f.stat().st_size
         tick = None
         if progress is not None:
             def tick(n: int, f=f, base=done, size=size) -> None:  # within a file, by bytes read
                 progress(f"read {f.name}", base + min(n, size), total)
-        parts.append(_read_file(f, tick))
+        try:
+            parts.append(_read_file(f, tick, live=k in live))
+            kept.append(f)
+        except _OnlyTorn as torn:  # a file just started: nothing but its incomplete first line
+            if len(files) == 1:
+                raise InputError(str(torn).replace(" and was skipped", "")) from None
+            skipped.append(str(torn))
         done += size
         if progress is not None:
             progress(f"read {f.name}", done, total)
-    return _concat([str(f) for f in files], parts)
+    if not parts:
+        raise InputError(f"no complete row in the input: {skipped[0]}")
+    dump = _concat([str(f) for f in kept], parts)
+    dump.warnings[:0] = skipped
+    dump = _drop_repeated_rows(dump)
+    _check_length_units(dump)
+    return dump
 
 
 # ------------------------------------------------------------------------------------------------
@@ -184,6 +251,8 @@ class _Part:
     scalars: dict[str, np.ndarray]
     texts: dict[str, list[str | None]]
     turns: list[list[dict] | None] | None
+    warnings: list[str] = field(default_factory=list)
+    length_unit: str | None = None  # of response_length: "tokens", "characters", None without the column
 
 
 class _Where:
@@ -196,10 +265,10 @@ class _Where:
         return f"{self.path}: {self.unit} {int(self.numbers[i])}: column '{column}'"
 
 
-def _read_file(path: Path, tick: Callable[[int], None] | None) -> _Part:
+def _read_file(path: Path, tick: Callable[[int], None] | None, *, live: bool = False) -> _Part:
     if path.name.endswith(".parquet"):
         return _read_parquet(path)
-    return _read_jsonl(path, tick)
+    return _read_jsonl(path, tick, live=live)
 
 
 def _open_text(path: Path):
@@ -208,9 +277,16 @@ def _open_text(path: Path):
     return open(path, encoding="utf-8")
 
 
-def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None) -> _Part:
+class _OnlyTorn(InputError):
+    """A file being written that holds nothing but an incomplete first line."""
+
+
+def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None, *, live: bool = False) -> _Part:
+    """``live``: the file may still be written (the newest of its directory): an incomplete last line
+    (no end of line, not valid JSON) is skipped with a warning instead of being an error."""
     rows: list[dict] = []
     numbers: list[int] = []
+    warnings: list[str] = []
     read = 0  # characters, about the bytes of the (uncompressed) file
     try:
         with _open_text(path) as fh:
@@ -223,6 +299,10 @@ def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None) -> _Part:
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as err:
+                    if live and not line.endswith("\n"):  # only the last line of a file lacks one
+                        warnings.append(f"{path}: line {n} is incomplete (no end of line, not valid JSON) and was "
+                                        "skipped: the newest file of the input, probably still being written.")
+                        break
                     raise InputError(f"{path}: line {n}: not valid JSON ({err.msg} at column {err.colno})") from None
                 if not isinstance(obj, dict):
                     raise InputError(f"{path}: line {n}: expected a JSON object (one trajectory), "
@@ -232,13 +312,17 @@ def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None) -> _Part:
     except (OSError, UnicodeDecodeError, EOFError) as err:
         raise InputError(f"{path}: cannot be read ({err})") from None
     if not rows:
+        if warnings:
+            raise _OnlyTorn(warnings[0])
         raise InputError(f"{path}: holds no rows")
     where = _Where(path, "line", np.asarray(numbers))
     names: set[str] = set()
     for r in rows:
         names.update(r)
     if _is_verl(names):
-        return _from_verl(rows, where)
+        part = _from_verl(rows, where)
+        part.warnings += warnings
+        return part
 
     def values(name: str) -> list[Any] | None:
         return [r.get(name) for r in rows] if name in names else None
@@ -258,7 +342,9 @@ def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None) -> _Part:
             vals.append(v)
         return list(itertools.chain.from_iterable(vals)), [len(v) for v in vals]
 
-    return _build(FORMAT_CREDITLAB, len(rows), where, names.__contains__, values, flat)
+    part = _build(FORMAT_CREDITLAB, len(rows), where, names.__contains__, values, flat)
+    part.warnings += warnings
+    return part
 
 
 def _is_verl(names: set[str]) -> bool:
@@ -284,8 +370,10 @@ def _from_verl(rows: list[dict], where: _Where) -> _Part:
     scalars = {"response_length": np.asarray([len(v) for v in response], dtype=np.float64)}
     for name in ("precision", "recall"):
         if any(name in r for r in rows):
-            scalars[name] = _float_column([r.get(name) for r in rows], name, where, required=False)
-    return _Part(FORMAT_VERL, n, where.numbers, step, group, reward, None, scalars, {"response": response}, None)
+            scalars[name] = _share_column(_float_column([r.get(name) for r in rows], name, where, required=False),
+                                          name, where)
+    return _Part(FORMAT_VERL, n, where.numbers, step, group, reward, None, scalars, {"response": response}, None,
+                 length_unit="characters")
 
 
 def _read_parquet(path: Path) -> _Part:
@@ -352,9 +440,31 @@ def _first_row(lengths: list[int], k: int) -> tuple[int, int]:
     return i, k - int(ends[i] - lengths[i])
 
 
+def _array(vals: Any, empty_dtype: Any = np.float64) -> np.ndarray | None:
+    """``vals`` as a numpy array, or None when numpy cannot make one (ragged nested lists)."""
+    if isinstance(vals, np.ndarray):
+        return vals
+    if not len(vals):
+        return np.zeros(0, dtype=empty_dtype)
+    try:
+        return np.asarray(vals)
+    except (ValueError, TypeError):
+        return None
+
+
+def _nested(v: Any, lengths: list[int], k: int, name: str, where: _Where) -> None:
+    """Raise the error for a list (or object) where a token column holds one value per token."""
+    if isinstance(v, list | tuple | dict | np.ndarray):
+        i, j = _first_row(lengths, k)
+        what = "an object" if isinstance(v, dict) else "a list"
+        raise InputError(f"{where(i, name)}: element {j} is {what}, not one value: a token column is a flat "
+                         "list with one value per token (not one list per turn); concatenate the turns and give "
+                         "each token's turn in 'turn_ids'")
+
+
 def _flat_floats(vals: Any, lengths: list[int], name: str, where: _Where) -> np.ndarray:
-    a = vals if isinstance(vals, np.ndarray) else np.asarray(vals) if vals else np.zeros(0)
-    if a.ndim == 1 and a.dtype.kind in "fiu":
+    a = _array(vals)
+    if a is not None and a.ndim == 1 and a.dtype.kind in "fiu":
         return a.astype(np.float64)
     # slow path: null elements become NaN, anything else that is not a number is an error
     out = np.empty(len(vals), dtype=np.float64)
@@ -364,30 +474,33 @@ def _flat_floats(vals: Any, lengths: list[int], name: str, where: _Where) -> np.
         elif is_number(v):
             out[k] = float(v)
         else:
+            _nested(v, lengths, k, name, where)
             i, j = _first_row(lengths, k)
             raise InputError(f"{where(i, name)}: element {j} is {v!r}, expected a number")
     return out
 
 
 def _flat_bools(vals: Any, lengths: list[int], name: str, where: _Where) -> np.ndarray:
-    a = vals if isinstance(vals, np.ndarray) else np.asarray(vals) if vals else np.zeros(0, dtype=bool)
-    if a.ndim == 1 and a.dtype == np.bool_:
+    a = _array(vals, bool)
+    if a is not None and a.ndim == 1 and a.dtype == np.bool_:
         return a
-    if a.ndim == 1 and a.dtype.kind in "iu" and bool(((a == 0) | (a == 1)).all()):
+    if a is not None and a.ndim == 1 and a.dtype.kind in "iu" and bool(((a == 0) | (a == 1)).all()):
         return a.astype(bool)
     for k, v in enumerate(vals):
         if not (isinstance(v, bool | np.bool_) or (is_number(v) and v in (0, 1))):
+            _nested(v, lengths, k, name, where)
             i, j = _first_row(lengths, k)
             raise InputError(f"{where(i, name)}: element {j} is {v!r}, expected true/false")
     return np.asarray([bool(v) for v in vals], dtype=bool)
 
 
 def _flat_ints(vals: Any, lengths: list[int], name: str, where: _Where) -> np.ndarray:
-    a = vals if isinstance(vals, np.ndarray) else np.asarray(vals) if vals else np.zeros(0, dtype=np.int64)
-    if a.ndim == 1 and a.dtype.kind in "iu":
+    a = _array(vals, np.int64)
+    if a is not None and a.ndim == 1 and a.dtype.kind in "iu":
         return a.astype(np.int64)
     for k, v in enumerate(vals):
         if not (is_number(v) and float(v) == int(v)):
+            _nested(v, lengths, k, name, where)
             i, j = _first_row(lengths, k)
             raise InputError(f"{where(i, name)}: element {j} is {v!r}, expected an integer")
     return np.asarray([int(v) for v in vals], dtype=np.int64)
@@ -397,8 +510,8 @@ def _bulk(vals: Any) -> np.ndarray | None:
     """``vals`` as a numeric numpy array when every value is a plain number (no bool, None or text)."""
     if not isinstance(vals, np.ndarray) and (not len(vals) or any(type(v) is bool for v in vals)):
         return None  # numpy would read True as 1
-    a = vals if isinstance(vals, np.ndarray) else np.asarray(vals)
-    return a if a.ndim == 1 and a.dtype.kind in "fiu" else None
+    a = _array(vals)
+    return a if a is not None and a.ndim == 1 and a.dtype.kind in "fiu" else None
 
 
 def _int_column(vals: list[Any] | np.ndarray, name: str, where: _Where) -> np.ndarray:
@@ -431,7 +544,7 @@ def _float_column(vals: list[Any] | np.ndarray, name: str, where: _Where, *, req
 
 
 def _bool_column(vals: list[Any] | np.ndarray, name: str, where: _Where) -> np.ndarray:
-    a = vals if isinstance(vals, np.ndarray) else np.asarray(vals) if len(vals) else None
+    a = _array(vals, bool) if len(vals) else None
     if a is not None and a.ndim == 1 and a.dtype == np.bool_:
         return a.astype(np.float64)
     out = np.empty(len(vals), dtype=np.float64)
@@ -443,6 +556,17 @@ def _bool_column(vals: list[Any] | np.ndarray, name: str, where: _Where) -> np.n
         else:
             raise InputError(f"{where(i, name)}: expected true/false, got {v!r}")
     return out
+
+
+def _share_column(a: np.ndarray, name: str, where: _Where) -> np.ndarray:
+    """``a`` (a share column, NaN = missing), or the error naming the first value outside [0, 1]."""
+    with np.errstate(invalid="ignore"):
+        bad = (a < -1e-9) | (a > 1 + 1e-9)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        hint = " (a percentage? divide by 100)" if float(np.nanmax(a)) <= 100 and float(np.nanmin(a)) >= 0 else ""
+        raise InputError(f"{where(i, name)}: {a[i]:g} is outside [0, 1]: {name} is a share{hint}")
+    return a
 
 
 def _text_column(vals: list[Any], name: str, where: _Where) -> list[str | None]:
@@ -498,6 +622,11 @@ def _turns_column(vals: list[Any], where: _Where) -> list[list[dict] | None]:
             if ps is not None and not (is_number(ps) and math.isfinite(float(ps))):
                 raise InputError(f"{where(i, 'turns')}: turn {t}: 'process_score' must be a number or null, "
                                  f"got {ps!r}")
+            lo, hi = PROCESS_SCORE_RANGE
+            if ps is not None and not lo - 1e-9 <= float(ps) <= hi + 1e-9:
+                raise InputError(f"{where(i, 'turns')}: turn {t}: 'process_score' is {ps!r}, outside [{lo:g}, {hi:g}] "
+                                 "(scores are in [0, 1], or signed in [-1, 1]): rescale them, e.g. a 0-10 judge "
+                                 "score divided by 10")
             turns.append({"tool": d["tool"], "args": dict(d["args"] or {}), "returned": d["returned"],
                           "is_write": d["is_write"], "process_score": None if ps is None else float(ps)})
         out.append(turns)
@@ -505,6 +634,13 @@ def _turns_column(vals: list[Any], where: _Where) -> list[list[dict] | None]:
 
 
 def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, flat) -> _Part:
+    renames = [(v, c) for v, c in VERL_NAMES.items() if has(v) and not has(c)]
+    if renames:
+        s = "s" if len(renames) > 1 else ""
+        raise InputError(f"{where.path}: column{s} {', '.join(repr(v) for v, _ in renames)} {'are' if s else 'is'} "
+                         f"verl's name{s}; this file is read in the creditlab schema: rename "
+                         f"{', '.join(f'{v!r} to {c!r}' for v, c in renames)} (creditlab.integrations.verl's "
+                         "dump_batch writes the schema)")
     for c in COLUMNS:
         if c.required and not has(c.name):
             raise InputError(f"{where.path}: column '{c.name}' is missing (required: "
@@ -530,6 +666,8 @@ def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, 
                 raise InputError(f"{where(i, name)}: {lens[i]} values, but 'logprobs' has {lp_n[i]}")
         rlp = _flat_floats(rl_v, rl_n, "rollout_logprobs", where)
         pm = _flat_bools(pm_v, pm_n, "policy_mask", where)
+        for name, a in (("logprobs", lp), ("rollout_logprobs", rlp)):
+            _check_logprobs(a, pm, lp_n, name, where)
         tid = None
         got = flat("turn_ids") if has("turn_ids") else None
         if got is not None:
@@ -559,9 +697,53 @@ def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, 
     if "response_length" in scalars and bool((scalars["response_length"] < 0).any()):
         i = int(np.flatnonzero(scalars["response_length"] < 0)[0])
         raise InputError(f"{where(i, 'response_length')}: must be >= 0, got {scalars['response_length'][i]}")
+    for name in SHARE_COLUMNS:
+        if name in scalars:
+            _share_column(scalars[name], name, where)
     texts = {name: _text_column(values(name), name, where) for name in _TEXT if has(name)}
     turns = _turns_column(values("turns"), where) if has("turns") else None
-    return _Part(fmt, n, where.numbers, step, group, reward, tokens, scalars, texts, turns)
+    unit = None
+    if "response_length" in scalars:
+        unit = _length_unit(scalars["response_length"], None if tokens is None else np.diff(tokens[0]),
+                            texts.get("response"))
+    return _Part(fmt, n, where.numbers, step, group, reward, tokens, scalars, texts, turns, length_unit=unit)
+
+
+def _check_logprobs(a: np.ndarray, policy: np.ndarray, lengths: list[int], name: str, where: _Where) -> None:
+    """Log-probs are <= 0: a value above ``LOGPROB_TOL`` on a policy token is an error naming the first."""
+    with np.errstate(invalid="ignore"):
+        bad = policy & (a > LOGPROB_TOL)
+    if not bad.any():
+        return
+    k = int(np.flatnonzero(bad)[0])
+    i, j = _first_row(lengths, k)
+    on = a[policy & ~np.isnan(a)]
+    n_bad, n_pol = int(bad.sum()), int(on.size)
+    what = ("the column looks like probabilities (every policy value in [0, 1]): write their log"
+            if bool(((on >= 0) & (on <= 1)).all()) else "log-probs are <= 0")
+    raise InputError(f"{where(i, name)}: element {j} is {float(a[k])!r} on a policy token, above {LOGPROB_TOL:g} "
+                     f"({n_bad:,} of {n_pol:,} policy tokens of this file are): {what}")
+
+
+CHARACTERS = "characters"
+TOKENS = "tokens"
+
+
+def _length_unit(length: np.ndarray, n_tokens: np.ndarray | None, response: list[str | None] | None) -> str:
+    """The unit of a creditlab file's ``response_length``: "tokens" (the schema's), or "characters" when
+    it exceeds the row's token count (prompt and tool tokens included) by half on the median row, or
+    equals the length of the ``response`` text on 90% of 4+ rows (a tokenizer would give fewer)."""
+    ok = np.isfinite(length)
+    if n_tokens is not None:
+        sel = ok & (n_tokens > 0)
+        if sel.any() and float(np.median(length[sel] / n_tokens[sel])) > 1.5:
+            return CHARACTERS
+    if response is not None:
+        chars = np.asarray([np.nan if r is None else len(r) for r in response], dtype=np.float64)
+        sel = ok & np.isfinite(chars) & (chars > 1)
+        if sel.sum() >= 4 and float(np.mean(length[sel] == chars[sel])) >= 0.9:
+            return CHARACTERS
+    return TOKENS
 
 
 def _concat(files: list[str], parts: list[_Part]) -> Dump:
@@ -613,6 +795,130 @@ def _concat(files: list[str], parts: list[_Part]) -> Dump:
         row_number=np.concatenate([p.row_number for p in parts]),
         step=np.concatenate([p.step for p in parts]), group=codes, group_labels=group_labels,
         reward=np.concatenate([p.reward for p in parts]), tokens=tokens, scalars=scalars, texts=texts,
-        turns=turns,
+        turns=turns, warnings=[w for p in parts for w in p.warnings], length_units=[p.length_unit for p in parts],
     )
+
+
+def _take(d: Dump, keep: np.ndarray) -> Dump:
+    """The rows of ``d`` where ``keep`` is True (files, warnings and units unchanged)."""
+    tokens = None
+    if d.tokens is not None:
+        t = d.tokens
+        lengths = t.lengths[keep]
+        offsets = np.zeros(int(keep.sum()) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        kt = np.repeat(keep, t.lengths)
+        tokens = TokenData(offsets, t.logprobs[kt], t.rollout_logprobs[kt], t.policy_mask[kt],
+                           None if t.turn_ids is None else t.turn_ids[kt], t.has_tokens[keep])
+    idx = np.flatnonzero(keep)
+    return Dump(files=d.files, formats=d.formats, row_file=d.row_file[keep], row_number=d.row_number[keep],
+                step=d.step[keep], group=d.group[keep], group_labels=d.group_labels, reward=d.reward[keep],
+                tokens=tokens, scalars={k: v[keep] for k, v in d.scalars.items()},
+                texts={k: [v[i] for i in idx] for k, v in d.texts.items()},
+                turns=None if d.turns is None else [d.turns[i] for i in idx], warnings=list(d.warnings),
+                length_units=list(d.length_units))
+
+
+def _row_key(d: Dump, i: int) -> bytes:
+    """A digest of every value of row ``i`` but its step."""
+    h = hashlib.blake2b(digest_size=16)
+    g = d.group_labels[int(d.group[i])]
+    h.update(repr((type(g).__name__, g, float(d.reward[i]))).encode())
+    t = d.tokens
+    if t is not None and t.has_tokens[i]:
+        a, b = int(t.offsets[i]), int(t.offsets[i + 1])
+        for arr in (t.logprobs, t.rollout_logprobs, t.policy_mask) + (() if t.turn_ids is None else (t.turn_ids,)):
+            h.update(arr[a:b].tobytes())
+    for name in sorted(d.scalars):
+        h.update(d.scalars[name][i].tobytes())
+    for name in sorted(d.texts):
+        h.update(repr(d.texts[name][i]).encode())
+    if d.turns is not None:
+        h.update(json.dumps(d.turns[i], sort_keys=True, default=str).encode())
+    return h.digest()
+
+
+def _rewritten(keys: list[bytes], groups: np.ndarray) -> tuple[int, int] | None:
+    """``(m, n)`` when rows ``m .. m + n - 1`` of one step's run of rows repeat its first ``n`` rows in
+    order (the step written again right after itself, whole or after a torn first write) and the
+    repeat spans 2+ groups (within a group, identical rollouts can follow each other); else None."""
+    L = len(keys)
+    for m in range(1, L):
+        if keys[m] != keys[0]:
+            continue
+        n = min(m, L - m)
+        if keys[m:m + n] == keys[:n] and np.unique(groups[:n]).size >= 2:
+            return m, n
+    return None
+
+
+def _drop_repeated_rows(d: Dump) -> Dump:
+    """Leave out rows that repeat an identical row of the same step written before: in another file, in
+    another run of that step's rows in the same file, or as the step's rows written again right after
+    themselves (a resumed trainer). Other identical rows within a run are kept: a group's rollouts can
+    be identical. A file whose every row repeats rows read before is an error: the same dump twice."""
+    N = len(d)
+    if N < 2:
+        return d
+    change = np.ones(N, dtype=bool)
+    change[1:] = (d.row_file[1:] != d.row_file[:-1]) | (d.step[1:] != d.step[:-1])
+    starts = np.flatnonzero(change)
+    ends = np.append(starts[1:], N)
+    keys = [_row_key(d, i) for i in range(N)]
+    repeat = np.zeros(N, dtype=bool)
+    first_of: dict[int, int] = {}  # repeated row -> the row it repeats
+    seen: dict[int, dict[bytes, int]] = {}  # step -> key -> first row, over the runs before
+    for a, e in zip(starts.tolist(), ends.tolist(), strict=True):
+        before = seen.setdefault(int(d.step[a]), {})
+        mine: dict[bytes, int] = {}
+        for i in range(a, e):
+            if keys[i] in before:
+                repeat[i] = True
+                first_of[i] = before[keys[i]]
+            else:
+                mine.setdefault(keys[i], i)
+        again = _rewritten(keys[a:e], d.group[a:e])
+        if again is not None:
+            m, n = again
+            for i in range(a + m, a + m + n):
+                if not repeat[i]:
+                    repeat[i] = True
+                    first_of[i] = i - m
+        for k, i in mine.items():
+            before.setdefault(k, i)
+    if not repeat.any():
+        return d
+    for f in range(len(d.files)):
+        rows = d.row_file == f
+        if rows.any() and repeat[rows].all():
+            i = int(np.flatnonzero(rows)[0])
+            raise InputError(f"{d.files[f]}: every row repeats an identical row of "
+                             f"{d.files[int(d.row_file[first_of[i]])]} (the same dump twice, e.g. in two formats "
+                             "or a copied file): pass one of them")
+    i = int(np.flatnonzero(repeat)[0])
+    n = int(repeat.sum())
+    out = _take(d, ~repeat)
+    out.warnings.append(f"{n:,} row{'s' if n > 1 else ''} repeat{'' if n > 1 else 's'} identical rows of the same "
+                        f"step written before and {'were' if n > 1 else 'was'} left out (first: {d.where(i)} repeats "
+                        f"{d.where(first_of[i])}): the same trajectories written twice, e.g. by a resumed trainer "
+                        "or by overlapping dumps.")
+    return out
+
+
+def _check_length_units(d: Dump) -> None:
+    """Warn when ``response_length`` is in characters in some files and in tokens in others."""
+    by_unit: dict[str, list[str]] = {}
+    for f, u in zip(d.files, d.length_units, strict=True):
+        if u is not None:
+            by_unit.setdefault(u, []).append(Path(f).name)
+    if len(by_unit) < 2:
+        return
+
+    def names(fs: list[str]) -> str:
+        return ", ".join(fs[:3]) + (f" and {len(fs) - 3} more" if len(fs) > 3 else "")
+
+    ch, tok = by_unit[CHARACTERS], by_unit[TOKENS]
+    d.warnings.append(f"response_length is in characters in {len(ch)} file{'s' if len(ch) > 1 else ''} ({names(ch)}) "
+                      f"and in tokens in {len(tok)} ({names(tok)}): lengths in two units cannot be averaged, so "
+                      "reward.length_hacking is skipped; diagnose them separately.")
 

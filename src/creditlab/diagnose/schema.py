@@ -55,7 +55,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("turn_ids", "token", "int_list", False,
            "turn of each token, -1 outside turns (default: each run of policy tokens is a turn)"),
     Column("response", "trajectory", "str", False, "response text"),
-    Column("response_length", "trajectory", "float", False, "response length (tokens)"),
+    Column("response_length", "trajectory", "float", False,
+           "response length in tokens (the exporters write the policy tokens)"),
     Column("truncated", "trajectory", "bool", False, "ended by the length or action budget"),
     Column("process_reward", "trajectory", "float", False, "process reward of the trajectory"),
     Column("precision", "trajectory", "float", False, "FORK precision"),
@@ -69,6 +70,17 @@ TOKEN_COLUMNS = ("logprobs", "rollout_logprobs", "policy_mask")
 """The token columns that come together: a dump has all three or none."""
 TURN_FIELDS = ("tool", "args", "returned", "is_write", "process_score")
 """Fields of one entry of ``turns`` (``process_score`` may be null or absent)."""
+LOGPROB_TOL = 1e-4
+"""A log-prob above this on a policy token is an input error (float rounding of ``log_softmax``
+stays far below it): the column holds probabilities or other positive numbers."""
+PROCESS_SCORE_RANGE = (-1.0, 1.0)
+"""``turns[].process_score`` is in [0, 1], or signed in [-1, 1]; anything outside is an input error."""
+SHARE_COLUMNS = ("precision", "recall")
+"""Trajectory columns that are shares in [0, 1]; anything outside is an input error."""
+VERL_NAMES = {"old_log_probs": "logprobs", "rollout_log_probs": "rollout_logprobs", "response_mask": "policy_mask",
+              "uid": "group"}
+"""verl's names of the schema's columns: a creditlab-format dump that uses them is an input error naming
+the column to rename each to."""
 
 
 def _to_numpy(name: str, x: Any, B: int | None = None) -> np.ndarray:
