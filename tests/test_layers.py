@@ -36,12 +36,17 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             if base.startswith("creditlab"):
                 out.add(base)
-                out |= {f"{base}.{a.name}" for a in node.names if (SRC.parent / f"{base}.{a.name}".replace(".", "/")).with_suffix(".py").exists()
-                        or (SRC.parent / f"{base}.{a.name}".replace(".", "/") / "__init__.py").exists()}
+                out |= {f"{base}.{a.name}" for a in node.names if _is_module(f"{base}.{a.name}")}
     return out
+
+
+def _is_module(dotted: str) -> bool:
+    path = SRC.parent / dotted.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
 MODULES = {_module_name(p): p for p in sorted(SRC.rglob("*.py"))}
@@ -98,3 +103,19 @@ def test_no_import_circles():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_in_train_is_longer_than_80_lines():
+    """Every function of ``creditlab.train`` (methods and nested functions included) fits in
+    :data:`MAX_FUNCTION_LINES` lines, its docstring included: the trainers stay readable."""
+    offenders = []
+    for path in sorted((SRC / "train").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    offenders.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({n} lines)")
+    assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines: {offenders}"

@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,9 @@ from creditlab.train.toolshop_rollout import make_tasks
 __all__ = ["DEMO_SEED_OFFSET", "BaseConfig", "base_policy", "default_cache_dir", "prepare_base_policy", "train_base"]
 
 DEMO_SEED_OFFSET = 10_000_000  # base-policy demo tasks; RL and evaluation use seeds below this
+
+_MODEL = TinyLMConfig(vocab_size=len(VOCAB))  # the model's defaults: TinyLMConfig is their one source
+_MODEL_FIELDS = frozenset(f.name for f in fields(TinyLMConfig))
 
 
 @dataclass(frozen=True)
@@ -49,20 +52,22 @@ class BaseConfig:
     """Demonstrations per step."""
     lr: float = 3e-3
     """AdamW peak learning rate (linear warm-up over 5% of steps, cosine decay)."""
-    n_layer: int = 2
-    """Transformer blocks."""
-    n_head: int = 4
-    """Attention heads."""
-    d_model: int = 64
-    """Model width."""
-    max_len: int = 192
-    """Model context length."""
+    n_layer: int = _MODEL.n_layer
+    """Transformer blocks (:attr:`TinyLMConfig.n_layer`, and its default)."""
+    n_head: int = _MODEL.n_head
+    """Attention heads (:attr:`TinyLMConfig.n_head`, and its default)."""
+    d_model: int = _MODEL.d_model
+    """Model width (:attr:`TinyLMConfig.d_model`, and its default)."""
+    max_len: int = _MODEL.max_len
+    """Model context length (:attr:`TinyLMConfig.max_len`, and its default)."""
     seed: int = 0
     """Seed of the model init, the demonstrations and the batches."""
 
     def model_config(self) -> TinyLMConfig:
-        return TinyLMConfig(vocab_size=len(VOCAB), n_layer=self.n_layer, n_head=self.n_head,
-                            d_model=self.d_model, max_len=self.max_len)
+        """The :class:`TinyLMConfig` of the policy: the toolshop vocabulary, and every field of this
+        config that :class:`TinyLMConfig` has too (the rest at TinyLMConfig's defaults)."""
+        shared = {f.name: getattr(self, f.name) for f in fields(self) if f.name in _MODEL_FIELDS}
+        return TinyLMConfig(vocab_size=len(VOCAB), **shared)
 
     def key(self) -> str:
         # the model's full config and a format version: a changed architecture never loads old weights

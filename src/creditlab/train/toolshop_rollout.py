@@ -31,7 +31,6 @@ Turn helpers: a :class:`RolloutBatch` knows which turn each token belongs to, so
 from __future__ import annotations
 
 import random
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,7 +40,7 @@ import torch
 from creditlab.envs.toolshop import EOA, PAD, Task, ToolshopEnv, TurnRecord, make_task, verify
 from creditlab.errors import ConfigError
 from creditlab.models.quant import check_precision
-from creditlab.models.tiny_lm import StackedTinyLM, TinyLM
+from creditlab.models.tiny_lm import KVCache, StackedKVCache, StackedTinyLM, TinyLM
 
 __all__ = [
     "EVAL_SEED_OFFSET",
@@ -97,6 +96,209 @@ def make_tasks(seeds: Sequence[int], chain_lengths: Sequence[int]) -> list[Task]
     return [make_task(s, chain_lengths[random.Random(s).randrange(len(chain_lengths))]) for s in seeds]
 
 
+# ----------------------------------------------------------------------------------------------
+# The lock-step decode engine of rollout and rollout_stacked
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Draw:
+    """Tokens sampled for some rows at one position and their log-probabilities under the engine."""
+
+    tokens: np.ndarray    # (n,) int64
+    logprobs: np.ndarray  # (n,) float32
+
+
+def _multinomial_draw(logits: torch.Tensor, rows: np.ndarray, temperature: float,
+                      generator: torch.Generator | None) -> _Draw:
+    """Sample the rows ``rows`` of ``logits`` ``(B, V)`` with ``torch.multinomial`` (:func:`rollout`)."""
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    idx = torch.as_tensor(rows)
+    draw = torch.multinomial(lp[idx].exp(), 1, generator=generator).squeeze(1)
+    return _Draw(tokens=draw.numpy(), logprobs=lp[idx, draw].numpy())
+
+
+def _inverse_cdf_draw(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float) -> _Draw:
+    """One token per row of ``logits`` ``(n, V)``: the first whose cumulative probability exceeds
+    ``uniforms`` ``(n,)`` (float64) times the total (:func:`rollout_stacked`)."""
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    cdf = lp.exp().to(torch.float64).cumsum(-1)
+    u = uniforms * cdf[:, -1]
+    draw = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp(max=cdf.size(1) - 1)
+    return _Draw(tokens=draw.numpy(), logprobs=lp.gather(1, draw[:, None]).squeeze(1).numpy())
+
+
+@dataclass
+class _Outcome:
+    """The terminal verifier's outcome of one episode."""
+
+    success: float
+    progress: float
+
+    @classmethod
+    def of(cls, env: ToolshopEnv) -> _Outcome:
+        ok, progress = env.result()
+        return cls(success=float(ok), progress=progress)
+
+
+@dataclass
+class _Rows:
+    """The per-row state of a lock-step decode of ``R`` trajectories over ``max_len`` positions.
+
+    ``tokens``/``policy``/``valid``/``turn``/``logp`` ``(R, max_len)``: the batch being written (the
+    fields of :class:`RolloutBatch`). ``qbuf[r, qhead[r]:qhead[r] + qlen[r]]``: the forced tokens row
+    ``r`` still has to feed (its prompt, then each observation); ``abuf[r, :alen[r]]``: its action so
+    far; ``nrec[r]``: the turns it took; ``done[r]``: its episode is over; ``finished[r]``: ... and its
+    last observation was fed. ``live``: the engine's batch, the global row of each slot (``(B,)``, or
+    ``(M, B)`` for a stacked model, narrower after :meth:`compact`); ``pos[r]``: the flat slot of row
+    ``r`` in it (valid while the row runs). ``decode_steps``/``decode_rows``: the model calls and the
+    rows they computed.
+    """
+
+    envs: list[ToolshopEnv]
+    max_action_len: int
+    tokens: np.ndarray     # (R, max_len) int64
+    policy: np.ndarray     # (R, max_len) bool
+    valid: np.ndarray      # (R, max_len) bool
+    turn: np.ndarray       # (R, max_len) int64
+    logp: np.ndarray       # (R, max_len) float32
+    qbuf: np.ndarray       # (R, >= 64) int64, widened for a longer observation
+    qhead: np.ndarray      # (R,) int64
+    qlen: np.ndarray       # (R,) int64
+    abuf: np.ndarray       # (R, max_action_len) int64
+    alen: np.ndarray       # (R,) int64
+    nrec: np.ndarray       # (R,) int64
+    done: np.ndarray       # (R,) bool
+    finished: np.ndarray   # (R,) bool
+    live: np.ndarray       # (B,) or (M, W) int64
+    pos: np.ndarray        # (R,) int64
+    decode_steps: int = 0
+    decode_rows: int = 0
+
+    @classmethod
+    def start(cls, envs: list[ToolshopEnv], max_len: int, max_action_len: int, shape: tuple[int, ...]) -> _Rows:
+        """Reset every environment: the first prompt token at position 0, the rest queued; ``shape``
+        the engine's batch, ``(B,)`` or ``(M, B)``."""
+        R = len(envs)
+        prompts = [env.reset() for env in envs]
+        qbuf = np.zeros((R, max(64, max((len(p) for p in prompts), default=0))), dtype=np.int64)
+        qlen = np.zeros(R, dtype=np.int64)
+        tokens = np.full((R, max_len), PAD, dtype=np.int64)
+        for r, p in enumerate(prompts):
+            tokens[r, 0] = p[0]
+            qbuf[r, :len(p) - 1] = p[1:]
+            qlen[r] = len(p) - 1
+        valid = np.zeros((R, max_len), dtype=bool)
+        valid[:, 0] = True
+        return cls(envs=envs, max_action_len=max_action_len, tokens=tokens, policy=np.zeros((R, max_len), dtype=bool),
+                   valid=valid, turn=np.full((R, max_len), -1, dtype=np.int64),
+                   logp=np.zeros((R, max_len), dtype=np.float32), qbuf=qbuf, qhead=np.zeros(R, dtype=np.int64),
+                   qlen=qlen, abuf=np.zeros((R, max(max_action_len, 1)), dtype=np.int64),
+                   alen=np.zeros(R, dtype=np.int64), nrec=np.zeros(R, dtype=np.int64), done=np.zeros(R, dtype=bool),
+                   finished=np.zeros(R, dtype=bool), live=np.arange(R).reshape(shape), pos=np.arange(R))
+
+    def engine_logits(self, model: TinyLM | StackedTinyLM, cache: KVCache | StackedKVCache, t: int) -> torch.Tensor:
+        """Feed position ``t`` of the engine's batch: the next-token logits ``(live.size, V)`` (fp32) of
+        its slots, the distribution of position ``t + 1``."""
+        logits = model.step(torch.as_tensor(self.tokens[self.live, t]), cache).float()
+        self.decode_steps += 1
+        self.decode_rows += self.live.size
+        return logits.view(self.live.size, logits.size(-1))
+
+    def to_sample(self) -> np.ndarray:
+        """The rows that sample their next token from the policy: running, with no forced token queued."""
+        return np.flatnonzero(~self.finished & (self.qlen == 0))
+
+    def take_draw(self, t: int, rows: np.ndarray, draw: _Draw) -> None:
+        """Write the tokens ``rows`` sampled at position ``t + 1``; an action that ended (``EOA``, or
+        ``max_action_len`` tokens) goes to its environment."""
+        self.tokens[rows, t + 1] = draw.tokens
+        self.policy[rows, t + 1] = self.valid[rows, t + 1] = True
+        self.logp[rows, t + 1] = draw.logprobs
+        self.turn[rows, t + 1] = self.nrec[rows]
+        self.abuf[rows, self.alen[rows]] = draw.tokens
+        self.alen[rows] += 1
+        for r in rows[(draw.tokens == EOA) | (self.alen[rows] >= self.max_action_len)]:
+            self._act(r)
+
+    def _act(self, r: int) -> None:
+        """Row ``r``'s action to its environment; the observation is queued."""
+        res = self.envs[r].step(self.abuf[r, :self.alen[r]].tolist())
+        self.alen[r] = 0
+        obs = res.observation
+        if len(obs) > self.qbuf.shape[1]:
+            self.qbuf = np.concatenate([self.qbuf, np.zeros((len(self.envs), len(obs)), dtype=np.int64)], axis=1)
+        self.qbuf[r, :len(obs)] = obs
+        self.qhead[r], self.qlen[r] = 0, len(obs)
+        self.nrec[r] += 1
+        self.done[r] = res.done
+
+    def feed_forced(self, t: int) -> None:
+        """Position ``t + 1`` of the running rows that did not sample it: their next queued token (the
+        prompt's, or the last observation's); a row whose episode is over finishes with its queue."""
+        idx = np.flatnonzero(~self.finished & (self.qlen > 0) & ~self.policy[:, t + 1])
+        if not idx.size:
+            return
+        self.tokens[idx, t + 1] = self.qbuf[idx, self.qhead[idx]]
+        self.qhead[idx] += 1
+        self.qlen[idx] -= 1
+        self.valid[idx, t + 1] = True
+        self.turn[idx, t + 1] = np.where(self.nrec[idx] > 0, self.nrec[idx] - 1, -1)
+        self.finished[idx] = (self.qlen[idx] == 0) & self.done[idx]
+
+    def compact(self, cache: StackedKVCache, share: float) -> None:
+        """Drop the finished rows from the engine's ``(M, W)`` batch (and their KV cache rows) when the
+        running ones fill at most ``share`` of its width in every model (see :func:`rollout_stacked`)."""
+        M, W = self.live.shape
+        width = max(int((~self.finished[self.live]).sum(1).max()), 1)  # most running rows of one model
+        if width > share * W:
+            return
+        keep = np.argsort(self.finished[self.live], axis=1, kind="stable")[:, :width]  # running rows first
+        flat = torch.as_tensor((np.arange(M)[:, None] * W + keep).reshape(-1))
+        cache.k, cache.v = cache.k.index_select(1, flat), cache.v.index_select(1, flat)
+        cache.last = cache.last.gather(1, torch.as_tensor(keep))
+        self.live = np.take_along_axis(self.live, keep, axis=1)
+        self.pos[self.live.reshape(-1)] = np.arange(self.live.size)
+
+    def length(self) -> int:
+        """The batch's length: up to the last position any row wrote."""
+        return int(np.flatnonzero(self.valid.any(0)).max()) + 1
+
+    def rollout_batch(self, tasks: Sequence[Task], group_ids: Sequence[int] | None) -> RolloutBatch:
+        """The :class:`RolloutBatch` of a :func:`rollout`."""
+        L = self.length() if self.valid.any() else 1
+        envs = self.envs
+        outcome = [_Outcome.of(env) for env in envs]
+        gids = torch.arange(len(envs)) if group_ids is None else torch.as_tensor(list(group_ids), dtype=torch.long)
+        return RolloutBatch(
+            tokens=torch.as_tensor(self.tokens[:, :L]), policy_mask=torch.as_tensor(self.policy[:, :L]),
+            valid_mask=torch.as_tensor(self.valid[:, :L]), rollout_logprobs=torch.as_tensor(self.logp[:, :L]),
+            turn_ids=torch.as_tensor(self.turn[:, :L]), records=[env.records for env in envs],
+            success=torch.tensor([o.success for o in outcome]), progress=torch.tensor([o.progress for o in outcome]),
+            truncated=torch.tensor([not env.wrote for env in envs]),
+            n_calls=torch.tensor([len(env.records) for env in envs]), tasks=list(tasks), group_ids=gids)
+
+    def stacked_rollout(self, tasks: Sequence[Sequence[Task]]) -> StackedRollout:
+        """The :class:`StackedRollout` of a :func:`rollout_stacked` (``tasks[m]``: the ``B`` tasks of model ``m``)."""
+        M, B = len(tasks), len(tasks[0])
+        L = self.length()
+        envs = self.envs
+        outcome = [_Outcome.of(env) for env in envs]
+
+        def mb(a, dtype=None):
+            return torch.as_tensor(a, dtype=dtype).reshape(M, B, *np.shape(a)[1:])
+
+        return StackedRollout(
+            tokens=mb(self.tokens[:, :L]), policy_mask=mb(self.policy[:, :L]), valid_mask=mb(self.valid[:, :L]),
+            rollout_logprobs=mb(self.logp[:, :L]), turn_ids=mb(self.turn[:, :L]),
+            records=[[envs[m * B + b].records for b in range(B)] for m in range(M)],
+            success=mb([o.success for o in outcome], torch.float32),
+            progress=mb([o.progress for o in outcome], torch.float32),
+            truncated=mb([not env.wrote for env in envs]), n_calls=mb([len(env.records) for env in envs]),
+            budget=mb([env.max_turns for env in envs]), tasks=[list(row) for row in tasks],
+            decode_steps=self.decode_steps, decode_rows=self.decode_rows)
+
+
 @torch.no_grad()
 def rollout(model: TinyLM, tasks: Sequence[Task], *, precision: str = "fp32", max_len: int = 160,
             max_turns: int | None = None, max_action_len: int = 8, temperature: float = 1.0,
@@ -106,65 +308,17 @@ def rollout(model: TinyLM, tasks: Sequence[Task], *, precision: str = "fp32", ma
     check_precision(precision)
     if temperature <= 0:
         raise ConfigError("temperature", f"must be > 0, got {temperature}")
-    B = len(tasks)
-    envs = [ToolshopEnv(t, max_turns) for t in tasks]
-    queues = [deque(env.reset()) for env in envs]
-    tokens = np.full((B, max_len), PAD, dtype=np.int64)
-    policy = np.zeros((B, max_len), dtype=bool)
-    valid = np.zeros((B, max_len), dtype=bool)
-    turn = np.full((B, max_len), -1, dtype=np.int64)
-    logp = np.zeros((B, max_len), dtype=np.float32)
-    action: list[list[int]] = [[] for _ in range(B)]
-    finished = [False] * B
-    for b in range(B):
-        tokens[b, 0] = queues[b].popleft()
-        valid[b, 0] = True
-    cache = model.init_cache(B, precision, max_len)
-    cur = torch.as_tensor(tokens[:, 0])
+    rows = _Rows.start([ToolshopEnv(t, max_turns) for t in tasks], max_len, max_action_len, (len(tasks),))
+    cache = model.init_cache(len(tasks), precision, max_len)
     for t in range(max_len - 1):
-        logits = model.step(cur, cache).float()  # (B, V): next-token distribution at position t+1
-        lp = torch.log_softmax(logits / temperature, dim=-1)
-        need = [b for b in range(B) if not finished[b] and not queues[b]]
-        if need:
-            idx = torch.as_tensor(need)
-            draw = torch.multinomial(lp[idx].exp(), 1, generator=generator).squeeze(1)
-            draw_lp = lp[idx, draw]
-            for j, b in enumerate(need):
-                tok = int(draw[j])
-                tokens[b, t + 1] = tok
-                policy[b, t + 1] = valid[b, t + 1] = True
-                logp[b, t + 1] = float(draw_lp[j])
-                turn[b, t + 1] = len(envs[b].records)
-                action[b].append(tok)
-                if tok == EOA or len(action[b]) >= max_action_len:
-                    res = envs[b].step(action[b])
-                    action[b] = []
-                    queues[b].extend(res.observation)
-        for b in range(B):
-            if finished[b] or not queues[b] or policy[b, t + 1]:
-                continue
-            tokens[b, t + 1] = queues[b].popleft()
-            valid[b, t + 1] = True
-            turn[b, t + 1] = len(envs[b].records) - 1 if envs[b].records else -1
-            if not queues[b] and envs[b].done:
-                finished[b] = True
-        if all(finished):
+        logits = rows.engine_logits(model, cache, t)  # (B, V): next-token distribution at position t+1
+        need = rows.to_sample()
+        if need.size:
+            rows.take_draw(t, need, _multinomial_draw(logits, need, temperature, generator))
+        rows.feed_forced(t)
+        if rows.finished.all():
             break
-        cur = torch.as_tensor(tokens[:, t + 1])
-    L = int(valid.any(0).nonzero()[0].max()) + 1 if valid.any() else 1
-    succ, prog, trunc = [], [], []
-    for env in envs:
-        ok, pr = env.result()
-        succ.append(float(ok))
-        prog.append(pr)
-        trunc.append(not env.wrote)
-    gids = torch.arange(B) if group_ids is None else torch.as_tensor(list(group_ids), dtype=torch.long)
-    return RolloutBatch(
-        tokens=torch.as_tensor(tokens[:, :L]), policy_mask=torch.as_tensor(policy[:, :L]),
-        valid_mask=torch.as_tensor(valid[:, :L]), rollout_logprobs=torch.as_tensor(logp[:, :L]),
-        turn_ids=torch.as_tensor(turn[:, :L]), records=[env.records for env in envs],
-        success=torch.tensor(succ), progress=torch.tensor(prog), truncated=torch.tensor(trunc),
-        n_calls=torch.tensor([len(env.records) for env in envs]), tasks=list(tasks), group_ids=gids)
+    return rows.rollout_batch(tasks, group_ids)
 
 
 @dataclass
@@ -216,100 +370,22 @@ def rollout_stacked(model: StackedTinyLM, tasks: Sequence[Sequence[Task]], unifo
         raise ConfigError("uniforms", f"expected shape {(M, B, max_len)}, got {tuple(uniforms.shape)}")
     if temperature <= 0:
         raise ConfigError("temperature", f"must be > 0, got {temperature}")
-    R = M * B
-    envs = [ToolshopEnv(t, max_turns) for row in tasks for t in row]
-    prompts = [env.reset() for env in envs]
-    qmax = max(64, max(len(p) for p in prompts))
-    qbuf = np.zeros((R, qmax), dtype=np.int64)  # forced tokens still to feed (prompt, then each observation)
-    qhead = np.zeros(R, dtype=np.int64)
-    qlen = np.zeros(R, dtype=np.int64)
-    tokens = np.full((R, max_len), PAD, dtype=np.int64)
-    for r, p in enumerate(prompts):
-        tokens[r, 0] = p[0]
-        qbuf[r, :len(p) - 1] = p[1:]
-        qlen[r] = len(p) - 1
-    policy = np.zeros((R, max_len), dtype=bool)
-    valid = np.zeros((R, max_len), dtype=bool)
-    valid[:, 0] = True
-    turn = np.full((R, max_len), -1, dtype=np.int64)
-    logp = np.zeros((R, max_len), dtype=np.float32)
-    abuf = np.zeros((R, max_action_len), dtype=np.int64)
-    alen = np.zeros(R, dtype=np.int64)
-    nrec = np.zeros(R, dtype=np.int64)
-    done = np.zeros(R, dtype=bool)  # the environment's episode is over
-    finished = np.zeros(R, dtype=bool)  # ... and its last observation was fed
-    u_all = uniforms.reshape(R, max_len).to(torch.float64)
+    rows = _Rows.start([ToolshopEnv(t, max_turns) for row in tasks for t in row], max_len, max_action_len, (M, B))
+    u_all = uniforms.reshape(M * B, max_len).to(torch.float64)
     cache = model.init_cache(B, precision, max_len)
-    live = np.arange(R).reshape(M, B)  # the engine's batch: global row of each (model, slot)
-    pos = np.arange(R)  # slot of each global row in the flattened batch (valid while the row runs)
-    cur = torch.as_tensor(tokens[:, 0]).view(M, B)
-    steps = rows_done = 0
     for t in range(max_len - 1):
-        logits = model.step(cur, cache).float().view(live.size, -1)  # next-token distribution at t+1
-        steps += 1
-        rows_done += live.size
-        need = ~finished & (qlen == 0)
-        if need.any():
-            idx = np.flatnonzero(need)
-            it = torch.as_tensor(idx)
-            lp = torch.log_softmax(logits[torch.as_tensor(pos[idx])] / temperature, dim=-1)
-            cdf = lp.exp().to(torch.float64).cumsum(-1)
-            u = u_all[it, t + 1] * cdf[:, -1]
-            draw = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp(max=cdf.size(1) - 1)
-            draw_lp = lp.gather(1, draw[:, None]).squeeze(1).numpy()
-            draw = draw.numpy()
-            tokens[idx, t + 1] = draw
-            policy[idx, t + 1] = valid[idx, t + 1] = True
-            logp[idx, t + 1] = draw_lp
-            turn[idx, t + 1] = nrec[idx]
-            abuf[idx, alen[idx]] = draw
-            alen[idx] += 1
-            for r in idx[(draw == EOA) | (alen[idx] >= max_action_len)]:
-                res = envs[r].step(abuf[r, :alen[r]].tolist())
-                alen[r] = 0
-                obs = res.observation
-                if len(obs) > qbuf.shape[1]:
-                    qbuf = np.concatenate([qbuf, np.zeros((R, len(obs)), dtype=np.int64)], axis=1)
-                qbuf[r, :len(obs)] = obs
-                qhead[r], qlen[r] = 0, len(obs)
-                nrec[r] += 1
-                done[r] = res.done
-        forced = ~finished & (qlen > 0) & ~need
-        if forced.any():
-            idx = np.flatnonzero(forced)
-            tokens[idx, t + 1] = qbuf[idx, qhead[idx]]
-            qhead[idx] += 1
-            qlen[idx] -= 1
-            valid[idx, t + 1] = True
-            turn[idx, t + 1] = np.where(nrec[idx] > 0, nrec[idx] - 1, -1)
-            finished[idx] = (qlen[idx] == 0) & done[idx]
-        if finished.all():
+        logits = rows.engine_logits(model, cache, t)  # (engine's batch, V): next-token distribution at t+1
+        need = rows.to_sample()
+        if need.size:
+            draw = _inverse_cdf_draw(logits[torch.as_tensor(rows.pos[need])], u_all[torch.as_tensor(need), t + 1],
+                                     temperature)
+            rows.take_draw(t, need, draw)
+        rows.feed_forced(t)
+        if rows.finished.all():
             break
         if compact is not None:
-            busy = (~finished[live]).sum(1)  # (M,) running trajectories of each model
-            width = max(int(busy.max()), 1)
-            if width <= compact * live.shape[1]:
-                keep = np.argsort(finished[live], axis=1, kind="stable")[:, :width]  # running rows first
-                flat = torch.as_tensor((np.arange(M)[:, None] * live.shape[1] + keep).reshape(-1))
-                cache.k, cache.v = cache.k.index_select(1, flat), cache.v.index_select(1, flat)
-                cache.last = cache.last.gather(1, torch.as_tensor(keep))
-                live = np.take_along_axis(live, keep, axis=1)
-                pos[live.reshape(-1)] = np.arange(live.size)
-        cur = torch.as_tensor(tokens[live, t + 1])
-    L = int(np.flatnonzero(valid.any(0)).max()) + 1
-    res = [env.result() for env in envs]
-
-    def mb(a, dtype=None):
-        return torch.as_tensor(a, dtype=dtype).reshape(M, B, *np.shape(a)[1:])
-
-    return StackedRollout(
-        tokens=mb(tokens[:, :L]), policy_mask=mb(policy[:, :L]), valid_mask=mb(valid[:, :L]),
-        rollout_logprobs=mb(logp[:, :L]), turn_ids=mb(turn[:, :L]),
-        records=[[envs[m * B + b].records for b in range(B)] for m in range(M)],
-        success=mb([float(ok) for ok, _ in res], torch.float32), progress=mb([p for _, p in res], torch.float32),
-        truncated=mb([not env.wrote for env in envs]), n_calls=mb([len(env.records) for env in envs]),
-        budget=mb([env.max_turns for env in envs]), tasks=[list(row) for row in tasks], decode_steps=steps,
-        decode_rows=rows_done)
+            rows.compact(cache, compact)
+    return rows.stacked_rollout(tasks)
 
 
 def stacked_logprobs(model: StackedTinyLM, tokens: torch.Tensor, precision: str | Sequence[str] = "fp32",
