@@ -8,6 +8,7 @@ layers and the formulas.
 
 from creditlab.errors import ConfigError, CreditlabError, InputError
 
-__version__ = "0.1.0"
+#: The one version source: setuptools reads it for the package metadata (pyproject.toml).
+__version__ = "0.2.0"
 
 __all__ = ["ConfigError", "CreditlabError", "InputError", "__version__"]
