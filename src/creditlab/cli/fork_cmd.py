@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
+import signal
 from pathlib import Path
 
 import typer
@@ -13,37 +13,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from creditlab.cli._apps import fork_app
+from creditlab.cli._results import OutLock, RowWriter, check_cache, compact, scan_results, set_aside, truncate
 from creditlab.errors import ConfigError
 
 __all__ = ["score"]
 
 
 def _read_out(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a line cut by an interrupted run: that item is simply rescored
-    return rows
+    """The rows of a results file (:func:`creditlab.cli._results.scan_results`: a file that is not one is
+    refused; cut-off lines are not rows)."""
+    return scan_results(path).rows
 
 
 def _compact(path: Path) -> list[dict]:
     """Keep the last row of each id (a rescored item replaces its earlier error row)."""
-    last: dict[str, dict] = {}
-    for r in _read_out(path):
-        last[str(r.get("id"))] = r
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for r in last.values():
-            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-    return list(last.values())
+    return compact(path)
 
 
 def _check_input(inp: Path) -> None:
@@ -56,20 +40,79 @@ def _check_input(inp: Path) -> None:
         data = inp.read_bytes()
     except OSError as err:
         raise ConfigError("--in", f"cannot read {inp}: {err.strerror}") from None
+    for magic, kind in ((b"\x1f\x8b", "gzip-compressed"), (b"PAR1", "a Parquet file"),
+                        (b"PK\x03\x04", "a zip archive")):
+        if data.startswith(magic):
+            raise ConfigError("--in", f"{inp} is {kind}, not JSON Lines text; decompress or convert it to one JSON "
+                                      "object per line first")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
         raise ConfigError("--in", f"{inp} is not UTF-8 text (invalid byte at offset {err.start}, line {line})"
                           ) from None
+    text = text.replace("\ufeff", "")  # a UTF-8 byte order mark is ignored
     if not text.strip():
         raise ConfigError("--in", f"{inp} is empty: no JSON lines to score")
+    from creditlab.errors import InputError
+    from creditlab.rewards.items import check_jsonl_text
+
+    try:
+        check_jsonl_text(text, str(inp))
+    except InputError as err:
+        raise ConfigError("--in", str(err)) from None
+
+
+def _read_items(inp: Path, response_field: str | None, console: Console) -> tuple[list, int, dict[str, int]]:
+    """The items of ``--in`` (bad lines and duplicate ids are reported, one line each, and skipped):
+    ``(items, bad line count, {id: line})``."""
+    from creditlab.rewards import iter_jsonl_items
+
+    items, bad, seen = [], 0, {}
+    for n, it in iter_jsonl_items(inp, response_field=response_field):
+        if isinstance(it, Exception):
+            bad += 1
+            console.print(f"skipped {it}", highlight=False, markup=False)
+            continue
+        if it.id in seen:
+            bad += 1
+            console.print(f"skipped {inp.name}:{n}: duplicate id {it.id!r} (first at line {seen[it.id]}; ids are "
+                          "compared as text, so 1 and \"1\" are the same id)", highlight=False, markup=False)
+            continue
+        seen[it.id] = n
+        items.append(it)
+    return items, bad, seen
+
+
+def _changed_inputs(previous: list[dict], items: list) -> list[str]:
+    """Ids scored before (a row without error) whose input hash differs from the item's now (a row
+    without an ``input_hash`` counts as changed)."""
+    last_ok: dict[str, dict] = {}
+    for r in previous:
+        if r.get("error") is None:
+            last_ok[str(r.get("id"))] = r
+    return [it.id for it in items if it.id in last_ok and last_ok[it.id].get("input_hash") != it.input_hash]
+
+
+def _response_summary(items: list) -> str:
+    """Which field was scored as the response, and the reference fields the rows also hold (not scored)."""
+    from collections import Counter
+
+    fields = Counter(it.response_field for it in items)
+    refs = Counter(k for it in items for k in it.references)
+    text = ", ".join(f"'{k}'" + (f" ({n} rows)" if len(fields) > 1 else "") for k, n in fields.most_common())
+    if refs:
+        text += "; also held, not scored (references): " + ", ".join(f"'{k}' ({n} rows)" for k, n in refs.most_common())
+    return text or "-"
 
 
 def _check_output(out: Path, inp: Path) -> None:
     """``--out``: a JSONL file in an existing, writable directory, not the input itself."""
     if out.is_dir():
         raise ConfigError("--out", f"{out} is a directory; --out names the results file (JSONL)")
+    if out.exists() and not out.is_file():
+        raise ConfigError("--out", f"{out} is not a regular file (a device or a pipe); --out names the results "
+                                   "file (JSONL)")
     if out.exists() and inp.exists() and out.resolve() == inp.resolve():
         raise ConfigError("--out", f"{out} is the input file; choose another --out")
     parent = out.parent if str(out.parent) else Path(".")
@@ -77,6 +120,34 @@ def _check_output(out: Path, inp: Path) -> None:
         raise ConfigError("--out", f"directory {parent} does not exist (create it first)")
     if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
         raise ConfigError("--out", f"{out} is not writable")
+
+
+def _stop_on_signals(stopped: list) -> None:
+    """SIGINT (Ctrl-C) and SIGTERM cancel the running command's main task between two rows (never in the
+    middle of writing one); the signal is appended to ``stopped``. Outside the main thread nothing is
+    installed."""
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+
+    def stop(sig: signal.Signals) -> None:
+        stopped.append(sig)
+        if main is not None:
+            main.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop, sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            return
+
+
+def _hold(ctx: typer.Context, lock: OutLock, console: Console) -> None:
+    """Take ``--out``'s lock for the rest of the command: released when the command's context closes,
+    which it does however the command ends (errors and exits included); names a stale lock taken over."""
+    note = lock.acquire()
+    ctx.call_on_close(lock.release)
+    if note:
+        console.print(note, highlight=False, markup=False)
 
 
 DEFAULT_BASE_URL = "http://localhost:8000/v1"
@@ -131,6 +202,11 @@ def _base_urls(flags: list[str] | None, path: Path | None) -> list[str]:
         flag = "--base-url" if where.startswith("--") else "--base-urls-file"
         if not url.startswith(("http://", "https://")):
             raise ConfigError(flag, f"{where}: {url!r} must start with http:// or https://")
+        from creditlab.judge.openai_compat import base_url_problem
+
+        problem = base_url_problem(url)
+        if problem:
+            raise ConfigError(flag, f"{where}: {problem}")
         key = url.rstrip("/")
         if key in seen:
             raise ConfigError(flag, f"{where}: {url} is given twice (also {seen[key]})")
@@ -172,8 +248,11 @@ def _endpoint_lines(judge) -> list[str]:
 
 @fork_app.command("score")
 def score(
+    ctx: typer.Context,
     inp: Path = typer.Option(..., "--in", help="Input JSONL: {id, prompt, response, rubrics: [{criterion, points}]}."),
-    out: Path = typer.Option(..., "--out", help="Output JSONL; results are appended as they finish."),
+    out: Path = typer.Option(..., "--out",
+                             help="Output JSONL; each row is written as its item finishes. A run owns it while it "
+                                  "runs (<out>.lock): a second run into it is refused."),
     judge: str = typer.Option("openai", "--judge",
                               help="openai (any OpenAI-compatible endpoint) or offline (APPROXIMATE: an embedding "
                                    "model that measures topic, not truth; see docs/fork.md)."),
@@ -206,33 +285,55 @@ def score(
     assume_correct: bool = typer.Option(False, "--assume-correct",
                                         help="Treat every unit as correct (required by the offline judge)."),
     force: bool = typer.Option(False, "--force",
-                               help="Rescore every item into --out even if it holds rows made with other settings "
-                                    "(they are discarded)."),
+                               help="Rescore every item into --out, discarding its rows, even rows made with other "
+                                    "settings (judge, model, mode, beta, tau...). It never overrides the lock of a "
+                                    "run still writing --out, and never erases a file that is not a fork-score "
+                                    "results file."),
+    response_field: str = typer.Option(None, "--response-field",
+                                       help="Input field holding the response to score (default: 'response', else "
+                                            "'completion'; 'answer', 'output', 'reference'... are read as "
+                                            "references and scored only when named here)."),
+    rescore_changed: bool = typer.Option(False, "--rescore-changed",
+                                         help="Rescore the ids of --out whose prompt, response or rubrics changed "
+                                              "since they were scored (without it such a rerun refuses)."),
 ) -> None:
     """Score a JSONL file of rubric-graded responses with FORK. Several endpoints serving the same model
     (--base-url repeated, or --base-urls-file) share the requests by load; one that keeps failing is
     taken out of rotation while the others go on. Rerunning with the same settings skips the ids
     already scored and retries the failed ones; rerunning with other settings (judge, model, mode,
-    beta, tau...) into the same --out refuses unless --force (the endpoint URLs may change). Exits 1
-    when some lines or items failed, 2 on bad options or files."""
+    beta, tau...) into the same --out refuses unless --force (the endpoint URLs may change), and so
+    does a rerun whose prompt, response or rubrics changed under ids already scored, unless
+    --rescore-changed. Ctrl-C
+    keeps every finished row (exit 130): rerun the same command to resume. Exits 1 when some lines or
+    items failed, 2 on bad options or files."""
     from creditlab.core.precision import COMBINE_MODES
     from creditlab.judge.prompts import PROMPT_VERSION
-    from creditlab.rewards import iter_jsonl_items
+    from creditlab.rewards.fork import BETA_MAX, BETA_MIN
 
     console = Console(stderr=True)
     # -- everything that can be checked without a judge, before anything expensive or any write
     _check_input(inp)
     _check_output(out, inp)
+    check_cache(cache, inp, out)
     tau_v: str | float = tau
     if tau != "judge":
         try:
             tau_v = float(tau)
         except ValueError:
             raise ConfigError("--tau", f"must be 'judge' or a number, got {tau!r}") from None
-        if not tau_v > 0:
-            raise ConfigError("--tau", f"must be > 0, got {tau_v}")
-    if not beta > 0:
-        raise ConfigError("--beta", f"must be > 0, got {beta}")
+        if not 0 < tau_v < float("inf"):
+            raise ConfigError("--tau", f"must be a finite number > 0, got {tau_v}")
+    if not BETA_MIN <= beta <= BETA_MAX:
+        raise ConfigError("--beta", f"must be between {BETA_MIN:g} and {BETA_MAX:g}, got {beta:g} (beyond, F-beta is "
+                                    "precision or recall to 6 decimals: use --mode recall for recall alone)")
+    if not 1 <= concurrency <= 4096:
+        raise ConfigError("--concurrency", f"must be between 1 and 4096, got {concurrency}")
+    if not 0 < timeout <= 3600:
+        raise ConfigError("--timeout", f"must be a number of seconds > 0 and <= 3600, got {timeout:g}")
+    if not 0 <= max_retries <= 100:
+        raise ConfigError("--max-retries", f"must be between 0 and 100, got {max_retries}")
+    if response_field is not None and not response_field.strip():
+        raise ConfigError("--response-field", "must name a field of the input rows")
     if mode not in COMBINE_MODES:
         raise ConfigError("--mode", f"unknown mode {mode!r}; valid: {', '.join(COMBINE_MODES)}")
     if pitfall_only not in ("error", "absence"):
@@ -252,29 +353,33 @@ def score(
     else:
         raise ConfigError("--judge", f"unknown judge {judge!r}; valid: openai, offline")
 
-    previous = _read_out(out)
+    # -- the input, read before --out is touched (bad lines and duplicate ids: one line each, skipped)
+    items, bad, seen = _read_items(inp, response_field, console)
+    response_summary = _response_summary(items)
+
+    # -- this run owns --out from here on (a second writer is refused; the lock goes when the command ends)
+    _hold(ctx, OutLock(out, what=str(inp)), console)
+    scan = scan_results(out)  # refuses a file that is not a results file, before anything is written
+    previous = scan.rows
     differs = _settings_mismatch(previous, settings)
     if differs and not force:
         raise ConfigError("--out", f"{out} holds rows scored with other settings (differs in: {', '.join(differs)}); "
                                    "rerun with the same options, choose another --out, or pass --force to rescore "
                                    "into this file")
-    items, bad, seen = [], 0, {}
-    for n, it in iter_jsonl_items(inp):
-        if isinstance(it, Exception):
-            bad += 1
-            console.print(f"skipped {it}", highlight=False, markup=False)
-            continue
-        if it.id in seen:
-            bad += 1
-            console.print(f"skipped {inp.name}:{n}: duplicate id {it.id!r} (first at line {seen[it.id]}; ids are "
-                          "compared as text, so 1 and \"1\" are the same id)", highlight=False, markup=False)
-            continue
-        seen[it.id] = n
-        items.append(it)
+    changed = [] if force else _changed_inputs(previous, items)
+    if changed and not rescore_changed:
+        shown = ", ".join(repr(i) for i in changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise ConfigError("--out", f"{out} holds rows for {len(changed)} id(s) whose prompt, response or rubrics "
+                                   f"changed since they were scored ({shown}): new responses under the same ids "
+                                   "(another checkpoint?) go to another --out; --rescore-changed replaces these rows, "
+                                   "--force rescores every item")
+    note = set_aside(out, scan)  # a line cut off by a killed run goes to <out>.torn; its item is rescored
+    if note:
+        console.print(note, highlight=False, markup=False)
     if force and previous:
-        out.unlink()
+        truncate(out)
         previous = []
-    done = {str(r["id"]) for r in previous if r.get("error") is None}
+    done = {str(r["id"]) for r in previous if r.get("error") is None} - set(changed)  # changed: --rescore-changed
     items = [it for it in items if it.id not in done]
 
     from creditlab.judge import EmbeddingJudge, JudgeCache, OpenAIJudge
@@ -292,30 +397,45 @@ def score(
         try:
             problems = asyncio.run(j.preflight(timeout=min(10.0, timeout)))
         except JudgeError as err:
-            raise ConfigError("--base-url", f"{err} (nothing was scored; --no-preflight skips this check)") from None
+            flag = "--model" if err.kind == "unknown_model" else "--base-url"
+            raise ConfigError(flag, f"{err} (nothing was scored; --no-preflight skips this check)") from None
         for problem in problems:
             console.print(f"endpoint: {problem}", highlight=False, markup=False)
     reward = FORKReward(j, beta=beta, tau=tau_v, mode=mode, assume_correct=assume_correct, pitfall_only=pitfall_only)
 
-    async def run_all() -> None:
-        with open(out, "a", encoding="utf-8") as fh, Progress(
-            TextColumn("[bold]fork score"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=console,
-        ) as bar:
-            task = bar.add_task("score", total=len(seen), completed=len(seen) - len(items))
-            async for res in reward.score_iter(items):
-                if res.error_kind == "endpoint_down":
-                    not_sent.append(res.id)  # never judged: no row, a rerun scores it
-                    continue
-                fh.write(json.dumps({**res.to_row(), "settings": settings}, ensure_ascii=False) + "\n")
-                fh.flush()
-                bar.advance(task)
-        if hasattr(j, "aclose"):
-            await j.aclose()
+    async def run_all(writer: RowWriter) -> None:
+        _stop_on_signals(stopped)
+        try:
+            with Progress(TextColumn("[bold]fork score"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=console) as bar:
+                task = bar.add_task("score", total=len(seen), completed=len(seen) - len(items))
+                # a bounded pipeline: each item runs its stages to the end and its row is written at once
+                async for res in reward.score_iter(items):
+                    if res.error_kind == "endpoint_down":
+                        not_sent.append(res.id)  # never judged: no row, a rerun scores it
+                        continue
+                    writer.write({**res.to_row(), "settings": settings})
+                    bar.advance(task)
+        finally:
+            if hasattr(j, "aclose"):
+                await j.aclose()
 
     not_sent: list[str] = []
+    stopped: list[signal.Signals] = []
     if items:
-        asyncio.run(run_all())
+        writer = RowWriter(out)
+        try:
+            asyncio.run(run_all(writer))
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            stopped[:] = stopped or [signal.SIGINT]
+        finally:
+            writer.close()
+        if stopped:
+            console.print(f"interrupted ({stopped[0].name}): {writer.written} row(s) written to {out} by this run, "
+                          f"{len(seen) - len(items) + writer.written} of {len(seen)} items have a row; rerun the same "
+                          "command to resume (finished rows are kept, only the rest is scored)",
+                          highlight=False, markup=False)
+            raise typer.Exit(130 if stopped[0] == signal.SIGINT else 143)
     rows = [r for r in _compact(out) if str(r.get("id")) in seen] if out.exists() else []
     ok = [r for r in rows if r.get("error") is None]
     unscorable = [r for r in rows if r.get("error_kind") == "input"]
@@ -337,6 +457,7 @@ def score(
         ("mean units", mean("n_units")), ("mean length (words)", mean("length_words")),
         ("judge requests (all runs)", str(sum(int(r.get("requests", 0)) for r in rows))),
         ("assume_correct", str(assume_correct)),
+        ("response field", response_summary),
     ]:
         table.add_row(name, value)
     Console().print(table)

@@ -43,9 +43,21 @@ import torch
 from creditlab.core.precision import COMBINE_MODES, fork_scores, unit_credit
 from creditlab.errors import ConfigError, InputError
 from creditlab.judge.base import Judge, JudgeError, track_usage
-from creditlab.rewards.items import ForkItem, Rubric, parse_rubrics, render_messages
+from creditlab.rewards.items import (
+    MAX_POINTS,
+    MIN_POINTS,
+    ForkItem,
+    Rubric,
+    parse_rubrics,
+    render_messages,
+    render_response,
+)
 
-__all__ = ["FORKReward", "ForkResult"]
+__all__ = ["BETA_MAX", "BETA_MIN", "FORKReward", "ForkResult"]
+
+#: Range of ``beta``: beyond it F-beta equals precision (or recall) to 6 decimals, and from about 1e19
+#: ``beta**2`` overflows float32 and rewards turn NaN.
+BETA_MIN, BETA_MAX = 1e-3, 1e3
 
 
 @dataclass
@@ -77,6 +89,9 @@ class ForkResult:
     judge_quality: str = ""
     mode: str = "fork"
     beta: float = 1.0
+    input_hash: str | None = None
+    """:attr:`ForkItem.input_hash` of what was scored (prompt, response, rubrics): a resumed run
+    compares it to tell a row whose input changed under the same id."""
 
     def to_row(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,8 +119,8 @@ class FORKReward:
                  assume_correct: bool = False, pitfall_only: str = "error"):
         if not isinstance(judge, Judge):
             raise ConfigError("judge", f"{type(judge).__name__} does not implement the Judge protocol")
-        if not beta > 0:
-            raise ConfigError("beta", f"must be > 0, got {beta}")
+        if isinstance(beta, bool) or not isinstance(beta, int | float) or not BETA_MIN <= beta <= BETA_MAX:
+            raise ConfigError("beta", f"must be a number between {BETA_MIN:g} and {BETA_MAX:g}, got {beta!r}")
         if mode not in COMBINE_MODES:
             raise ConfigError("mode", f"unknown {mode!r}; valid: {', '.join(COMBINE_MODES)}")
         if tau != "judge":
@@ -134,27 +149,60 @@ class FORKReward:
         """Score every item concurrently (the judge bounds its own concurrency); results in input order."""
         return list(await asyncio.gather(*(self.score_one(it) for it in items)))
 
-    async def score_iter(self, items: Iterable[ForkItem]) -> AsyncIterator[ForkResult]:
-        """Yield results as they finish (any order)."""
-        tasks = [asyncio.ensure_future(self.score_one(it)) for it in items]
+    async def score_iter(self, items: Iterable[ForkItem], *, max_in_flight: int | None = None
+                         ) -> AsyncIterator[ForkResult]:
+        """Yield results as they finish (any order), with at most ``max_in_flight`` items in progress.
+
+        Each item runs its stages to the end before a new one starts, so results come from the first
+        seconds of a run and an interrupted run has finished (and its caller written) everything it
+        yielded; what is lost is at most the items in flight. ``items`` is read lazily. The default
+        bound is twice the requests the judge keeps on the wire (``concurrency`` per endpoint), enough
+        to keep every slot busy: an item has one or two requests outstanding at a time. Closing the
+        iterator (or cancelling its consumer) cancels the items in flight.
+        """
+        if max_in_flight is None:
+            max_in_flight = self.default_in_flight()
+        if max_in_flight < 1:
+            raise ConfigError("max_in_flight", f"must be >= 1, got {max_in_flight}")
+        source = iter(items)
+        pending: set[asyncio.Future[ForkResult]] = set()
+        exhausted = False
         try:
-            for fut in asyncio.as_completed(tasks):
-                yield await fut
+            while True:
+                while not exhausted and len(pending) < max_in_flight:
+                    item = next(source, None)
+                    if item is None:
+                        exhausted = True
+                    else:
+                        pending.add(asyncio.ensure_future(self.score_one(item)))
+                if not pending:
+                    return
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    yield fut.result()
         finally:
-            for t in tasks:
+            for t in pending:
                 t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    def default_in_flight(self) -> int:
+        """Items :meth:`score_iter` keeps in progress by default: twice the judge's request slots
+        (``concurrency`` times the number of endpoints; 32 for a judge without these attributes)."""
+        slots = int(getattr(self.judge, "concurrency", 16)) * len(getattr(self.judge, "base_urls", ()) or (None,))
+        return max(2, 2 * slots)
 
     async def score_one(self, item: ForkItem) -> ForkResult:
         base = {"id": item.id, "assume_correct": self.assume_correct, "judge": self.judge.name,
                 "judge_quality": str(getattr(self.judge, "quality", "unknown")), "mode": self.mode,
-                "beta": self.beta, "length_words": len(item.response.split())}
+                "beta": self.beta, "length_words": len(item.response.split()), "input_hash": item.input_hash}
         reason = self.unscorable(item)
         if reason is not None:
-            return ForkResult(reward=None, error=f"item {item.id!r} cannot be scored: {reason}", error_kind="input",
-                              **base)
+            return _noted(ForkResult(reward=None, error=f"item {item.id!r} cannot be scored: {reason}",
+                                     error_kind="input", **base), item)
         if not item.response.strip():
-            return ForkResult(reward=0.0, precision=0.0, recall=0.0,
-                              note="empty response: scored 0 without judging", **base)
+            return _noted(ForkResult(reward=0.0, precision=0.0, recall=0.0,
+                                     note="empty response: scored 0 without judging", **base), item)
         with track_usage() as usage:
             try:
                 res = await self._score(item, base)
@@ -162,12 +210,16 @@ class FORKReward:
                 res = ForkResult(reward=None, error=str(err), error_kind=err.kind, **base)
         res.requests = usage.requests
         res.cache_hits = usage.cache_hits
-        return res
+        return _noted(res, item)
 
     def unscorable(self, item: ForkItem) -> str | None:
         """Why ``item`` has no recall denominator (None when it can be scored)."""
         if not item.rubrics:
             return "it has no rubric, so recall has no denominator"
+        for k, r in enumerate(item.rubrics):
+            if not (r.points == 0 or MIN_POINTS <= abs(r.points) <= MAX_POINTS):
+                return (f"rubric {k} has points {r.points!r}, out of range (0, or between {MIN_POINTS:g} and "
+                        f"{MAX_POINTS:g} in absolute value)")
         if all(r.points == 0 for r in item.rubrics):
             return "every rubric has 0 points, so recall has no denominator"
         if all(r.points <= 0 for r in item.rubrics) and self.pitfall_only == "error":
@@ -256,9 +308,17 @@ def trl_items(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any)
         where = f"sample {k}"
         parsed = tuple(r if isinstance(r, Rubric) else parse_rubrics([r], where)[0] for r in rs) \
             if isinstance(rs, list) else parse_rubrics(rs, where)
-        items.append(ForkItem(str(k), render_messages(p, where, "prompt"),
-                              render_messages(c, where, "completion", last_assistant=True), parsed))
+        response, note = render_response(c, where, "completion")
+        items.append(ForkItem(str(k), render_messages(p, where, "prompt"), response, parsed,
+                              response_field="completion", note=note))
     return items
+
+
+def _noted(res: ForkResult, item: ForkItem) -> ForkResult:
+    """``res`` with the item's reading note (e.g. which chat messages were scored) added to its note."""
+    if item.note:
+        res.note = item.note if not res.note else f"{res.note}; {item.note}"
+    return res
 
 
 def _expect(stage: str, what: str, value: Any, n: int | None, typ: type) -> None:
