@@ -21,7 +21,9 @@ each endpoint has its own concurrency limit and health. An endpoint whose reques
 (timeouts, refused connections) is taken out of rotation, and tried again with one request after
 ``retry_endpoint_after`` seconds (doubling after each failed try, up to 8 times that) while the
 others keep scoring; a retry goes to another endpoint than the one that just failed when one has a
-free slot. The judge is down, and every later request fails at once, only when every endpoint is
+free slot. Before a streak of timeouts takes an endpoint out, it is asked one tiny request: one that
+answers is only slow on those requests (they fail as timeouts on their own items) and stays in
+rotation. The judge is down, and every later request fails at once, only when every endpoint is
 out of rotation at the same moment. :meth:`OpenAIJudge.endpoint_stats` reports requests, errors and
 latency per endpoint.
 
@@ -58,7 +60,7 @@ from creditlab.judge.prompts import (
     reply_schema,
 )
 
-__all__ = ["OpenAIJudge"]
+__all__ = ["OpenAIJudge", "base_url_problem"]
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 _SHARD = 8  # connections per httpx client (see OpenAIJudge._bind)
@@ -105,6 +107,8 @@ class _Endpoint:
         self.retry_at = 0.0
         self.cooldown = cooldown
         self.probing = False
+        #: the liveness check in progress before taking it out of rotation (see OpenAIJudge._confirm_down)
+        self.check: asyncio.Future | None = None
         self.streak = 0
         self.streak_start = 0.0
         self.last_reply = -1.0  # monotonic time of the last HTTP reply (of any status)
@@ -148,8 +152,9 @@ class OpenAIJudge:
         seed: seed of the jitter generator (deterministic backoff in tests).
         max_consecutive_failures, down_after: an endpoint is taken out of rotation after this many
             consecutive failed attempts (timeouts, refused connections) with no reply from it since
-            they were sent, or once such a streak of at least two has lasted ``down_after`` seconds;
-            any success ends the streak. With one endpoint
+            they were sent, or once such a streak of at least two has lasted ``down_after`` seconds,
+            and (for timeouts) it does not answer one tiny check request either; any success ends the
+            streak. With one endpoint
             (or once every endpoint is out) the judge is down: every later request fails at once
             with ``endpoint_down`` and nothing more is sent.
         retry_endpoint_after: seconds before an endpoint taken out of rotation gets one request
@@ -176,6 +181,9 @@ class OpenAIJudge:
         for u in urls:
             if not isinstance(u, str) or not u.startswith(("http://", "https://")):
                 raise ConfigError("base_url", f"must start with http:// or https://, got {u!r}")
+            problem = base_url_problem(u)
+            if problem:
+                raise ConfigError("base_url", problem)
             if u.rstrip("/") in seen:
                 raise ConfigError("base_url", f"{u} is given twice")
             seen.add(u.rstrip("/"))
@@ -253,6 +261,7 @@ class OpenAIJudge:
             # One limit per endpoint: judges of the same URL in the same event loop share it (the first
             # judge's ``concurrency`` sets it).
             ep.slots = shared.setdefault(ep.url, _Slots(self.concurrency))
+            ep.check = None
         self._inflight = {}
         self._loop = loop
 
@@ -273,7 +282,9 @@ class OpenAIJudge:
 
         Any HTTP reply counts as alive (servers without a ``/models`` route answer 404). When no
         endpoint answers (a refused connection or no reply within ``timeout`` seconds) this raises
-        :class:`JudgeError` naming the URLs; a 401/403 raises naming the API key. Endpoints that do
+        :class:`JudgeError` naming the URLs; a 401/403 raises naming the API key; a root missing its
+        ``/v1`` (``/models`` not found there, ``<root>/v1/models`` answers: ``bad_base_url``) or a model
+        list without ``model`` (``unknown_model``) raises naming the likely fix. Endpoints that do
         not answer while others do are taken out of rotation (tried again later) and described in
         the returned list (empty when every endpoint answers).
         """
@@ -283,7 +294,7 @@ class OpenAIJudge:
                                            for ep in self._endpoints))
         problems = [(ep, f) for ep, f in zip(self._endpoints, found, strict=True) if f is not None]
         for _, (kind, message) in problems:
-            if kind in ("http_401", "http_403"):
+            if kind in ("http_401", "http_403", "bad_base_url", "unknown_model"):  # configuration, not health
                 raise JudgeError("preflight", kind, message)
         if len(problems) == len(self._endpoints):
             if len(problems) == 1:
@@ -295,9 +306,14 @@ class OpenAIJudge:
         return [f"{message}: taken out of rotation, tried again in {self.retry_endpoint_after:g}s"
                 for _, (_, message) in problems]
 
-    @staticmethod
-    async def _preflight_one(client: httpx.AsyncClient, ep: _Endpoint, headers: dict[str, str],
+    async def _preflight_one(self, client: httpx.AsyncClient, ep: _Endpoint, headers: dict[str, str],
                              timeout: float) -> tuple[str, str] | None:
+        """``(kind, message)`` of what is wrong with ``ep`` (None: it answers and serves the model).
+
+        Besides "does it answer": a root whose ``/models`` is not found while ``<root>/v1/models``
+        answers is a base URL missing its ``/v1`` (``bad_base_url``); a model list that does not hold
+        ``model`` names the model the endpoint serves (``unknown_model``).
+        """
         try:
             resp = await client.get(ep.base_url + "/models", headers=headers)
         except httpx.TimeoutException:
@@ -307,6 +323,21 @@ class OpenAIJudge:
         if resp.status_code in (401, 403):
             return f"http_{resp.status_code}", (f"{ep.base_url} refused the request: check the API key "
                                                 "(--api-key-env)")
+        if resp.status_code == 404 and not ep.base_url.endswith("/v1"):
+            try:
+                alt = await client.get(ep.base_url + "/v1/models", headers=headers)
+            except httpx.HTTPError:
+                alt = None
+            if alt is not None and alt.status_code == 200 and _model_ids(alt) is not None:
+                return "bad_base_url", (f"{ep.base_url}/models is not found but {ep.base_url}/v1/models answers: "
+                                        f"the API root is probably {ep.base_url}/v1 (--base-url {ep.base_url}/v1)")
+        if resp.status_code == 200:
+            ids = _model_ids(resp)
+            if ids and self.model not in ids and f"{self.model}:latest" not in ids:
+                shown = ", ".join(repr(i) for i in ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+                return "unknown_model", (f"{ep.base_url} does not serve model {self.model!r} (GET /models lists "
+                                         f"{shown}): pass a listed name, e.g. --model {ids[0]} (or --no-preflight "
+                                         "if this server accepts names it does not list)")
         return None
 
     # -- health and counters per endpoint ----------------------------------------------------------
@@ -342,8 +373,12 @@ class OpenAIJudge:
             self.down = eps[0].down if len(eps) == 1 else "every endpoint is down: " + "; ".join(
                 f"{e.down}" for e in eps)
 
-    def _failed(self, ep: _Endpoint, t0: float, err: Exception, probe: bool) -> None:
-        """Count a failed attempt (no reply) towards taking ``ep`` out of rotation.
+    def _failed(self, ep: _Endpoint, t0: float, err: Exception, probe: bool) -> str | None:
+        """Count a failed attempt (no reply) towards taking ``ep`` out of rotation. Once the streak is
+        long enough: a refused or dropped connection takes it out; a timeout returns the reason, and the
+        caller first checks that ``ep`` answers nothing at all (:meth:`_confirm_down`: a server that is
+        only slow on some requests is not down). An endpoint out of rotation that fails its one try is
+        taken out again.
 
         A request sent before the endpoint's last reply is no evidence that it is dead: it answered
         another request meanwhile (at high concurrency the timeouts of a few hung requests fire
@@ -352,15 +387,56 @@ class OpenAIJudge:
         """
         now = time.monotonic()
         if t0 < ep.last_reply and not probe:
-            return
+            return None
         if ep.streak == 0:
             ep.streak_start = t0
         ep.streak += 1
         age = now - ep.streak_start
-        if probe or (ep.down is None and (ep.streak >= self.max_consecutive_failures
-                                          or (ep.streak >= 2 and age >= self.down_after))):
-            self._take_out(ep, f"{ep.streak} consecutive failed requests to {ep.base_url} over {age:.0f}s "
-                               f"(last: {err})")
+        reason = f"{ep.streak} consecutive failed requests to {ep.base_url} over {age:.0f}s (last: {err})"
+        if probe:
+            self._take_out(ep, reason)
+        elif ep.down is None and (ep.streak >= self.max_consecutive_failures
+                                  or (ep.streak >= 2 and age >= self.down_after)):
+            if getattr(err, "kind", None) == "timeout":
+                return reason
+            self._take_out(ep, reason)
+        return None
+
+    async def _confirm_down(self, ep: _Endpoint, reason: str) -> None:
+        """Take ``ep`` out of rotation for ``reason`` unless it answers one small request (a two-word
+        ``unitize``, on a connection of its own, within ``timeout``). An endpoint that answers it is
+        alive and only slow on the requests that failed: they fail as timeouts on their own items, the
+        streak ends and nothing else stops. Concurrent callers share one check."""
+        task = ep.check
+        if task is None:
+            task = ep.check = asyncio.ensure_future(self._alive(ep))
+
+            def done(t: asyncio.Future, ep: _Endpoint = ep) -> None:
+                if ep.check is t:
+                    ep.check = None
+
+            task.add_done_callback(done)
+        alive = await asyncio.shield(task)
+        if alive:
+            ep.streak = 0
+            self._answered(ep)
+        elif ep.down is None:
+            self._take_out(ep, f"{reason}; a small check request got no reply either")
+
+    async def _alive(self, ep: _Endpoint) -> bool:
+        """Whether ``ep`` sends any HTTP reply to a tiny stage request within ``timeout``."""
+        messages = build_messages("unitize", payload_for("unitize", prompt="Liveness check.", response="OK."))
+        body = self._body("unitize", messages, _schema("unitize") if self.structured else None)
+        headers = {"Content-Type": "application/json"}
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
+        try:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout),
+                                         trust_env=self.transport == "httpx") as client:
+                await client.post(ep.url, content=body, headers=headers)
+        except httpx.HTTPError:
+            return False
+        return True
 
     def _answered(self, ep: _Endpoint) -> None:
         """``ep`` sent an HTTP reply (of any status): an endpoint out of rotation is back in it."""
@@ -545,6 +621,7 @@ class OpenAIJudge:
                 usage.retries += 1
             ep, probe = await self._acquire(stage, avoid)
             t0 = time.monotonic()
+            suspect: str | None = None
             try:
                 if usage is not None:
                     usage.requests += 1
@@ -553,7 +630,7 @@ class OpenAIJudge:
             except _Transient as err:
                 ep.errors += 1
                 if err.kind in ("timeout", "connection"):
-                    self._failed(ep, t0, err, probe)
+                    suspect = self._failed(ep, t0, err, probe)
                 else:
                     self._answered(ep)
                 failure = err
@@ -573,6 +650,8 @@ class OpenAIJudge:
                 if probe:
                     ep.probing = False
                 ep.slots.release()
+            if suspect is not None:
+                await self._confirm_down(ep, suspect)
             if self.down is not None:
                 raise JudgeError(stage, "endpoint_down", self.down) from None
             if attempt == self.max_retries:
@@ -627,6 +706,37 @@ def _schema(stage: str) -> dict[str, Any]:
     if schema is None:
         schema = _SCHEMAS[stage] = reply_schema(stage)
     return schema
+
+
+_ROUTES = ("/chat/completions", "/completions", "/models")
+
+
+def _model_ids(resp: Any) -> list[str] | None:
+    """The model ids of a ``GET /models`` reply (``{"data": [{"id"}, ...]}``); None when it is not one."""
+    try:
+        data = resp.json()["data"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(data, list):
+        return None
+    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+def base_url_problem(url: str) -> str | None:
+    """What is wrong with ``url`` as an endpoint root, with the likely fix (None: nothing seen).
+
+    The root is where ``/chat/completions`` and ``/models`` are appended (``http://host:8000/v1``); a
+    URL that already ends with one of these routes would be requested twice over.
+    """
+    from urllib.parse import urlsplit
+
+    path = urlsplit(url).path.rstrip("/")
+    for route in _ROUTES:
+        if path.endswith(route):
+            root = url.rstrip("/")[: -len(route)]
+            return (f"{url} ends with {route}: give the API root instead, e.g. {root} (/chat/completions and "
+                    "/models are appended to it)")
+    return None
 
 
 def _short(text: str, n: int = 200) -> str:
