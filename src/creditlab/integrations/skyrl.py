@@ -1,0 +1,488 @@
+"""creditlab inside SkyRL (tested with SkyRL 0.3.0): policy losses with the rollout correction arms,
+advantage estimators, FORK reward environment, rollout dumps.
+
+Import this module in the driver script before ``initialize_ray(cfg)`` (SkyRL's own custom-algorithm
+pattern): importing it registers everything in SkyRL's registries
+(``skyrl.backends.skyrl_train.utils.ppo_utils.PolicyLossRegistry`` / ``AdvantageEstimatorRegistry``),
+and SkyRL's ``initialize_ray`` calls ``sync_registries()``, which hands the registered functions to
+its named Ray actor, from which every worker's ``PolicyLossRegistry.get`` fetches them (by
+reference: the workers import creditlab). Importing it again, or calling :func:`install`, changes
+nothing; :func:`install` syncs with the Ray actor itself when Ray is already initialised.
+
+* **Policy losses** ``trainer.algorithm.policy_loss_type: creditlab_<arm>`` for every arm of
+  :data:`creditlab.core.correction.CORRECTIONS` (``creditlab_interq``, ``creditlab_prefix``,
+  ``creditlab_global``, ``creditlab_tis``, ``creditlab_mis``, ``creditlab_seq_is``, ``creditlab_geo``,
+  ``creditlab_none``; call :func:`install` again after ``register_correction``). SkyRL runs its
+  off-policy correction inside the loss, per micro-batch, from ``old_log_probs - rollout_logprobs``
+  on the ``loss_mask`` (0 on tool / observation tokens); so does creditlab: the arm's weights
+  multiply creditlab's clipped PPO surrogate (:func:`creditlab.core.losses.policy_loss`), reduced as
+  a token sum (SkyRL pre-scales the advantages for its ``loss_reduction``). The arm's parameters
+  live in ``trainer.algorithm.creditlab.correction_params``. SkyRL's masks
+  (``off_policy_correction.sequence_mask_metric``, outlier and token masks) still compose with it;
+  its TIS (``off_policy_correction.tis_ratio_type``) is refused (two corrections).
+* **Advantage estimators** ``trainer.algorithm.advantage_estimator: creditlab_<geometry>`` for every
+  geometry of :data:`creditlab.core.credit.GEOMETRIES`, knobs in ``trainer.algorithm.creditlab``
+  (:class:`~creditlab.integrations._common.CreditSettings`), the same names and token layout as the
+  verl integration. A turn is a maximal run of 1s of the policy mask: SkyRL hands estimators only
+  ``response_mask`` (every response token), so per-turn geometries need the ``loss_mask``, which
+  :class:`CreditlabTrainerMixin` passes (and the global step, for the PRM ``decay`` schedule).
+* **FORK reward** as the skyrl-gym environment ``creditlab_fork`` (:class:`ForkEnv`) and the plain
+  function :func:`fork_score`.
+* **Rollout dumps** for ``creditlab diagnose``: :func:`rows_from_training_batch` / :func:`dump_batch`
+  on SkyRL's ``TrainingInputBatch``; :class:`CreditlabTrainerMixin` writes one per step when
+  ``trainer.algorithm.creditlab.dump_dir`` is set.
+
+``trainer.algorithm.creditlab`` is the field of :class:`CreditlabAlgorithmConfig`; build the config
+with :data:`CreditlabSkyRLConfig` (SkyRL's ``make_config``), e.g.
+``CreditlabSkyRLConfig.from_cli_overrides(sys.argv[1:])``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+try:
+    import skyrl
+except ModuleNotFoundError as err:  # pragma: no cover - depends on the environment
+    raise ImportError('creditlab.integrations.skyrl needs SkyRL: pip install "creditlab[skyrl]"') from err
+
+from creditlab.core import correction, credit
+from creditlab.core._checks import check_tensor
+from creditlab.errors import ConfigError, CreditlabError, InputError
+from creditlab.integrations._common import CreditSettings, fork_reward, turn_credit, turn_layout
+
+#: SkyRL versions this module was tested against (``CREDITLAB_ALLOW_UNTESTED_SKYRL=1`` lets another through).
+TESTED_SKYRL_VERSIONS = ("0.3.0",)
+#: Registered names start with this: ``creditlab_<arm>`` (losses), ``creditlab_<geometry>`` (estimators).
+PREFIX = "creditlab_"
+#: The loss of creditlab's method, InterQ-RL.
+DEFAULT_POLICY_LOSS = PREFIX + "interq"
+#: skyrl-gym id of :class:`ForkEnv`.
+FORK_ENV = "creditlab_fork"
+#: Keys of ``trainer.algorithm.creditlab`` besides the :class:`CreditSettings` fields.
+LOSS_KEYS = ("correction_params", "dual_clip")
+DUMP_KEYS = ("dump_dir",)
+
+
+def _skyrl_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("skyrl")
+    except Exception:  # pragma: no cover
+        return getattr(skyrl, "__version__", "unknown")
+
+
+def check_version() -> str:
+    """The installed SkyRL version; :class:`CreditlabError` when untested (unless
+    ``CREDITLAB_ALLOW_UNTESTED_SKYRL=1``)."""
+    found = _skyrl_version()
+    if found not in TESTED_SKYRL_VERSIONS and os.environ.get("CREDITLAB_ALLOW_UNTESTED_SKYRL") != "1":
+        raise CreditlabError(
+            f"creditlab.integrations.skyrl was tested with SkyRL {', '.join(TESTED_SKYRL_VERSIONS)}, found {found}: "
+            "install a tested version, or set CREDITLAB_ALLOW_UNTESTED_SKYRL=1 to try anyway")
+    return found
+
+
+check_version()
+
+try:
+    from skyrl.backends.skyrl_train.utils import off_policy_correction_utils, ppo_utils
+except Exception as err:  # pydantic refuses skyrl.tinker.types (imported by skyrl.backends) on Python < 3.12
+    if type(err).__name__ == "PydanticUserError" and sys.version_info < (3, 12):
+        raise CreditlabError(
+            f"SkyRL {_skyrl_version()}: skyrl.backends (its trainer, workers and registries) does not import on "
+            f"Python {sys.version_info.major}.{sys.version_info.minor} with pydantic 2 ({err}); use Python >= 3.12"
+        ) from err
+    raise
+from skyrl.train.config import AlgorithmConfig, make_config  # noqa: E402
+from skyrl_gym.envs import registration as _gym_registration  # noqa: E402
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput  # noqa: E402
+
+__all__ = [
+    "DEFAULT_POLICY_LOSS",
+    "ESTIMATORS",  # noqa: F822  (module __getattr__: live views of the registries)
+    "FORK_ENV",
+    "POLICY_LOSSES",  # noqa: F822
+    "PREFIX",
+    "TESTED_SKYRL_VERSIONS",
+    "CreditlabAlgorithmConfig",
+    "CreditlabSkyRLConfig",
+    "CreditlabTrainerMixin",
+    "ForkEnv",
+    "check_version",
+    "dump_batch",
+    "fork_score",
+    "install",
+    "rows_from_training_batch",
+    "set_global_step",
+]
+
+
+def __getattr__(name: str):
+    if name == "ESTIMATORS":
+        return tuple(PREFIX + g for g in credit.GEOMETRIES)
+    if name == "POLICY_LOSSES":
+        return tuple(PREFIX + a for a in correction.CORRECTIONS)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@dataclass
+class CreditlabAlgorithmConfig(AlgorithmConfig):
+    """SkyRL's ``AlgorithmConfig`` with creditlab's section ``trainer.algorithm.creditlab``: the
+    :class:`CreditSettings` knobs of the estimators (``conserve``, ``prm_lambda``, ...),
+    ``correction_params`` (the arm's parameters, e.g. ``{alpha_g: 0.5}``), ``dual_clip`` (apply
+    ``clip_ratio_c`` as SkyRL's ``dual_clip`` loss does; default false, as its ``regular``) and
+    ``dump_dir``."""
+
+    creditlab: dict = field(default_factory=dict)
+
+
+#: ``SkyRLTrainConfig`` whose ``trainer.algorithm`` is a :class:`CreditlabAlgorithmConfig`.
+CreditlabSkyRLConfig = make_config(algorithm_cls=CreditlabAlgorithmConfig)
+
+
+def _section(config: Any) -> dict:
+    if config is None:
+        return {}
+    section = config.get("creditlab", None) if hasattr(config, "get") else getattr(config, "creditlab", None)
+    if section is None:
+        return {}
+    if not hasattr(section, "items"):
+        raise ConfigError("trainer.algorithm.creditlab", f"must be a mapping, got {section!r}")
+    return dict(section.items())
+
+
+def _get(config: Any, name: str, default: Any) -> Any:
+    if config is None:
+        return default
+    if hasattr(config, "get") and not hasattr(config, "__dataclass_fields__"):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def _settings(config: Any) -> CreditSettings:
+    section = {k: v for k, v in _section(config).items() if k not in LOSS_KEYS + DUMP_KEYS}
+    return CreditSettings.from_mapping(section, "trainer.algorithm.creditlab")
+
+
+# --------------------------------------------------------------------------------------------
+# global step and policy mask handed to the estimators (SkyRL passes neither)
+
+_STEP: list[int | None] = [None]
+_POLICY_MASK: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("creditlab_skyrl_policy_mask",
+                                                                                   default=None)
+
+
+def set_global_step(step: int | None) -> None:
+    """The trainer's global step, read by the PRM schedule and the random keys of the estimators
+    (:class:`CreditlabTrainerMixin` sets it every step)."""
+    _STEP[0] = None if step is None else int(step)
+
+
+# --------------------------------------------------------------------------------------------
+# policy losses
+
+
+def _loss_fn(arm: str):
+    def policy_loss_fn(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                       config: Any = None, loss_mask: torch.Tensor | None = None,
+                       rollout_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        from creditlab.core.losses import policy_loss
+
+        where = "trainer.algorithm"
+        section = _section(config)
+        params = section.get("correction_params", None) or {}
+        if not hasattr(params, "items"):
+            raise ConfigError(f"{where}.creditlab.correction_params", f"must be a mapping, got {params!r}")
+        params = dict(params.items())
+        opc = _get(config, "off_policy_correction", None)
+        if opc is not None and _get(opc, "tis_ratio_type", None) is not None:
+            raise ConfigError(f"{where}.off_policy_correction.tis_ratio_type",
+                              f"must be null with {PREFIX + arm!r} (creditlab computes the correction)")
+        mask = torch.ones_like(log_probs) if loss_mask is None else loss_mask
+        metrics: dict[str, float] = {}
+        if rollout_logprobs is not None and opc is not None:
+            # SkyRL's sequence / outlier / token masks compose with the arm (its TIS is refused above)
+            _, opc_metrics, mask = off_policy_correction_utils.compute_off_policy_correction(
+                old_log_probs, rollout_logprobs, mask, opc)
+            metrics.update(opc_metrics)
+        pm = mask > 0
+        weights = None
+        if rollout_logprobs is not None:
+            with torch.no_grad():
+                d = (old_log_probs.detach() - rollout_logprobs.detach()).double()
+                # two parts <= 0 whose difference is the log ratio (core's log-prob check)
+                w, m = correction.correction_weights(arm, d.clamp(max=0), (-d).clamp(max=0), pm, params=params)
+            weights = w.to(log_probs.dtype)
+            metrics.update({f"creditlab/{k}": float(v) for k, v in m.items()})
+        elif arm != "none":
+            raise ConfigError("generator.sampling_params.logprobs",
+                              f"{PREFIX + arm!r} needs the rollout engine's log-probs (rollout_logprobs), "
+                              "which SkyRL did not pass")
+        dual = bool(section.get("dual_clip", False))
+        loss, lm = policy_loss(log_probs, old_log_probs, advantages, pm,
+                               clip_low=float(_get(config, "eps_clip_low", 0.2)),
+                               clip_high=float(_get(config, "eps_clip_high", 0.2)),
+                               clip_ratio_c=float(_get(config, "clip_ratio_c", 3.0)) if dual else None,
+                               weights=weights, agg="seq_mean_token_sum", check_finite=False)
+        # SkyRL's reduction: the token sum (advantages arrive pre-scaled for its loss_reduction)
+        loss = loss * pm.any(dim=1).sum().to(loss.dtype)
+        metrics.update({"clip_ratio": float(lm["loss/clip_frac"]), "creditlab/approx_kl": float(lm["loss/approx_kl"]),
+                        "creditlab/weight_mean": float(lm["loss/weight_mean"]),
+                        "creditlab/nonfinite_tokens": float(lm["loss/nonfinite_tokens"])})
+        return loss, metrics
+
+    policy_loss_fn.__name__ = policy_loss_fn.__qualname__ = f"creditlab_{arm}_policy_loss"
+    policy_loss_fn.__doc__ = (f"SkyRL policy loss ``{PREFIX}{arm}``: creditlab's clipped surrogate times the "
+                              f"``{arm}`` correction weights (see the module docstring).")
+    return policy_loss_fn
+
+
+# --------------------------------------------------------------------------------------------
+# advantage estimators
+
+
+def _group_ids(index: Any) -> torch.Tensor:
+    if index is None:
+        raise ConfigError("index", "creditlab estimators group rollouts by SkyRL's uids (index), which are missing")
+    _, inverse = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
+    return torch.as_tensor(inverse.reshape(-1), dtype=torch.long)
+
+
+def _estimator(geometry: str):
+    def estimator(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None,
+                  config: Any = None, loss_mask: torch.Tensor | None = None, **kwargs: Any
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        settings = _settings(config)
+        if _get(config, "grpo_norm_by_std", True) is False or kwargs.get("grpo_norm_by_std", True) is False:
+            raise ConfigError("trainer.algorithm.grpo_norm_by_std",
+                              "creditlab estimators always normalise by the group std; set it to true")
+        dims: dict[str, int] = {}
+        check_tensor("response_mask", response_mask, shape=("B", "L"), dims=dims)
+        check_tensor("token_level_rewards", token_level_rewards, shape=("B", "L"), floating=True, finite=True,
+                     dims=dims)
+        policy = loss_mask if loss_mask is not None else _POLICY_MASK.get()
+        if policy is None or tuple(policy.shape) != tuple(response_mask.shape):
+            policy = response_mask
+        with torch.no_grad():
+            r = token_level_rewards.to(torch.float32)
+            pm = (policy > 0) & (response_mask > 0)
+            lay = turn_layout(pm)
+            gid = _group_ids(index).to(r.device)
+            if gid.shape[0] != r.shape[0]:
+                raise InputError(f"index: {gid.shape[0]} uids for {r.shape[0]} rows")
+            if geometry == "prm":
+                tail = lay.tail.to(r.dtype)
+                scores = lay.span_sums(r * (1 - tail))
+                outcome = (r * tail).sum(dim=1)
+            else:
+                scores = lay.span_sums(r)
+                outcome = r.sum(dim=1)
+            a = turn_credit(geometry, lay.step_mask, gid, rewards=outcome, step_scores=scores, step=_STEP[0],
+                            settings=settings)
+            adv = lay.to_tokens(a.to(torch.float32)).to(token_level_rewards.dtype)
+        return adv, adv.clone()
+
+    estimator.__name__ = estimator.__qualname__ = f"compute_creditlab_{geometry}_advantage"
+    estimator.__doc__ = (f"SkyRL advantage estimator ``{PREFIX}{geometry}``: per-turn credit geometry "
+                         f"``{geometry}`` broadcast to the tokens of each turn (see the module docstring).")
+    return estimator
+
+
+# --------------------------------------------------------------------------------------------
+# registration
+
+_LOSS_FNS: dict[str, Any] = {}
+_ESTIMATOR_FNS: dict[str, Any] = {}
+
+
+def _register(registry: Any, name: str, fn: Any) -> bool:
+    current = registry._functions.get(name)
+    if current is fn:
+        return False
+    if current is not None:
+        if not getattr(current, "__module__", "").startswith("creditlab."):
+            raise CreditlabError(f"SkyRL {registry._function_type} {name!r} is already registered by "
+                                 f"{current.__module__}")
+        registry.unregister(name)
+    registry.register(name, fn)
+    return True
+
+
+def install() -> None:
+    """Register ``creditlab_<arm>`` in SkyRL's ``PolicyLossRegistry`` and ``creditlab_<geometry>`` in its
+    ``AdvantageEstimatorRegistry`` for every arm and geometry registered now (idempotent: call again
+    after registering one), and sync with SkyRL's registry actor when Ray is initialised."""
+    import ray
+
+    for arm in correction.CORRECTIONS:
+        fn = _LOSS_FNS.setdefault(PREFIX + arm, _loss_fn(arm))
+        _register(ppo_utils.PolicyLossRegistry, PREFIX + arm, fn)
+    for geometry in credit.GEOMETRIES:
+        fn = _ESTIMATOR_FNS.setdefault(PREFIX + geometry, _estimator(geometry))
+        _register(ppo_utils.AdvantageEstimatorRegistry, PREFIX + geometry, fn)
+    _install_fork_env()
+    if ray.is_initialized():
+        ppo_utils.sync_registries()
+
+
+# --------------------------------------------------------------------------------------------
+# trainer hook
+
+
+class CreditlabTrainerMixin:
+    """Put before SkyRL's ``RayPPOTrainer`` (``class Trainer(CreditlabTrainerMixin, RayPPOTrainer)``,
+    returned by your ``BasePPOExp.get_trainer``): ``compute_advantages_and_returns`` hands the
+    creditlab estimators the batch's ``loss_mask`` (the turns) and the global step, and writes the
+    batch to ``trainer.algorithm.creditlab.dump_dir`` (:func:`dump_batch`) when it is set."""
+
+    def compute_advantages_and_returns(self, data: Any) -> Any:
+        set_global_step(getattr(self, "global_step", None))
+        mask = data.get("loss_mask", None) if hasattr(data, "get") else None
+        token = _POLICY_MASK.set(mask)
+        try:
+            out = super().compute_advantages_and_returns(data)
+        finally:
+            _POLICY_MASK.reset(token)
+        algorithm = self.cfg.trainer.algorithm
+        path = _section(algorithm).get("dump_dir")
+        if path:
+            dump_batch(out, path, step=getattr(self, "global_step", 0))
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# rollout dumps
+
+
+def rows_from_training_batch(data: Any, step: int = 0) -> list[dict[str, Any]]:
+    """Dump rows (docs/diagnose.md) of a SkyRL ``TrainingInputBatch``, one per response.
+
+    Reads ``loss_mask`` (the policy mask: 0 on tool / observation tokens), ``response_mask`` (the
+    response tokens), the reward as the row sum of ``rewards``, the group from ``metadata["uids"]``,
+    and, when both are there, the learner's ``action_log_probs`` and the engine's
+    ``rollout_logprobs`` as the token columns. Rows added by SkyRL's padding
+    (``metadata["pad_size"]``) are dropped.
+    """
+    from creditlab.diagnose.schema import LEARNER, rows_from_arrays
+
+    meta = getattr(data, "metadata", None) or {}
+    if "uids" not in meta:
+        raise InputError("data.metadata: needs 'uids' (the GRPO group of each response)")
+    for key in ("loss_mask", "response_mask", "rewards"):
+        if data.get(key, None) is None:
+            raise InputError(f"data: needs {key!r} to dump a SkyRL batch")
+    B = len(meta["uids"])
+    pm = data["loss_mask"][:B].detach().cpu() > 0
+    valid = (data["response_mask"][:B].detach().cpu() > 0) | pm
+    reward = data["rewards"][:B].detach().cpu().double().sum(-1)
+    token: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    old, rollout = data.get("action_log_probs", None), data.get("rollout_logprobs", None)
+    if old is not None and rollout is not None:
+        token = {"logprobs": old[:B].detach().cpu().double(), "rollout_logprobs": rollout[:B].detach().cpu().double(),
+                 "policy_mask": pm, "valid_mask": valid}
+        extra["logprobs_source"] = [LEARNER] * B
+    return rows_from_arrays(step=int(step), group_ids=[str(u) for u in meta["uids"]], rewards=reward,
+                            response_length=pm.sum(1), **token, **extra)
+
+
+def dump_batch(data: Any, path: str | os.PathLike, step: int = 0) -> Any:
+    """Write :func:`rows_from_training_batch` of ``data`` to ``path`` (a directory gets one parquet part
+    per call, a ``*.jsonl`` file is appended to); returns the file written."""
+    from creditlab.diagnose.schema import write_dump
+
+    return write_dump(rows_from_training_batch(data, step), path, append=True)
+
+
+# --------------------------------------------------------------------------------------------
+# FORK reward
+
+
+def _run(coro):
+    """Run ``coro`` to completion from synchronous code, also under a running event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as err:  # re-raised in the caller
+            box["error"] = err
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def fork_score(prompt: Any, response: str, rubrics: Any, *, item_id: str = "", **judge: Any) -> dict[str, float]:
+    """FORK of one response: ``{"score", "precision", "recall"}``. ``rubrics`` is a list of
+    ``{"criterion", "points"}`` records (or its JSON text), ``prompt`` a string or chat messages;
+    ``judge`` are the options of :func:`creditlab.integrations._common.fork_reward` (``judge``,
+    ``base_url``, ``model``, ``beta``, ...). A judge failure raises :class:`CreditlabError`."""
+    from creditlab.rewards.items import ForkItem, parse_rubrics, render_messages
+
+    where = f"sample {item_id or '?'}"
+    item = ForkItem(item_id, render_messages(prompt, where, "prompt"), str(response),
+                    parse_rubrics(rubrics, where, "ground_truth"))
+    reward = fork_reward(**judge)
+    res = _run(reward.score([item]))[0]
+    if res.reward is None:
+        raise CreditlabError(f"FORK reward of {where}: {res.error}")
+    return {"score": float(res.reward), "precision": float(res.precision), "recall": float(res.recall)}
+
+
+class ForkEnv(BaseTextEnv):
+    """skyrl-gym environment ``creditlab_fork``: one turn, rewarded with FORK.
+
+    The dataset row's ``reward_spec.ground_truth`` holds the rubrics and ``reward_spec.judge`` the
+    judge options (``judge``, ``base_url``, ``model``, ``beta``, ...; an ``env_config`` mapping, as a
+    ``SkyRLGymConfig`` field ``creditlab_fork`` would pass, overrides them). ``metadata`` carries
+    ``precision`` and ``recall``.
+    """
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None):
+        super().__init__()
+        extras = extras or {}
+        spec = extras.get("reward_spec") or {}
+        if "ground_truth" not in spec:
+            raise InputError("extras.reward_spec: needs 'ground_truth' (the rubrics) for creditlab_fork")
+        self.rubrics = spec["ground_truth"]
+        self.judge = dict(spec.get("judge") or {})
+        if env_config is not None and hasattr(env_config, "items"):
+            self.judge.update(env_config.items())
+        self.item_id = str((extras.get("extra_info") or {}).get("index", ""))
+        self.prompt: Any = None
+
+    def init(self, prompt):
+        self.prompt = prompt
+        return prompt, {}
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        res = fork_score(self.prompt, action, self.rubrics, item_id=self.item_id, **self.judge)
+        return BaseTextEnvStepOutput(observations=[], reward=res["score"], done=True,
+                                     metadata={"precision": res["precision"], "recall": res["recall"]})
+
+
+def _install_fork_env() -> None:
+    if FORK_ENV not in _gym_registration.registry:
+        _gym_registration.register(id=FORK_ENV, entry_point=f"{__name__}:ForkEnv")
+
+
+install()
