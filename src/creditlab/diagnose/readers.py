@@ -8,12 +8,14 @@ Every malformed value raises :class:`creditlab.errors.InputError` naming the fil
 line number in JSONL, the row number counted from 1 in parquet) and the column. Missing optional
 columns are not errors: the checks that need them are skipped.
 
-verl's own dumps (``trainer.rollout_data_dir``: one ``{step}.jsonl`` per step with ``input``,
-``output``, ``score``, ``step`` and the reward function's extra fields) are recognised by their
-columns and mapped onto the schema: ``group`` is the prompt text (``input``), ``reward`` the
-``score``, ``response`` the ``output`` and ``response_length`` its length in characters (that
-format has no tokens); ``precision`` and ``recall`` come along when the reward function returned
-them (creditlab's FORK reward for verl does).
+verl's own dumps (``trainer.rollout_data_dir`` and ``trainer.validation_data_dir``: one
+``{step}.jsonl`` per step with ``input``, ``output``, ``gts``, ``score``, ``step`` and the reward
+function's extra fields, whatever their names: ``reward`` included) are recognised by verl's own keys
+and mapped onto the schema: ``group`` is the prompt text (``input``; the prompt's uid when the v1
+trainer's ``uid`` field ``{uid}_{session}_{output}`` is there), ``reward`` the ``score``,
+``response`` the ``output`` and ``response_length`` its length in characters (that format has no
+tokens); ``precision`` and ``recall`` come along when the reward function returned them (creditlab's
+FORK reward for verl does).
 
 Besides malformed values, these are input errors: a file given twice; a file whose rows all repeat
 another file's (the same dump twice); a log-prob above ``LOGPROB_TOL`` on a policy token
@@ -41,12 +43,17 @@ from typing import Any
 
 import numpy as np
 
+from creditlab.diagnose._trl_logs import FORMAT_TRL, from_trl, is_trl
+from creditlab.diagnose._trl_logs import not_a_dump as trl_tables
 from creditlab.diagnose.schema import (
     COLUMNS,
+    ENGINE_SOURCE,
+    LEARNER,
     LOGPROB_TOL,
     PROCESS_SCORE_RANGE,
     SHARE_COLUMNS,
     TOKEN_COLUMNS,
+    VERL_BYPASS,
     VERL_NAMES,
     is_number,
 )
@@ -61,7 +68,7 @@ FORMAT_CREDITLAB = "creditlab"
 FORMAT_VERL = "verl rollout_data_dir"
 _SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 _SCALAR_FLOATS = ("response_length", "process_reward", "precision", "recall", "truncated")
-_TEXT = ("response", "instruction")
+_TEXT = ("response", "instruction", "logprobs_source")
 DERIVE_TURN = -2
 """``TokenData.turn_ids`` of rows whose file had no ``turn_ids``: their turns are their policy runs."""
 
@@ -79,6 +86,7 @@ class TokenData:
     policy_mask: np.ndarray       # (M,) bool
     turn_ids: np.ndarray | None   # (M,) int64, or None when no file has turn_ids
     has_tokens: np.ndarray        # (N,) bool
+    rejected: np.ndarray | None = None  # (M,) bool, or None when no file has rejected (False: kept)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -119,6 +127,8 @@ class Dump:
             return self.tokens is not None and bool(self.tokens.has_tokens.any())
         if column == "turn_ids":
             return self.tokens is not None and self.tokens.turn_ids is not None
+        if column == "rejected":
+            return self.tokens is not None and self.tokens.rejected is not None
         if column in self.scalars:
             return bool(np.isfinite(self.scalars[column]).any())
         if column in self.texts:
@@ -163,12 +173,13 @@ def _dump_files(paths: Sequence[str | os.PathLike]) -> list[tuple[Path, int]]:
         if p.is_dir():
             found = sorted((q for q in p.iterdir() if q.is_file() and q.name.endswith(_SUFFIXES)), key=_natural)
             if not found:
-                raise InputError(f"{p}: directory holds no .jsonl, .jsonl.gz or .parquet file")
+                raise InputError(trl_tables(p) or f"{p}: directory holds no .jsonl, .jsonl.gz or .parquet file")
             for q in found:
                 add(q, g, str(p))
         elif p.is_file():
             if not p.name.endswith(_SUFFIXES):
-                raise InputError(f"{p}: not a dump (expected .jsonl, .jsonl.gz, .parquet or a directory of them)")
+                raise InputError(trl_tables(p) or
+                                 f"{p}: not a dump (expected .jsonl, .jsonl.gz, .parquet or a directory of them)")
             add(p, -1, str(p))
         else:
             raise InputError(f"{p}: no such file or directory")
@@ -247,7 +258,7 @@ class _Part:
     step: np.ndarray
     group: list[Any]
     reward: np.ndarray
-    tokens: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None
+    tokens: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None] | None
     scalars: dict[str, np.ndarray]
     texts: dict[str, list[str | None]]
     turns: list[list[dict] | None] | None
@@ -347,8 +358,19 @@ def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None, *, live: 
     return part
 
 
+VERL_KEYS = ("input", "output", "score", "step")
+"""The keys verl's ``_write_generations`` writes in every row (with ``gts``), before the reward function's extra
+fields; a file with them is read as verl's ``rollout_data_dir`` / ``validation_data_dir``."""
+_VERL_UID = re.compile(r"^(.+)_(\d+)_(\d+)$")
+"""verl's v1 trainer adds a ``uid`` field ``{prompt uid}_{session}_{output}``."""
+
+
 def _is_verl(names: set[str]) -> bool:
-    return {"input", "output", "score", "step"} <= names and not ({"reward", "group"} & names)
+    """verl's format, recognised by verl's own keys: ``input``, ``output``, ``score``, ``step`` and ``gts`` (verl
+    writes it in every row), or the first four without ``group`` (a creditlab file needs it). The extra fields
+    are the reward function's and may be anything, ``reward`` included (a dict reward with a ``reward`` key, and
+    every ``validation_data_dir``, where verl adds the score as ``reward``)."""
+    return set(VERL_KEYS) <= names and ("gts" in names or "group" not in names)
 
 
 def _from_verl(rows: list[dict], where: _Where) -> _Part:
@@ -360,6 +382,10 @@ def _from_verl(rows: list[dict], where: _Where) -> _Part:
         if not isinstance(v, str):
             raise InputError(f"{where(i, 'input')}: expected the prompt text, got {type(v).__name__}")
         group.append(v)
+    uids = [r.get("uid") for r in rows]
+    found = [_VERL_UID.match(u) if isinstance(u, str) else None for u in uids]
+    if all(found):  # the v1 trainer: the group is the prompt's uid (the outputs of a session differ in input)
+        group = [m.group(1) for m in found]
     reward = _float_column([r.get("score") for r in rows], "score", where, required=True)
     response = []
     for i, r in enumerate(rows):
@@ -392,6 +418,10 @@ def _read_parquet(path: Path) -> _Part:
     names = set(table.column_names)
     if _is_verl(names):
         return _from_verl(table.to_pylist(), where)
+    if is_trl(names):  # TRL's log_completions files
+        t = from_trl(table.to_pylist(), table.column_names, where)
+        return _Part(FORMAT_TRL, int(t.rows.size), where.numbers[t.rows], t.step, t.group, t.reward, None,
+                     {"response_length": t.length}, {"response": t.response}, None, length_unit="characters")
 
     def values(name: str) -> list[Any] | np.ndarray | None:
         if name not in names:
@@ -569,6 +599,14 @@ def _share_column(a: np.ndarray, name: str, where: _Where) -> np.ndarray:
     return a
 
 
+def _source_column(vals: list[str | None], where: _Where) -> None:
+    """``logprobs_source`` is ``learner`` or starts with ``rollout`` (the engine's own log-probs)."""
+    for i, v in enumerate(vals):
+        if v is not None and v != LEARNER and not v.startswith(ENGINE_SOURCE):
+            raise InputError(f"{where(i, 'logprobs_source')}: {v!r}: expected {LEARNER!r} (the learner's log-probs) "
+                             f"or a value starting with {ENGINE_SOURCE!r} (the engine's, e.g. {VERL_BYPASS!r})")
+
+
 def _text_column(vals: list[Any], name: str, where: _Where) -> list[str | None]:
     for i, v in enumerate(vals):
         if v is not None and not isinstance(v, str):
@@ -681,11 +719,22 @@ def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, 
                 i, j = _first_row(t_n, k)
                 raise InputError(f"{where(i, 'turn_ids')}: element {j} is {int(tid[k])}, expected a turn >= 0 "
                                  "or -1 outside turns")
+        rej = None
+        got = flat("rejected") if has("rejected") else None
+        if got is not None:
+            r_v, r_n = got
+            if r_n != lp_n:
+                i = next(k for k in range(n) if r_n[k] != lp_n[k])
+                raise InputError(f"{where(i, 'rejected')}: {r_n[i]} values, but 'logprobs' has {lp_n[i]}")
+            rej = _flat_bools(r_v, r_n, "rejected", where)
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.asarray(lp_n, dtype=np.int64), out=offsets[1:])
-        tokens = (offsets, lp, rlp, pm, tid)
-    elif has("turn_ids"):
-        raise InputError(f"{where.path}: column 'turn_ids' without the token columns {', '.join(TOKEN_COLUMNS)}")
+        tokens = (offsets, lp, rlp, pm, tid, rej)
+    else:
+        for name in ("turn_ids", "rejected"):
+            if has(name):
+                raise InputError(f"{where.path}: column '{name}' without the token columns "
+                                 f"{', '.join(TOKEN_COLUMNS)}")
 
     scalars: dict[str, np.ndarray] = {}
     for name in _SCALAR_FLOATS:
@@ -701,6 +750,8 @@ def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, 
         if name in scalars:
             _share_column(scalars[name], name, where)
     texts = {name: _text_column(values(name), name, where) for name in _TEXT if has(name)}
+    if "logprobs_source" in texts:
+        _source_column(texts["logprobs_source"], where)
     turns = _turns_column(values("turns"), where) if has("turns") else None
     unit = None
     if "response_length" in scalars:
@@ -759,14 +810,15 @@ def _concat(files: list[str], parts: list[_Part]) -> Dump:
     group_labels = [g for (_, g) in labels]
     tokens = None
     if any(p.tokens is not None for p in parts):
-        lengths, lps, rlps, pms, tids, has = [], [], [], [], [], []
+        lengths, lps, rlps, pms, tids, rejs, has = [], [], [], [], [], [], []
         any_tid = any(p.tokens is not None and p.tokens[4] is not None for p in parts)
+        any_rej = any(p.tokens is not None and p.tokens[5] is not None for p in parts)
         for p in parts:
             if p.tokens is None:
                 lengths.append(np.zeros(p.n, dtype=np.int64))
                 has.append(np.zeros(p.n, dtype=bool))
                 continue
-            off, lp, rlp, pm, tid = p.tokens
+            off, lp, rlp, pm, tid, rej = p.tokens
             lengths.append(np.diff(off))
             has.append(np.ones(p.n, dtype=bool))
             lps.append(lp)
@@ -775,10 +827,13 @@ def _concat(files: list[str], parts: list[_Part]) -> Dump:
             if any_tid:
                 # a file without turn_ids: every run of policy tokens is a turn (derived by the checks)
                 tids.append(tid if tid is not None else np.full(lp.shape[0], DERIVE_TURN, dtype=np.int64))
+            if any_rej:  # a file without the column rejected nothing
+                rejs.append(rej if rej is not None else np.zeros(lp.shape[0], dtype=bool))
         offsets = np.zeros(N + 1, dtype=np.int64)
         np.cumsum(np.concatenate(lengths), out=offsets[1:])
         tokens = TokenData(offsets, np.concatenate(lps), np.concatenate(rlps), np.concatenate(pms),
-                           np.concatenate(tids) if any_tid else None, np.concatenate(has))
+                           np.concatenate(tids) if any_tid else None, np.concatenate(has),
+                           np.concatenate(rejs) if any_rej else None)
 
     def cat_scalar(name: str) -> np.ndarray:
         return np.concatenate([p.scalars.get(name, np.full(p.n, np.nan)) for p in parts])
@@ -809,7 +864,8 @@ def _take(d: Dump, keep: np.ndarray) -> Dump:
         np.cumsum(lengths, out=offsets[1:])
         kt = np.repeat(keep, t.lengths)
         tokens = TokenData(offsets, t.logprobs[kt], t.rollout_logprobs[kt], t.policy_mask[kt],
-                           None if t.turn_ids is None else t.turn_ids[kt], t.has_tokens[keep])
+                           None if t.turn_ids is None else t.turn_ids[kt], t.has_tokens[keep],
+                           None if t.rejected is None else t.rejected[kt])
     idx = np.flatnonzero(keep)
     return Dump(files=d.files, formats=d.formats, row_file=d.row_file[keep], row_number=d.row_number[keep],
                 step=d.step[keep], group=d.group[keep], group_labels=d.group_labels, reward=d.reward[keep],
@@ -827,7 +883,8 @@ def _row_key(d: Dump, i: int) -> bytes:
     t = d.tokens
     if t is not None and t.has_tokens[i]:
         a, b = int(t.offsets[i]), int(t.offsets[i + 1])
-        for arr in (t.logprobs, t.rollout_logprobs, t.policy_mask) + (() if t.turn_ids is None else (t.turn_ids,)):
+        for arr in ((t.logprobs, t.rollout_logprobs, t.policy_mask) + (() if t.turn_ids is None else (t.turn_ids,))
+                    + (() if t.rejected is None else (t.rejected,))):
             h.update(arr[a:b].tobytes())
     for name in sorted(d.scalars):
         h.update(d.scalars[name][i].tobytes())

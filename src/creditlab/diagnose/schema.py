@@ -5,7 +5,9 @@
 into rows, and :func:`write_dump` writes rows as JSONL (appending) or parquet.
 
 In a dump, ``logprobs`` are the learner's log-probs at the sampling checkpoint (what ``core`` calls
-``old_logprobs``): a dump is written before the update that uses it.
+``old_logprobs``): a dump is written before the update that uses it. A trainer that put the engine's
+there instead (verl's bypass mode) says so in ``logprobs_source``; the policy tokens a rejection
+sampler dropped from the loss stay in ``policy_mask`` and are marked in ``rejected``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ COLUMNS: tuple[Column, ...] = (
     Column("policy_mask", "token", "bool_list", False, "True on tokens the policy generated"),
     Column("turn_ids", "token", "int_list", False,
            "turn of each token, -1 outside turns (default: each run of policy tokens is a turn)"),
+    Column("rejected", "token", "bool_list", False,
+           "True on policy tokens the trainer's rejection sampling dropped from the loss (verl rollout_rs)"),
+    Column("logprobs_source", "trajectory", "str", False,
+           "where logprobs came from: 'learner' (default), or 'rollout ...' when they are the engine's "
+           "(verl bypass mode)"),
     Column("response", "trajectory", "str", False, "response text"),
     Column("response_length", "trajectory", "float", False,
            "response length in tokens (the exporters write the policy tokens)"),
@@ -68,6 +75,13 @@ COLUMNS: tuple[Column, ...] = (
 COLUMN_BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
 TOKEN_COLUMNS = ("logprobs", "rollout_logprobs", "policy_mask")
 """The token columns that come together: a dump has all three or none."""
+LEARNER = "learner"
+"""``logprobs_source`` of a row whose ``logprobs`` are the learner's (also what a row without the column means)."""
+ENGINE_SOURCE = "rollout"
+"""``logprobs_source`` values starting with this say ``logprobs`` are the rollout engine's own (verl's bypass mode
+sets ``old_log_probs := rollout_log_probs``): the learner's were never computed, so no mismatch can be measured."""
+VERL_BYPASS = "rollout (verl bypass mode)"
+"""The ``logprobs_source`` creditlab's verl exporter writes in bypass mode."""
 TURN_FIELDS = ("tool", "args", "returned", "is_write", "process_score")
 """Fields of one entry of ``turns`` (``process_score`` may be null or absent)."""
 LOGPROB_TOL = 1e-4
@@ -103,12 +117,14 @@ def rows_from_arrays(
     policy_mask: torch.Tensor | np.ndarray | None = None,
     valid_mask: torch.Tensor | np.ndarray | None = None,
     turn_ids: torch.Tensor | np.ndarray | None = None,
+    rejected: torch.Tensor | np.ndarray | None = None,
     **columns: Sequence[Any] | torch.Tensor | None,
 ) -> list[dict[str, Any]]:
     """Rows of the dump schema from a padded batch of ``B`` trajectories.
 
     ``logprobs`` (the learner's, at the sampling checkpoint), ``rollout_logprobs``,
-    ``policy_mask``, ``valid_mask`` and ``turn_ids`` are ``(B, L)``; each row keeps only its
+    ``policy_mask``, ``valid_mask``, ``turn_ids`` and ``rejected`` (bool: policy tokens rejection
+    sampling dropped from the loss) are ``(B, L)``; each row keeps only its
     ``valid_mask`` tokens (all ``L`` without one), so padding never reaches the dump. ``step`` is
     one int or ``B`` of them; ``group_ids`` and ``rewards`` have ``B`` entries. Further
     ``columns`` (``response_length=``, ``truncated=``, ``turns=``, ...) are per-row sequences of
@@ -134,6 +150,8 @@ def rows_from_arrays(
     if given and len(given) != len(token):
         missing = [k for k in token if token[k] is None]
         raise InputError(f"{', '.join(missing)}: the token columns come together; got only {', '.join(given)}")
+    if rejected is not None and not given:
+        raise InputError(f"rejected: needs the token columns {', '.join(token)}")
     for name in columns:
         if name not in COLUMN_BY_NAME or COLUMN_BY_NAME[name].level != "trajectory" or COLUMN_BY_NAME[name].required:
             valid = [c.name for c in COLUMNS if c.level == "trajectory" and not c.required]
@@ -164,6 +182,9 @@ def rows_from_arrays(
         tid = None if turn_ids is None else _to_numpy("turn_ids", turn_ids, B)
         if tid is not None and tid.shape != shape:
             raise InputError(f"turn_ids: must be {shape}, got {tid.shape}")
+        rej = None if rejected is None else _to_numpy("rejected", rejected, B)
+        if rej is not None and (rej.shape != shape or rej.dtype != np.bool_):
+            raise InputError(f"rejected: must be a boolean {shape}, got {rej.dtype} {rej.shape}")
         for b, row in enumerate(rows):
             keep = vm[b]
             row["logprobs"] = lp[b][keep].astype(np.float64).tolist()
@@ -171,6 +192,8 @@ def rows_from_arrays(
             row["policy_mask"] = pm[b][keep].tolist()
             if tid is not None:
                 row["turn_ids"] = tid[b][keep].astype(np.int64).tolist()
+            if rej is not None:
+                row["rejected"] = rej[b][keep].tolist()
     for k, v in extra.items():
         for row, x in zip(rows, v, strict=True):
             row[k] = x

@@ -36,12 +36,16 @@ changes nothing):
   and non-finite inputs are counted in ``actor/creditlab_nonfinite_tokens`` instead of raising.
 * **FORK reward function** :func:`fork_compute_score` (async, micro-batched).
 * **Rollout dumps** for ``creditlab diagnose``: with ``algorithm.creditlab.dump_dir`` set, every
-  training step's batch is written in the dump schema (docs/diagnose.md) when verl computes the
-  advantages (``ray_trainer.compute_advantage`` is wrapped, :func:`install_dump_hook`): the learner's
-  ``old_log_probs``, the engine's ``rollout_log_probs`` (``actor_rollout_ref.rollout.calculate_log_probs``),
-  ``response_mask``, the score (row sum of ``token_level_scores``), the ``uid`` and the reward
-  function's ``precision`` / ``recall`` when it returned them. :func:`rows_from_dataproto` /
-  :func:`dump_batch` do the same for any ``DataProto``.
+  training step's batch is written in the dump schema (docs/diagnose.md) right after verl computes the
+  advantages, before the actor update (``ray_trainer.compute_advantage`` is wrapped, and in the v1
+  trainer ``compute_advantage_for_multi_trajectories``, so every output of a session is dumped:
+  :func:`install_dump_hook`): the learner's ``old_log_probs``, the engine's ``rollout_log_probs``
+  (``actor_rollout_ref.rollout.calculate_log_probs``), ``logprobs_source`` (``rollout (verl bypass
+  mode)`` when ``bypass_mode`` put the engine's log-probs in ``old_log_probs``), the ``response_mask``
+  from before rejection sampling with the tokens ``rollout_rs`` rejected in ``rejected``, the score
+  (row sum of ``token_level_scores``), the ``uid`` and the reward function's ``precision`` /
+  ``recall`` when they reach the batch (the legacy trainer puts them there; the v1 trainer does not).
+  :func:`rows_from_dataproto` / :func:`dump_batch` do the same for any ``DataProto``.
 
 Convention for per-turn scores in ``token_level_rewards``
 --------------------------------------------------------
@@ -65,10 +69,13 @@ token before the next turn (so it includes the tool/observation tokens after it)
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import importlib.abc
 import inspect
 import os
 import re
+import sys
 from typing import Any
 
 import numpy as np
@@ -80,6 +87,7 @@ from verl.utils.skip.skip_manager import SkipManager
 from creditlab.core import correction, credit
 from creditlab.core._checks import check_tensor
 from creditlab.errors import ConfigError, CreditlabError, InputError
+from creditlab.integrations import _live
 from creditlab.integrations._common import (
     BatcherCache,
     CreditSettings,
@@ -500,9 +508,21 @@ async def fork_compute_score(data_source: Any = None, solution_str: str = "", gr
 #: ``part-NNNNN.parquet`` per step; or a ``*.jsonl`` file, appended to).
 DUMP_KEYS = ("dump_dir",)
 _EXTRA_COLUMNS = ("precision", "recall", "process_reward")
+#: Attribute of a ``DataProto`` holding its ``response_mask`` from before verl's rejection sampling
+#: (``rollout_rs``), set by the wrapper of ``compute_rollout_correction_and_add_to_batch``.
+MASK_BEFORE_REJECTION = "_creditlab_response_mask_before_rejection"
+_V1_UTILS = "verl.trainer.ppo.v1.utils"
+_V1_TRAINER = "verl.trainer.ppo.v1.trainer_base"
+_SUPPRESS_DUMP: contextvars.ContextVar[bool] = contextvars.ContextVar("creditlab_verl_dump_suppressed",
+                                                                     default=False)
 
 
-def rows_from_dataproto(data: Any, step: int | None = None) -> list[dict[str, Any]]:
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.numel() > 0 and a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
+
+
+def rows_from_dataproto(data: Any, step: int | None = None, *, logprobs_source: str | None = None,
+                        mask_before_rejection: torch.Tensor | None = None) -> list[dict[str, Any]]:
     """Dump rows (docs/diagnose.md) of a verl ``DataProto`` batch, one per response.
 
     Reads ``response_mask`` (the policy mask: 0 on tool/observation tokens), ``old_log_probs`` (the
@@ -512,8 +532,18 @@ def rows_from_dataproto(data: Any, step: int | None = None) -> list[dict[str, An
     ``recall`` / ``process_reward`` when the reward function returned them. Padding (0 in the
     response part of ``attention_mask``) is dropped. ``step``: default ``meta_info["global_steps"]``,
     else verl's global step (``SkipManager.step``).
+
+    ``logprobs_source`` (written in every row with token columns): ``"learner"``, or
+    ``"rollout (verl bypass mode)"`` when ``old_log_probs`` are the engine's (verl's bypass mode sets
+    ``old_log_probs := rollout_log_probs`` and never computes the learner's); default: the latter when
+    the two tensors share their storage, as ``apply_bypass_mode`` leaves them.
+
+    ``mask_before_rejection`` (default: the one the rollout-correction wrapper kept on ``data``): the
+    ``response_mask`` before verl's rejection sampling (``rollout_rs``) zeroed the rejected tokens.
+    With it, ``policy_mask`` is that mask (the rejected tokens were generated by the policy) and the
+    token column ``rejected`` marks the tokens rejection sampling dropped from the loss.
     """
-    from creditlab.diagnose.schema import rows_from_arrays
+    from creditlab.diagnose.schema import LEARNER, VERL_BYPASS, rows_from_arrays
 
     batch = data.batch
     keys = set(batch.keys())
@@ -530,18 +560,31 @@ def rows_from_dataproto(data: Any, step: int | None = None) -> list[dict[str, An
         raise InputError("data.non_tensor_batch: needs 'uid' (the GRPO group of each response)")
     if step is None:
         step = data.meta_info.get("global_steps", SkipManager.step if SkipManager.step >= 0 else 0)
-    pm = rm.bool()
+    kept = rm.bool()
+    if mask_before_rejection is None:
+        mask_before_rejection = getattr(data, MASK_BEFORE_REJECTION, None)
+    rejected = None
+    pm = kept
+    if mask_before_rejection is not None:
+        before = mask_before_rejection.detach().cpu()
+        if tuple(before.shape) != (B, L):
+            raise InputError(f"mask_before_rejection: expected {(B, L)} (the response_mask), got {tuple(before.shape)}")
+        pm = before.bool() | kept
+        rejected = pm & ~kept
     if "attention_mask" in keys and batch["attention_mask"].shape[1] >= L:
         valid = batch["attention_mask"][:, -L:].detach().cpu().bool() | pm
     else:  # up to the last policy token
         last = L - torch.argmax(pm.flip(1).to(torch.int8), dim=1)
         valid = torch.arange(L)[None, :] < torch.where(pm.any(1), last, 0)[:, None]
     token: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
     if "old_log_probs" in keys and "rollout_log_probs" in keys:
-        token = {"logprobs": batch["old_log_probs"].detach().cpu().double(),
-                 "rollout_logprobs": batch["rollout_log_probs"].detach().cpu().double(),
-                 "policy_mask": pm, "valid_mask": valid}
-    extra = {}
+        old, rollout = batch["old_log_probs"], batch["rollout_log_probs"]
+        if logprobs_source is None:
+            logprobs_source = VERL_BYPASS if _same_storage(old, rollout) else LEARNER
+        token = {"logprobs": old.detach().cpu().double(), "rollout_logprobs": rollout.detach().cpu().double(),
+                 "policy_mask": pm, "valid_mask": valid, "rejected": rejected}
+        extra["logprobs_source"] = [logprobs_source] * B
     for name in _EXTRA_COLUMNS:
         v = data.non_tensor_batch.get(name)
         if v is not None and len(v) == B:
@@ -550,12 +593,15 @@ def rows_from_dataproto(data: Any, step: int | None = None) -> list[dict[str, An
                             rewards=reward, response_length=pm.sum(1), **token, **extra)
 
 
-def dump_batch(data: Any, path: str | os.PathLike, step: int | None = None) -> Any:
+def dump_batch(data: Any, path: str | os.PathLike, step: int | None = None, *, logprobs_source: str | None = None,
+               mask_before_rejection: torch.Tensor | None = None) -> Any:
     """Write :func:`rows_from_dataproto` of ``data`` to ``path`` (a directory gets one parquet part per
     call, a ``*.jsonl`` file is appended to); returns the file written."""
     from creditlab.diagnose.schema import write_dump
 
-    return write_dump(rows_from_dataproto(data, step), path, append=True)
+    rows = rows_from_dataproto(data, step, logprobs_source=logprobs_source,
+                               mask_before_rejection=mask_before_rejection)
+    return write_dump(rows, path, append=True)
 
 
 def _dump_dir(config: Any) -> str | None:
@@ -568,50 +614,236 @@ def _dump_dir(config: Any) -> str | None:
     return value or None
 
 
-def _wrap_compute_advantage(original):
+def _source(config: Any) -> str:
+    """``logprobs_source`` of a batch trained under the algorithm ``config``: verl's bypass mode
+    (``rollout_correction.bypass_mode``) puts the engine's log-probs in ``old_log_probs``."""
+    from creditlab.diagnose.schema import LEARNER, VERL_BYPASS
+
+    rc = config.get("rollout_correction", None) if config is not None else None
+    return VERL_BYPASS if rc is not None and rc.get("bypass_mode", False) else LEARNER
+
+
+def _dump_after(original):
+    """Wrap ``original`` (one of verl's advantage functions) to dump the batch it returns when
+    ``algorithm.creditlab.dump_dir`` is set; nested calls (the v1 helper calling ``compute_advantage``
+    on a selection of its rows) do not dump again."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
-    def compute_advantage(data, *args, **kwargs):
-        out = original(data, *args, **kwargs)
-        path = _dump_dir(signature.bind(data, *args, **kwargs).arguments.get("config"))
-        if path is not None:
-            dump_batch(out, path)
+    def wrapper(*args, **kwargs):
+        token = _SUPPRESS_DUMP.set(True)
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            _SUPPRESS_DUMP.reset(token)
+        if not _SUPPRESS_DUMP.get():
+            config = signature.bind(*args, **kwargs).arguments.get("config")
+            path = _dump_dir(config)
+            if path is not None:
+                dump_batch(out, path, logprobs_source=_source(config))
         return out
 
-    compute_advantage.__creditlab_original__ = original
-    return compute_advantage
+    wrapper.__creditlab_original__ = original
+    return wrapper
+
+
+def _wrap_compute_advantage(original):
+    return _dump_after(original)
+
+
+def _wrap_rejection(original):
+    @functools.wraps(original)
+    def compute_rollout_correction_and_add_to_batch(batch, rollout_corr_config):
+        before = batch.batch["response_mask"] if "response_mask" in batch.batch.keys() else None
+        out, metrics = original(batch, rollout_corr_config)
+        rs = rollout_corr_config.get("rollout_rs", None) if rollout_corr_config is not None else None
+        # verl replaced response_mask by the mask after rejection: keep the one before, for the dump
+        object.__setattr__(out, MASK_BEFORE_REJECTION, before if rs is not None else None)
+        return out, metrics
+
+    compute_rollout_correction_and_add_to_batch.__creditlab_original__ = original
+    return compute_rollout_correction_and_add_to_batch
+
+
+def _replace_global(module: Any, name: str, wrapped: Any) -> None:
+    """``module.name = wrapped`` when the module holds the function ``wrapped`` wraps (it imported the
+    name before creditlab was loaded)."""
+    if module is not None and getattr(module, name, None) is getattr(wrapped, "__creditlab_original__", None):
+        setattr(module, name, wrapped)
+
+
+def _patch_v1_utils(module: Any) -> None:
+    """Dump every output the v1 trainer trains on: wrap ``compute_advantage_for_multi_trajectories``,
+    which hands ``compute_advantage`` only each session's final output (GRPO) and broadcasts its
+    advantage to the session's other outputs."""
+    from verl.trainer.ppo import ray_trainer
+
+    _replace_global(module, "compute_advantage", ray_trainer.compute_advantage)
+    current = module.compute_advantage_for_multi_trajectories
+    if getattr(current, "__creditlab_original__", None) is None:
+        names = tuple(inspect.signature(current).parameters)
+        if names[:2] != ("data", "batch_keys") or "config" not in names:
+            raise CreditlabError(f"verl: v1.utils.compute_advantage_for_multi_trajectories{names} changed; "
+                                 "creditlab's dump hook cannot be installed")
+        module.compute_advantage_for_multi_trajectories = _dump_after(current)
+    trainer = sys.modules.get(_V1_TRAINER)
+    _replace_global(trainer, "compute_advantage_for_multi_trajectories",
+                    module.compute_advantage_for_multi_trajectories)
+    _replace_global(trainer, "compute_rollout_correction_and_add_to_batch",
+                    rollout_corr_helper.compute_rollout_correction_and_add_to_batch)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` right after ``name`` is imported, before any other module can import
+    names from it (the v1 trainer imports them by name; importing v1 here would load all of it, and
+    transfer_queue, in every verl process)."""
+
+    def __init__(self, name: str, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module, patch = loader.exec_module, self.patch
+
+        def exec_and_patch(module):
+            exec_module(module)
+            patch(module)
+
+        loader.exec_module = exec_and_patch  # this spec's own loader instance
+        return spec
 
 
 def install_dump_hook() -> None:
-    """Wrap ``verl.trainer.ppo.ray_trainer.compute_advantage`` (once) so that each step's batch is
-    dumped when ``algorithm.creditlab.dump_dir`` is set (the call is unchanged otherwise).
+    """Wrap verl's advantage functions (once) so that each step's batch is dumped when
+    ``algorithm.creditlab.dump_dir`` is set (the calls are unchanged otherwise).
 
-    verl's trainers call that function on the driver after the rewards, ``old_log_probs`` and the
-    rollout correction, through the module global (the v1 trainer's ``utils`` imports it by name,
-    after this module has run, so it gets the wrapper too).
+    * ``ray_trainer.compute_advantage``, which verl's trainers call on the driver after the rewards,
+      ``old_log_probs`` and the rollout correction, through the module global; the batch is dumped
+      after it returns, before the actor update.
+    * the v1 trainer's ``v1.utils.compute_advantage_for_multi_trajectories`` (patched when that module
+      is imported), so that a v1 dump holds every output it trains, not only each session's final one.
+    * ``rollout_corr_helper.compute_rollout_correction_and_add_to_batch``, to keep the
+      ``response_mask`` from before rejection sampling (``rollout_rs``) for the dump.
     """
     from verl.trainer.ppo import ray_trainer
 
     current = ray_trainer.compute_advantage
-    if getattr(current, "__creditlab_original__", None) is not None:
-        return
-    names = tuple(inspect.signature(current).parameters)
-    if names[:1] != ("data",) or "config" not in names:
-        raise CreditlabError(f"verl: ray_trainer.compute_advantage{names} changed; creditlab's dump hook cannot be "
-                             "installed")
-    ray_trainer.compute_advantage = _wrap_compute_advantage(current)
+    if getattr(current, "__creditlab_original__", None) is None:
+        names = tuple(inspect.signature(current).parameters)
+        if names[:1] != ("data",) or "config" not in names:
+            raise CreditlabError(f"verl: ray_trainer.compute_advantage{names} changed; creditlab's dump hook cannot "
+                                 "be installed")
+        ray_trainer.compute_advantage = _wrap_compute_advantage(current)
+    current = rollout_corr_helper.compute_rollout_correction_and_add_to_batch
+    if getattr(current, "__creditlab_original__", None) is None:
+        names = tuple(inspect.signature(current).parameters)
+        if names != ("batch", "rollout_corr_config"):
+            raise CreditlabError(f"verl: rollout_corr_helper.compute_rollout_correction_and_add_to_batch{names} "
+                                 "changed; creditlab's dump hook cannot be installed")
+        rollout_corr_helper.compute_rollout_correction_and_add_to_batch = _wrap_rejection(current)
+    if _V1_UTILS in sys.modules:
+        _patch_v1_utils(sys.modules[_V1_UTILS])
+    elif not any(isinstance(f, _AfterImport) and f.name == _V1_UTILS for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(_V1_UTILS, _patch_v1_utils))
+
+
+# --------------------------------------------------------------------------------------------
+# live checks in verl's step metrics
+
+#: Set to ``0`` to turn the live checks off (read at every step).
+LIVE_ENV = "CREDITLAB_LIVE_CHECKS"
+#: Prefix of creditlab's metrics in verl's logs (the rollout correction's get it from verl).
+VERL_PREFIX = "rollout_corr/" + _live.PREFIX
+_LIVE_WARNINGS = _live.LiveWarnings(prefix=VERL_PREFIX)
+
+
+def live_metrics(data: Any) -> dict[str, float]:
+    """The live check values of a verl ``DataProto`` batch (:mod:`creditlab.integrations._live`), as
+    ``rollout_corr/creditlab/<check>`` floats read in one host read (NaN ones left out).
+
+    From ``old_log_probs``, ``rollout_log_probs`` and the ``response_mask`` (the one from before
+    rejection sampling when verl's ``rollout_rs`` changed it), and ``baseline/degenerate_groups`` from
+    the ``uid`` and the row sums of ``token_level_scores``. In bypass mode ``old_log_probs`` are the
+    engine's own (no learner log-prob of the sampling checkpoint exists), so only the groups are checked.
+    """
+    batch = data.batch
+    keys = set(batch.keys())
+    if "response_mask" not in keys:
+        return {}
+    rm = getattr(data, MASK_BEFORE_REJECTION, None)
+    pm = (batch["response_mask"] if rm is None else rm).bool()
+    old = batch["old_log_probs"] if "old_log_probs" in keys else None
+    rollout = batch["rollout_log_probs"] if "rollout_log_probs" in keys else None
+    if old is not None and rollout is not None and (old is rollout or (
+            old.shape == rollout.shape and old.data_ptr() == rollout.data_ptr())):
+        old = rollout = None  # bypass mode: the engine's log-probs twice
+    score_key = next((k for k in ("token_level_scores", "token_level_rewards") if k in keys), None)
+    uid = data.non_tensor_batch.get("uid")
+    groups = rewards = None
+    if score_key is not None and uid is not None and len(uid) == pm.shape[0]:
+        codes = np.unique(np.asarray(uid, dtype=object).astype(str), return_inverse=True)[1].reshape(-1)
+        groups = torch.as_tensor(codes, dtype=torch.long).to(pm.device)
+        rewards = batch[score_key].sum(-1)
+    values = _live.to_floats(_live.batch_values(old, rollout, pm, group_ids=groups, rewards=rewards))
+    return {VERL_PREFIX + k[len(_live.PREFIX):]: v for k, v in values.items() if v == v}
+
+
+def _wrap_data_metrics(original):
+    @functools.wraps(original)
+    def compute_data_metrics(batch, *args, **kwargs):
+        out = original(batch, *args, **kwargs)
+        if os.environ.get(LIVE_ENV, "1") != "0":
+            live = live_metrics(batch)
+            out.update(live)
+            _LIVE_WARNINGS.observe(live, step=SkipManager.step if SkipManager.step >= 0 else None)
+        return out
+
+    compute_data_metrics.__creditlab_original__ = original
+    return compute_data_metrics
+
+
+def install_live_checks() -> None:
+    """Wrap ``verl.trainer.ppo.metric_utils.compute_data_metrics`` (once), which verl's trainers call on
+    the driver once per step with the step's batch, so that its metrics carry the live check values
+    (:func:`live_metrics`) and a check crossing its warn threshold logs one warning line
+    (:class:`~creditlab.integrations._live.LiveWarnings`: once per run and check, again after it cleared).
+    The trainers import the function by name: the ones already imported get the wrapper too."""
+    from verl.trainer.ppo import metric_utils
+
+    current = metric_utils.compute_data_metrics
+    if getattr(current, "__creditlab_original__", None) is None:
+        names = tuple(inspect.signature(current).parameters)
+        if names[:1] != ("batch",):
+            raise CreditlabError(f"verl: metric_utils.compute_data_metrics{names} changed; creditlab's live checks "
+                                 "cannot be installed")
+        metric_utils.compute_data_metrics = _wrap_data_metrics(current)
+    for name in ("verl.trainer.ppo.ray_trainer", _V1_TRAINER, "verl.experimental.separation.ray_trainer"):
+        _replace_global(sys.modules.get(name), "compute_data_metrics", metric_utils.compute_data_metrics)
 
 
 # --------------------------------------------------------------------------------------------
 
 
 def install() -> None:
-    """Register creditlab's estimators, policy loss, rollout correction and dump hook with verl (idempotent)."""
+    """Register creditlab's estimators, policy loss, rollout correction, dump hook and live checks with verl
+    (idempotent)."""
     install_rollout_correction()
     install_estimators()
     install_policy_loss()
     install_dump_hook()
+    install_live_checks()
 
 
 install()
