@@ -140,9 +140,11 @@ def test_placeholders_flag_leaked_observation_tokens_and_nans_and_stay_out_of_th
     assert leak["mismatch.k3"].status == "ok" and "left out" in leak["mismatch.k3"].message
     assert leak["mismatch.k3"].value == pytest.approx(clean["mismatch.k3"].value, rel=0.2)
     rows = clean_rows()
-    rows[5]["logprobs"][10] = float("nan")
-    r = _run(tmp_path, rows, "nan.jsonl")["mismatch.placeholder_logprobs"]
-    assert r.status == "fail" and r.details["nonfinite"] == 1
+    rows[5]["logprobs"][10] = float("nan")  # a NaN is its own finding, not a placeholder
+    res = _run(tmp_path, rows, "nan.jsonl")
+    assert res["mismatch.placeholder_logprobs"].status == "ok"
+    r = res["mismatch.nonfinite_logprobs"]
+    assert r.status == "fail" and r.details["nonfinite"] == 1 and r.details["logprobs"] == 1  # the learner's
     assert "line 6, token 10" in r.message
     rows = clean_rows()  # one engine 0.0 where the learner gives the token e^-2: below the fail share
     rows[7]["logprobs"][12], rows[7]["rollout_logprobs"][12] = -2.0, 0.0

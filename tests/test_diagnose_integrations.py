@@ -14,7 +14,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "integrations"))  # the shared builders of the integration tests
-from integration_helpers import agent_batch, make_rollout_func, tiny_model, tiny_tokenizer  # noqa: E402
+from integration_helpers import (  # noqa: E402
+    agent_batch,
+    assert_engine_differs,
+    make_rollout_func,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 from creditlab.core.correction import mismatch_metrics  # noqa: E402
 from creditlab.diagnose import read_dump, run_checks  # noqa: E402
@@ -127,10 +133,11 @@ def test_trl_grpo_run_dumps_through_the_trainer_option(tmp_path):
         return [float(len(c.split()) % 3) for c in completions]
 
     dump = tmp_path / "dump.jsonl"
+    rf = make_rollout_func(tok)
     tr = CreditlabGRPOTrainer(model=tiny_model(), reward_funcs=reward, args=args, train_dataset=ds,
-                              processing_class=tok, rollout_func=make_rollout_func(tok), correction="interq",
-                              dump=dump)
+                              processing_class=tok, rollout_func=rf, correction="interq", dump=dump)
     tr.train()
+    assert_engine_differs(rf)  # the engine really differs: the K3 compared below is not zero by construction
     d = read_dump(dump)
     assert len(d) == 16 and sorted(set(d.step.tolist())) == [0, 1]
     assert d.tokens is not None and d.has("response")

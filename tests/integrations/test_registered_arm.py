@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
-from integration_helpers import agent_batch, make_rollout_func, tiny_model, tiny_tokenizer
+from integration_helpers import agent_batch, assert_engine_differs, make_rollout_func, tiny_model, tiny_tokenizer
 from omegaconf import OmegaConf
 from trl import GRPOConfig, GRPOTrainer
 from verl import DataProto
@@ -95,13 +95,15 @@ def test_trl_trainer_runs_a_registered_arm(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=G,
                       max_steps=1, learning_rate=1e-2, logging_steps=1, report_to="none", save_strategy="no",
                       use_cpu=True, max_completion_length=16, disable_tqdm=True, seed=0)
+    rf = make_rollout_func(tok)
     tr = CreditlabGRPOTrainer(model=tiny_model(), reward_funcs=_length_reward, args=args, train_dataset=_dataset(),
-                              processing_class=tok, rollout_func=make_rollout_func(tok), correction="half_tis",
+                              processing_class=tok, rollout_func=rf, correction="half_tis",
                               correction_params={"cap": 1.02})
     torch.manual_seed(0)
     base = GRPOTrainer._generate_and_score_completions(tr, _inputs())  # TRL's own output
     torch.manual_seed(0)
     out = tr._generate_and_score_completions(_inputs())
+    assert_engine_differs(rf)  # the weights below differ from 1 because the engine does
     pm = (out["completion_mask"] * out["tool_mask"]).bool()
     direct, _ = half_tis(out["old_per_token_logps"], out["sampling_per_token_logps"], pm, cap=1.02)
     assert bool((direct[pm] != 1).any())
@@ -109,7 +111,8 @@ def test_trl_trainer_runs_a_registered_arm(tmp_path):
     expected = base["advantages"][:, None] * direct.to(base["advantages"].dtype)
     torch.testing.assert_close(out["advantages"], expected, rtol=1e-6, atol=1e-7)
     logged = tr._metrics["train"]
-    assert logged["creditlab/correction/half_tis"] == [1.0] and "creditlab/mismatch/k3" in logged
+    assert logged["creditlab/correction/half_tis"] == [1.0]
+    assert "creditlab/mismatch/k3" in tr._creditlab_live["train"]  # a live check value: read at TRL's next log
     with pytest.raises(ConfigError, match="correction_params: unknown \\['alpha_g'\\] for arm 'half_tis'"):
         CreditlabGRPOTrainer(model=tiny_model(), reward_funcs=_length_reward, args=args, train_dataset=_dataset(),
                              processing_class=tok, correction="half_tis", correction_params={"alpha_g": 0.5})

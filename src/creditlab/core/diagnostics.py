@@ -13,12 +13,15 @@ Formulas (docs/design.md sections 4 and 5):
 * chain length by dataflow: an edge from a read call to a later call whose arguments contain a
   value that the read returned and the instruction did not contain; ``C`` is the number of calls
   on the longest path ending at the final write.
+* :func:`batch_check_values`: the values of ``creditlab diagnose``'s batch checks on one padded
+  training batch, on its device with no host read (what the trainer integrations log every step).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +30,9 @@ from creditlab.core._checks import any_true, check_scalar, check_tensor
 from creditlab.errors import InputError
 
 __all__ = [
+    "CheckParams",
     "aulc",
+    "batch_check_values",
     "chain_length",
     "concentration",
     "expected_open_fraction",
@@ -228,3 +233,161 @@ def chain_length(calls: Sequence[Any], instruction: str | Iterable[Any] = "") ->
             if not writes[i] and needed & rets[i]:
                 depth[j] = max(depth[j], depth[i] + 1)
     return depth[final]
+
+
+# --------------------------------------------------------------------------------------------
+# the batch checks of `creditlab diagnose` on one training batch, on the device
+
+
+@dataclass(frozen=True)
+class CheckParams:
+    """The constants that define the values of the batch checks (the diagnose checks own them:
+    ``creditlab.diagnose.checks.CHECK_PARAMS``)."""
+
+    logprob_tol: float      # a log-prob above this is impossible
+    run_min: int            # a run of this many equal log-probs ...
+    run_gap: float          # ... where the two models differ by more than this is a placeholder
+    measurable: float       # |delta| above this is a measurable difference
+    min_measurable: int     # a side needs this many measurable tokens
+    negligible_share: float  # at most this share measurable: no side to take (0)
+    turn_min_tokens: int    # a turn counts with this many usable tokens
+    max_turns: int          # turns from this index on are left out
+    seq_min_rows: int       # the sequence ratio needs this many rows with tokens
+
+
+_F64 = torch.float64
+
+
+def _runs(x: torch.Tensor, ok: torch.Tensor, gap: torch.Tensor, run_min: int, run_gap: float) -> torch.Tensor:
+    """``ok`` tokens in a run of ``run_min``+ consecutive ``ok`` tokens of a row holding one value of ``x``
+    with mean ``gap`` over the run above ``run_gap`` (runs numbered across the flattened batch)."""
+    same = torch.zeros_like(ok)
+    if ok.shape[1] > 1:
+        same[:, 1:] = (x[:, 1:] == x[:, :-1]) & ok[:, 1:] & ok[:, :-1]
+    start = (ok & ~same).reshape(-1)
+    run = (torch.cumsum(start, 0) - 1).clamp_min(0)
+    n = start.numel()
+    okf = ok.reshape(-1).to(_F64)
+    length = torch.zeros(n, dtype=_F64, device=x.device).scatter_add_(0, run, okf)
+    total = torch.zeros(n, dtype=_F64, device=x.device).scatter_add_(0, run, gap.reshape(-1) * okf)
+    bad = (length >= run_min) & (total > run_gap * length)
+    return (bad[run] & ok.reshape(-1)).reshape(ok.shape)
+
+
+def _nan(like: torch.Tensor) -> torch.Tensor:
+    return torch.full((), math.nan, dtype=_F64, device=like.device)
+
+
+def batch_check_values(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, policy_mask: torch.Tensor,
+                       params: CheckParams, *, group_ids: torch.Tensor | None = None,
+                       rewards: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The values of ``creditlab diagnose``'s checks on one padded batch ``(B, L)``, as 0-dim float64
+    tensors on the inputs' device, computed without reading a tensor value on the host (it runs on
+    ``meta`` tensors).
+
+    The same definitions as the checks on a dump of this one batch (docs/diagnose.md), with the turns
+    the runs of policy tokens: tokens with a NaN/inf log-prob on either side, one above
+    ``logprob_tol``, an exact 0.0 on one side where the other gives ``< -run_gap``, or in a run of
+    repeated values are left out of the others (``usable``); ``delta = old - rollout`` on usable
+    tokens. Keys (each the check id with ``/`` for ``.``):
+
+    * ``mismatch/k3``: mean ``exp(delta) - 1 - delta`` over usable tokens (0 when none);
+    * ``mismatch/nonfinite_logprobs``, ``mismatch/placeholder_logprobs``: share of the policy tokens
+      with a NaN/inf log-prob; with a positive, zero-filled or repeated placeholder one;
+    * ``mismatch/prefix_drift``: RMS of the prefix log ratio ``E_t`` at the last turn with
+      ``turn_min_tokens`` usable tokens, and ``mismatch/prefix_drift/first_turn`` at the first (NaN
+      when fewer than 2 turns have them);
+    * ``mismatch/one_sided``: share of the measurable tokens (``|delta| > measurable``) on the majority
+      side; 0 when at most ``negligible_share`` of the tokens are measurable, NaN when fewer than
+      ``min_measurable`` are but more than that share, or when no token is usable;
+    * ``mismatch/sequence_ratio_length``: median ``|sum_t delta_t|`` over the longest quarter of the
+      rows by usable tokens (NaN below ``seq_min_rows`` rows with tokens or with one length only);
+    * ``baseline/degenerate_groups`` (with ``group_ids`` ``(B,)`` integer codes in ``[0, B)`` and
+      ``rewards`` ``(B,)``): share of the groups whose rewards are all equal (rows with a NaN reward
+      left out).
+    """
+    p = params
+    dims: dict[str, int] = {}
+    check_tensor("policy_mask", policy_mask, shape=("B", "L"), boolean=True, dims=dims)
+    check_tensor("old_logprobs", old_logprobs, shape=("B", "L"), floating=True, dims=dims)
+    check_tensor("rollout_logprobs", rollout_logprobs, shape=("B", "L"), floating=True, dims=dims)
+    B, L = policy_mask.shape
+    dev = policy_mask.device
+    with torch.no_grad():
+        lp, rlp, pm = old_logprobs.to(_F64), rollout_logprobs.to(_F64), policy_mask
+        finite = torch.isfinite(lp) & torch.isfinite(rlp)
+        nonfinite = pm & ~finite
+        ok = pm & finite
+        lp0, rlp0 = torch.where(finite, lp, 0.0), torch.where(finite, rlp, 0.0)
+        positive = ok & ((lp0 > p.logprob_tol) | (rlp0 > p.logprob_tol))
+        zero_fill = ok & ~positive & (((lp0 == 0) & (rlp0 < -p.run_gap)) | ((rlp0 == 0) & (lp0 < -p.run_gap)))
+        gap = (lp0 - rlp0).abs()
+        runs = (_runs(lp0, ok, gap, p.run_min, p.run_gap) | _runs(rlp0, ok, gap, p.run_min, p.run_gap))
+        placeholder = (positive | zero_fill | runs) & ok
+        usable = ok & ~placeholder
+        delta = torch.where(usable, lp0 - rlp0, 0.0)
+        uf = usable.to(_F64)
+        n_pol = pm.sum(dtype=_F64)
+        n = uf.sum()
+        out: dict[str, torch.Tensor] = {
+            "mismatch/k3": (torch.expm1(delta) - delta).sum() / n.clamp_min(1),
+            "mismatch/nonfinite_logprobs": nonfinite.sum(dtype=_F64) / n_pol.clamp_min(1),
+            "mismatch/placeholder_logprobs": placeholder.sum(dtype=_F64) / n_pol.clamp_min(1),
+        }
+        # one-sided: the majority side of the measurable tokens
+        meas = usable & (delta.abs() > p.measurable)
+        m = meas.sum(dtype=_F64)
+        above = (meas & (delta < 0)).sum(dtype=_F64) / m.clamp_min(1)
+        share = torch.maximum(above, 1 - above)
+        few = torch.where(m <= p.negligible_share * n, torch.zeros((), dtype=_F64, device=dev), _nan(m))
+        out["mismatch/one_sided"] = torch.where(n > 0, torch.where(m >= p.min_measurable, share, few), _nan(m))
+        # prefix drift: RMS of the prefix log ratio by turn (turns: runs of policy tokens)
+        first = pm.clone()
+        if L > 1:
+            first[:, 1:] &= ~pm[:, :-1]
+        turn = torch.cumsum(first, 1) - 1
+        T = int(p.max_turns)
+        bucket = torch.where(usable & (turn < T), turn, T).reshape(-1)
+        E = torch.cumsum(delta, 1)
+        cnt = torch.zeros(T + 1, dtype=_F64, device=dev).scatter_add_(0, bucket, uf.reshape(-1))[:T]
+        sq = torch.zeros(T + 1, dtype=_F64, device=dev).scatter_add_(0, bucket, (E * E * uf).reshape(-1))[:T]
+        rms = torch.sqrt(sq / cnt.clamp_min(1))
+        good = cnt >= p.turn_min_tokens
+        k = torch.arange(T, device=dev)
+        k_first = torch.where(good, k, T).min().clamp(max=T - 1)
+        k_last = torch.where(good, k, -1).max().clamp_min(0)
+        two = good.sum() >= 2
+        at = torch.stack([k_last, k_first])  # gathered, not indexed: a 0-dim index is a host read on a GPU
+        last_first = rms.gather(0, at)
+        out["mismatch/prefix_drift"] = torch.where(two, last_first[0], _nan(rms))
+        out["mismatch/prefix_drift/first_turn"] = torch.where(two, last_first[1], _nan(rms))
+        # sequence ratio: median |S| over the longest quarter of the rows with usable tokens
+        n_row = uf.sum(1)
+        S = delta.sum(1).abs()
+        has = n_row > 0
+        R = has.sum()
+        key = torch.where(has, n_row, -1.0)
+        order = torch.sort(key, stable=True).indices
+        q = torch.div(R, 4, rounding_mode="floor")
+        rank = torch.empty_like(order).scatter_(0, order, torch.arange(B, device=dev))
+        longest = has & (rank >= B - q)
+        vals = torch.sort(torch.where(longest, S, math.inf)).values
+        lo_i = torch.div(q - 1, 2, rounding_mode="floor").clamp_min(0)
+        hi_i = torch.div(q, 2, rounding_mode="floor").clamp(max=max(B - 1, 0))
+        med = vals.gather(0, torch.stack([lo_i, hi_i])).mean() if B else _nan(S)
+        spread = torch.where(has, n_row, -math.inf).max() > torch.where(has, n_row, math.inf).min() if B else R > 0
+        out["mismatch/sequence_ratio_length"] = torch.where((R >= p.seq_min_rows) & spread, med, _nan(S))
+        if group_ids is not None and rewards is not None:
+            check_tensor("group_ids", group_ids, shape=(B,), integer=True)
+            check_tensor("rewards", rewards, shape=(B,), floating=True)
+            r = rewards.to(_F64)
+            seen = ~torch.isnan(r)
+            g = group_ids.to(torch.int64).clamp(0, max(B - 1, 0))
+            hi = torch.full((B,), -math.inf, dtype=_F64, device=dev).scatter_reduce(
+                0, g, torch.where(seen, r, -math.inf), "amax")
+            lo = torch.full((B,), math.inf, dtype=_F64, device=dev).scatter_reduce(
+                0, g, torch.where(seen, r, math.inf), "amin")
+            present = torch.zeros(B, dtype=_F64, device=dev).scatter_add_(0, g, seen.to(_F64)) > 0
+            degenerate = present & ((hi - lo) <= 1e-9 * torch.clamp(hi.abs(), min=1.0))
+            out["baseline/degenerate_groups"] = degenerate.sum(dtype=_F64) / present.sum(dtype=_F64).clamp_min(1)
+    return out

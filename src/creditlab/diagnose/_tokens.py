@@ -16,7 +16,9 @@ policy mask is reported once, by that check, and does not pose as a precision mi
 of zero mismatch but one log-prob computation stored twice (a copied column, or a trainer that
 overwrote one with the other): ``copied_all`` says so for the whole dump, and the tokens of a file
 that is identical on all of its ``COPY_MIN_TOKENS``+ usable policy tokens (when others are not) are
-left out of the mismatch quantities like placeholders.
+left out of the mismatch quantities like placeholders. Rows whose ``logprobs_source`` says their
+``logprobs`` are the engine's own (verl's bypass mode) are left out the same way (``engine_rows``);
+``engine_all`` says no other row is left.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from creditlab.diagnose.readers import DERIVE_TURN, Dump
-from creditlab.diagnose.schema import LOGPROB_TOL
+from creditlab.diagnose.schema import ENGINE_SOURCE, LOGPROB_TOL
 
 POSITIVE_TOL = LOGPROB_TOL
 """A log-prob above this is impossible (float rounding of ``log_softmax`` stays far below it); the
@@ -60,6 +62,9 @@ class TokenStats:
     copied_all: bool = False  # every usable policy token has rollout_logprobs == logprobs exactly
     copied_files: tuple[int, ...] = ()  # files identical on all their COPY_MIN_TOKENS+ usable tokens
     copied: np.ndarray | None = None  # (M,) tokens of those files, left out of usable (None: none)
+    engine_rows: int = 0     # rows with tokens whose logprobs_source says logprobs are the engine's (left out)
+    engine_all: bool = False  # every row with tokens is such a row: no learner log-prob in the dump
+    rejected: np.ndarray | None = None  # (M,) policy tokens rejection sampling dropped (None: no column)
 
     @property
     def flagged(self) -> np.ndarray:
@@ -109,6 +114,14 @@ def token_stats(dump: Dump) -> TokenStats:
     placeholder = (_runs_of_equal(lp, policy & finite, row_start, gap)
                    | _runs_of_equal(rlp, policy & finite, row_start, gap)) & ~positive & ~zero_fill
     usable = policy & finite & ~positive & ~zero_fill & ~placeholder
+    # rows whose logprobs are the engine's own (verl bypass mode): nothing to compare them with
+    source = dump.texts.get("logprobs_source")
+    engine = np.zeros(N, dtype=bool)
+    if source is not None:
+        engine = np.asarray([s is not None and s.startswith(ENGINE_SOURCE) for s in source], dtype=bool) & t.has_tokens
+    engine_all = bool(engine.any()) and bool(engine[t.has_tokens].all())
+    if engine.any():
+        usable = usable & ~np.repeat(engine, lengths)
     # one computation stored twice: bit-identical on every usable token (of the dump, or of a file)
     same = usable & (lp == rlp)
     n_usable = int(usable.sum())
@@ -155,4 +168,5 @@ def token_stats(dump: Dump) -> TokenStats:
                       placeholder=placeholder,
                       usable=usable, delta=delta, prefix=prefix, turn=turn, row_usable=row_usable,
                       row_delta=row_delta, row_policy=row_policy, copied_all=copied_all, copied_files=copied_files,
-                      copied=copied)
+                      copied=copied, engine_rows=int(engine.sum()), engine_all=engine_all,
+                      rejected=None if t.rejected is None else t.rejected & policy)

@@ -24,15 +24,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from creditlab.core.diagnostics import chain_length, mixing_score, p_cover
+from creditlab.core.diagnostics import CheckParams, chain_length, mixing_score, p_cover
 from creditlab.core.registry import Registry
-from creditlab.diagnose._tokens import COPY_MIN_TOKENS, TokenStats, token_stats
+from creditlab.diagnose._tokens import COPY_MIN_TOKENS, POSITIVE_TOL, RUN_GAP, RUN_MIN, TokenStats, token_stats
+from creditlab.diagnose._trl_logs import FORMAT_TRL
+from creditlab.diagnose._trl_logs import NO_LOGPROBS as TRL_NO_LOGPROBS
 from creditlab.diagnose.readers import FORMAT_VERL, Dump
 from creditlab.diagnose.schema import TOKEN_COLUMNS
 from creditlab.errors import ConfigError, InputError
 
 __all__ = [
     "CHECKS",
+    "CHECK_PARAMS",
     "Check",
     "CheckResult",
     "Context",
@@ -263,7 +266,10 @@ def _excluded(ctx: Context) -> str:
     ts = ctx.tokens
     d = ctx.dump
     out = []
-    n = int(ts.flagged.sum())
+    nf = int(ts.nonfinite.sum())
+    if nf:
+        out.append(f"{nf:,} tokens with a NaN/inf log-prob (mismatch.nonfinite_logprobs) left out")
+    n = int(ts.flagged.sum()) - nf
     if n:
         out.append(f"{n:,} tokens flagged by mismatch.placeholder_logprobs left out")
     if ts.copied_files:
@@ -274,6 +280,8 @@ def _excluded(ctx: Context) -> str:
     no_tok = int((~d.tokens.has_tokens).sum())
     if no_tok:
         out.append(f"token columns in {len(d) - no_tok:,} of {len(d):,} rows")
+    if ts.engine_rows:
+        out.append(f"{ts.engine_rows:,} rows whose logprobs_source says logprobs are the engine's left out")
     return f" ({'; '.join(out)})" if out else ""
 
 
@@ -282,11 +290,27 @@ COPIED = ("rollout_logprobs equal logprobs on every policy token: the dump holds
           "mismatch can be measured")
 
 
+ENGINE = ("logprobs_source says logprobs are the rollout engine's own ({source}): the learner's log-probs were "
+          "never computed (verl's bypass mode sets old_log_probs := rollout_log_probs), so no mismatch can be "
+          "measured; run a step with bypass_mode false, or dump the learner's log-probs, to measure it")
+
+
+def _engine_outcome(ctx: Context) -> Outcome | None:
+    """Skipped, with the reason, when every row with tokens has the engine's log-probs as ``logprobs``."""
+    if not ctx.tokens.engine_all:
+        return None
+    src = next(s for s in ctx.dump.texts["logprobs_source"] if s is not None)
+    return Outcome("skipped", None, ENGINE.format(source=src) + ".", {"engine_rows": ctx.tokens.engine_rows})
+
+
 def _copied_outcome(ctx: Context, *, headline: bool = False) -> Outcome | None:
     """The finding for a dump whose two log-prob columns are bit-identical, or None.
 
     ``headline`` (mismatch.k3): a warning with the evidence (skipped below ``COPY_MIN_TOKENS`` tokens,
     which can agree by chance); the other mismatch checks are skipped with the reason."""
+    engine = _engine_outcome(ctx)
+    if engine is not None:
+        return engine
     ts = ctx.tokens
     if not ts.copied_all:
         return None
@@ -344,6 +368,14 @@ def check_k3(ctx: Context) -> Outcome:
     with np.errstate(invalid="ignore", divide="ignore"):
         by_step = np.where(cnt > 0, tot / np.maximum(cnt, 1), np.nan)
     details: dict[str, Any] = {"k3": k3, "tokens": n, "k3_max_step": float(np.nanmax(by_step))}
+    kept_note = ""
+    if ts.rejected is not None:  # rejection sampling (verl rollout_rs): K3 of what the loss still sees
+        kept = ts.usable & ~ts.rejected
+        n_kept = int(kept.sum())
+        k3_kept = float(k3_tok[kept].sum() / n_kept) if n_kept else math.nan
+        details.update(k3_kept=k3_kept, tokens_kept=n_kept, tokens_rejected=n - n_kept)
+        kept_note = (f"; over the {n_kept:,} policy tokens rejection sampling kept it is {format_value(k3_kept)} "
+                     f"({n - n_kept:,} rejected: the value covers every policy token the engine sampled)")
     phases = ctx.phases()
     trend = ""
     rising = False
@@ -361,7 +393,7 @@ def check_k3(ctx: Context) -> Outcome:
             trend = f"; no trend: no usable policy token in the {'first' if not e_cnt else 'last'} quarter of steps"
     status = "fail" if k3 >= K3_FAIL else "warn" if k3 >= K3_WARN or rising else "ok"
     msg = (f"K3 between engine and learner is {format_value(k3)} per policy token over {n:,} tokens{trend}"
-           f"{_excluded(ctx)}.")
+           f"{kept_note}{_excluded(ctx)}.")
     if ts.copied_files:  # part of the dump holds one computation twice: not a clean pass either
         status = "warn" if status == "ok" else status
         details["copied_files"] = [ctx.dump.files[f] for f in ts.copied_files]
@@ -371,7 +403,7 @@ def check_k3(ctx: Context) -> Outcome:
     return Outcome(status, k3, msg, details, {"steps": ctx.steps, "k3": by_step})
 
 
-DRIFT_WARN, DRIFT_FAIL, TURN_MIN_TOKENS = 0.05, 0.2, 20
+DRIFT_WARN, DRIFT_FAIL, TURN_MIN_TOKENS, DRIFT_GROWTH = 0.05, 0.2, 20, 1.5
 
 
 def turn_profile(ctx: Context) -> dict[str, np.ndarray]:
@@ -411,7 +443,7 @@ def check_prefix_drift(ctx: Context) -> Outcome:
     first, last = int(good[0]), int(good[-1])
     p0, pK = float(prof["prefix_rms"][first]), float(prof["prefix_rms"][last])
     c0, cK = float(prof["current_rms"][first]), float(prof["current_rms"][last])
-    grows = pK >= 1.5 * p0
+    grows = pK >= DRIFT_GROWTH * p0
     status = "fail" if pK >= DRIFT_FAIL and grows else "warn" if pK >= DRIFT_WARN and grows else "ok"
     flat = cK <= max(2 * c0, c0 + 1e-3)  # changes below 1e-3 nats are float noise, not growth
     verb = _verb(p0, pK)
@@ -481,36 +513,78 @@ PLACEHOLDER_FAIL = 1e-3
 @register_check(
     "mismatch.placeholder_logprobs", title="Impossible or placeholder log-probs at policy positions",
     needs=TOKEN_COLUMNS,
-    threshold=Threshold(None, PLACEHOLDER_FAIL, note="share of policy tokens flagged; warn when any is, fail on "
-                                                     "any NaN/inf too"),
-    fix="Fix the policy mask: tool and observation tokens must have policy_mask false, and NaN or positive "
-        "log-probs are an exporter or engine bug. creditlab's corrections ignore values at masked positions, so "
+    threshold=Threshold(None, PLACEHOLDER_FAIL, note="share of policy tokens flagged (NaN/inf ones are "
+                                                     "mismatch.nonfinite_logprobs'); warn when any is"),
+    fix="Fix the policy mask: tool and observation tokens must have policy_mask false, and positive log-probs "
+        "are an exporter or engine bug. creditlab's corrections ignore values at masked positions, so "
         "placeholders there are harmless once the mask is right.")
 def check_placeholders(ctx: Context) -> Outcome:
-    from creditlab.diagnose._tokens import RUN_GAP, RUN_MIN
-
+    engine = _engine_outcome(ctx)
+    if engine is not None:
+        return engine
     ts = ctx.tokens
     P = int(ts.policy.sum())
     if P == 0:
         return Outcome("skipped", None, "No policy tokens in the dump.")
     nf, pos, zf, ph = (int(x.sum()) for x in (ts.nonfinite, ts.positive, ts.zero_fill, ts.placeholder))
-    bad = nf + pos + zf + ph
+    bad = pos + zf + ph  # NaN/inf: mismatch.nonfinite_logprobs, an engine that could not score, not a mask leak
     share = bad / P
-    details = {"policy_tokens": P, "nonfinite": nf, "positive": pos, "zero_fill": zf, "repeated_runs": ph}
+    details = {"policy_tokens": P, "positive": pos, "zero_fill": zf, "repeated_runs": ph}
+    nan_note = f" ({nf:,} NaN/inf log-probs are reported by mismatch.nonfinite_logprobs)" if nf else ""
     if bad == 0:
-        return Outcome("ok", 0.0, f"No NaN, positive, zero-filled or repeated placeholder log-probs among {P:,} "
-                       "policy tokens.",
-                       details)
-    status = "fail" if nf or share >= PLACEHOLDER_FAIL else "warn"
-    k = int(np.flatnonzero(ts.flagged)[0])
+        return Outcome("ok", 0.0, f"No positive, zero-filled or repeated placeholder log-probs among {P:,} "
+                       f"policy tokens{nan_note}.", details)
+    status = "fail" if share >= PLACEHOLDER_FAIL else "warn"
+    k = int(np.flatnonzero(ts.positive | ts.zero_fill | ts.placeholder)[0])
     r = int(ts.row[k])
     where = f"{ctx.dump.where(r)}, token {k - int(ctx.dump.tokens.offsets[r])}"
-    parts = [f"{nf:,} NaN/inf" if nf else "", f"{pos:,} above 0" if pos else "",
+    parts = [f"{pos:,} above 0" if pos else "",
              f"{zf:,} exactly 0.0 on one side where the other gives < e^-{RUN_GAP}" if zf else "",
              f"{ph:,} in runs of {RUN_MIN}+ repeated values where the models differ by > {RUN_GAP} nats" if ph else ""]
     msg = (f"{bad:,} of {P:,} policy tokens ({_pct(share)}) hold impossible or placeholder log-probs "
            f"({'; '.join(p for p in parts if p)}), first at {where}: tool/observation tokens in the policy mask, "
-           f"or masked positions filled with a constant.")
+           f"or masked positions filled with a constant{nan_note}.")
+    return Outcome(status, share, msg, details)
+
+
+NONFINITE_FAIL = 1e-3
+
+
+@register_check(
+    "mismatch.nonfinite_logprobs", title="NaN/inf log-probs at policy positions", needs=TOKEN_COLUMNS,
+    threshold=Threshold(None, NONFINITE_FAIL, note="share of policy tokens with a NaN/inf (or null) log-prob on "
+                                                   "either side; warn when any is, fail on any in logprobs too"),
+    fix="A NaN engine log-prob is a token the engine could not score (vLLM reports None for it): TRL reads it as "
+        "NaN and gives the token an importance ratio of 1, so it is trained on uncorrected, and a rollout "
+        "correction that reads it (verl's, creditlab's) gets a NaN weight. Find what makes the engine return no "
+        "log-prob (with vLLM, serve `--logprobs-mode processed_logprobs` and check that the sampled token is in "
+        "what the engine scores), or leave such tokens out of the policy mask. A NaN in the learner's logprobs "
+        "makes the loss NaN: look for overflowing logits in its forward.")
+def check_nonfinite(ctx: Context) -> Outcome:
+    ts = ctx.tokens
+    t = ctx.dump.tokens
+    P = int(ts.policy.sum())
+    if P == 0:
+        return Outcome("skipped", None, "No policy tokens in the dump.")
+    engine = ts.policy & ~np.isfinite(t.rollout_logprobs)
+    learner = ts.policy & ~np.isfinite(t.logprobs)
+    bad = engine | learner
+    n, n_e, n_l = int(bad.sum()), int(engine.sum()), int(learner.sum())
+    rows = int(np.unique(ts.row[bad]).size)
+    details = {"policy_tokens": P, "nonfinite": n, "rollout_logprobs": n_e, "logprobs": n_l, "rows": rows}
+    if n == 0:
+        return Outcome("ok", 0.0, f"No NaN/inf log-prob among {P:,} policy tokens.", details)
+    share = n / P
+    status = "fail" if n_l or share >= NONFINITE_FAIL else "warn"
+    k = int(np.flatnonzero(bad)[0])
+    r = int(ts.row[k])
+    where = f"{ctx.dump.where(r)}, token {k - int(t.offsets[r])}"
+    parts = [f"{n_e:,} in rollout_logprobs, tokens the engine could not score (TRL gives them an importance "
+             "ratio of 1: no correction)" if n_e else "",
+             f"{n_l:,} in logprobs, the learner's (the loss is NaN there)" if n_l else ""]
+    msg = (f"{n:,} of {P:,} policy tokens ({_pct(share)}) in {rows:,} rows have a NaN/inf log-prob "
+           f"({'; '.join(p for p in parts if p)}), first at {where}; they are left out of the other mismatch "
+           "checks.")
     return Outcome(status, share, msg, details)
 
 
@@ -563,6 +637,13 @@ def check_sequence_ratio(ctx: Context) -> Outcome:
     details = {"longest_quartile": [out["lo"][-1], out["hi"][-1]], "median_abs_log_ratio_shortest": out["prod_abs"][0],
                "median_weight_longest": out["prod_med"][-1], "median_abs_log_geo_longest": out["geo_abs"][-1]}
     return Outcome(status, value, msg, details, series)
+
+
+CHECK_PARAMS = CheckParams(logprob_tol=POSITIVE_TOL, run_min=RUN_MIN, run_gap=RUN_GAP, measurable=MEASURABLE,
+                           min_measurable=MIN_MEASURABLE, negligible_share=NEGLIGIBLE_SHARE,
+                           turn_min_tokens=TURN_MIN_TOKENS, max_turns=16, seq_min_rows=SEQ_MIN_ROWS)
+"""The constants of the token-level checks, for :func:`creditlab.core.diagnostics.batch_check_values` (the
+values the trainer integrations log each step; ``max_turns`` is :class:`Context`'s default)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -867,6 +948,8 @@ def _skip_reason(check: Check, dump: Dump) -> str | None:
     msg = f"Needs column{s} {', '.join(missing)}, which this dump does not have."
     if set(missing) & set(TOKEN_COLUMNS) and all(f == FORMAT_VERL for f in dump.formats):
         msg += " verl's rollout_data_dir holds no log-probs: dump with creditlab's verl exporter."
+    elif set(missing) & set(TOKEN_COLUMNS) and all(f == FORMAT_TRL for f in dump.formats):
+        msg += f" {TRL_NO_LOGPROBS}."
     return msg
 
 

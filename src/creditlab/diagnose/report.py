@@ -24,6 +24,7 @@ import numpy as np
 from creditlab.diagnose.checks import CheckResult, format_value, run_checks
 from creditlab.diagnose.plots import PLOTS, plot_result
 from creditlab.diagnose.readers import Dump, read_dump
+from creditlab.diagnose.trainer_metrics import trainer_metrics
 from creditlab.errors import ConfigError, CreditlabError, InputError
 
 __all__ = ["Diagnosis", "diagnose", "exit_code", "record_error", "write_report"]
@@ -42,6 +43,7 @@ class Diagnosis:
     files: list[Path]
     warnings: list[str] = field(default_factory=list)  # about the input (also in the report)
     replaced: str | None = None  # one line when the output directory held an earlier report
+    trainer_metrics: dict[str, Any] | None = None  # the trainers' own mismatch metrics (diagnose.json)
 
     def result(self, check_id: str) -> CheckResult:
         return next(r for r in self.results if r.id == check_id)
@@ -75,8 +77,9 @@ def _cell(s: str) -> str:
 
 
 def write_report(dump: Dump, results: Sequence[CheckResult], out: str | os.PathLike, *,
-                 fail_on: str = "fail") -> list[Path]:
-    """Write the PNGs, ``report.md`` and ``diagnose.json`` of ``results`` into ``out``; return the files."""
+                 fail_on: str = "fail", trainer: dict[str, Any] | None = None) -> list[Path]:
+    """Write the PNGs, ``report.md`` and ``diagnose.json`` of ``results`` into ``out``; return the files.
+    ``trainer``: the dump's :func:`~creditlab.diagnose.trainer_metrics.trainer_metrics` (computed when None)."""
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -125,7 +128,8 @@ def write_report(dump: Dump, results: Sequence[CheckResult], out: str | os.PathL
     files.append(report)
     js = out / "diagnose.json"
     payload = {"version": SCHEMA_VERSION, "exit_code": code, "fail_on": fail_on, "counts": counts,
-               "input": summary, "warnings": list(dump.warnings), "checks": [r.to_json() for r in results]}
+               "input": summary, "warnings": list(dump.warnings), "checks": [r.to_json() for r in results],
+               "trainer_metrics": trainer if trainer is not None else trainer_metrics(dump)}
     js.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     files.append(js)
     return files
@@ -199,7 +203,8 @@ def diagnose(paths: str | os.PathLike | Sequence[str | os.PathLike], out: str | 
         raise record_error(out, err, plist, fail_on=fail_on if fail_on in FAIL_ON else "fail") from None
     outp = Path(out)
     earlier = _earlier_report(outp) if outp.is_dir() else None
-    files = write_report(dump, results, out, fail_on=fail_on)
+    trainer = trainer_metrics(dump)
+    files = write_report(dump, results, out, fail_on=fail_on, trainer=trainer)
     replaced = f"{outp} held {earlier}; this run's report replaced it." if earlier else None
     return Diagnosis(results, summarize(dump), exit_code(results, fail_on, dump.warnings), files,
-                     list(dump.warnings), replaced)
+                     list(dump.warnings), replaced, trainer)

@@ -24,6 +24,11 @@
     ``creditlab diagnose`` (docs/diagnose.md): the engine's log-probs (``sampling_per_token_logps``),
     the learner's at the sampling checkpoint, the policy mask, the weighted reward, the group of each
     completion and its text.
+  - **live checks** (``live_checks=True``): the values of diagnose's batch checks on every generation
+    batch (``creditlab/mismatch/k3``, ``.../prefix_drift``, ``.../one_sided``, ``.../placeholder_logprobs``,
+    ``.../nonfinite_logprobs``, ``.../sequence_ratio_length``, ``creditlab/baseline/degenerate_groups``:
+    :mod:`creditlab.integrations._live`), kept as device tensors and read once per logging step with
+    TRL's own metrics, and one warning line when a check crosses its warn threshold.
 
 The trainer refuses a TRL version it was not tested with (:data:`TESTED_TRL_VERSIONS`);
 ``CREDITLAB_ALLOW_UNTESTED_TRL=1`` lets another version through.
@@ -46,6 +51,7 @@ from creditlab.core import correction as _correction
 from creditlab.core import credit as _credit
 from creditlab.errors import ConfigError, CreditlabError, InputError
 from creditlab.integrations._common import CreditSettings, fork_reward, turn_credit, turn_layout
+from creditlab.integrations._live import LiveWarnings, batch_values
 
 __all__ = ["CORRECTIONS", "CREDITS", "TESTED_TRL_VERSIONS", "CreditlabGRPOTrainer", "check_trl_version",  # noqa: F822
            "dump_rows", "fork_reward_func"]
@@ -105,11 +111,16 @@ class CreditlabGRPOTrainer(GRPOTrainer):
         dump: where to write each training batch for ``creditlab diagnose``: a directory (one
             ``part-NNNNN.parquet`` per batch) or a ``*.jsonl`` file (appended to); with several
             processes each writes under ``rank-<i>/`` of that path. None: no dump.
+        live_checks: log the values of diagnose's batch checks every step (``creditlab/...``) and warn
+            once when one crosses its warn threshold. The mismatch values need the learner's log-probs
+            of the sampling checkpoint: they are there when TRL computes them (vLLM importance
+            sampling) or creditlab does (``correction`` or ``dump``); no extra forward is run for them.
     """
 
     def __init__(self, *args: Any, correction: str | None = "interq", correction_params: dict | None = None,
                  credit: str | None = None, credit_settings: CreditSettings | dict | None = None,
-                 turn_scores_key: str = "turn_scores", dump: str | os.PathLike | None = None, **kwargs: Any):
+                 turn_scores_key: str = "turn_scores", dump: str | os.PathLike | None = None,
+                 live_checks: bool = True, **kwargs: Any):
         check_trl_version()
         if correction is not None:
             _correction.get_correction(correction)
@@ -128,6 +139,9 @@ class CreditlabGRPOTrainer(GRPOTrainer):
             self.creditlab_credit_settings = CreditSettings.from_mapping(credit_settings, "credit_settings")
         self.creditlab_turn_scores_key = turn_scores_key
         self.creditlab_dump = dump
+        self.creditlab_live_checks = bool(live_checks)
+        self._creditlab_live: dict[str, dict[str, list[torch.Tensor]]] = {"train": {}, "eval": {}}
+        self._creditlab_warnings = LiveWarnings()
         if correction is not None:  # fail before the (slow) trainer construction on a bad parameter
             try:
                 self._weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
@@ -145,12 +159,13 @@ class CreditlabGRPOTrainer(GRPOTrainer):
         self._creditlab_old = None
         if self.creditlab_dump is not None and mode == "train":
             self._dump(out, mode)
-        if self.creditlab_correction is None and self.creditlab_credit is None:
-            return out
         completion_mask = out["completion_mask"]
         pm = completion_mask.bool()
         if "tool_mask" in out:
             pm = pm & out["tool_mask"].bool()
+        if self.creditlab_correction is None and self.creditlab_credit is None:
+            self._live_values(out, pm, mode)
+            return out
         metrics: dict[str, float] = {}
         token_adv = None
         if self.creditlab_credit is not None:
@@ -176,14 +191,69 @@ class CreditlabGRPOTrainer(GRPOTrainer):
                 token_adv = base * w
         if token_adv is not None:
             out["advantages"] = token_adv
+        live = self._live_values(out, pm, mode)
         for k, v in metrics.items():
-            if math.isfinite(v):
+            if k not in live and math.isfinite(v):  # a live check's value replaces the arm's (one name, one value)
                 self._metrics[mode][k].append(v)
         return out
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's ``log``, with the live check values of the logging window read in one host read, averaged
+        like TRL's metrics, and checked against their warn thresholds (training only)."""
+        mode = "train" if self.model.training else "eval"
+        buf = self._creditlab_live[mode]
+        if buf:
+            keys = list(buf)
+            stacked = torch.stack([v for k in keys for v in buf[k]])
+            if self.accelerator.num_processes > 1:  # the processes' mean, as TRL's own metrics
+                stacked = self.accelerator.gather(stacked[None]).nanmean(0)
+            flat = stacked.tolist()  # one host read per logging step
+            means, i = {}, 0
+            for k in keys:
+                vals = [v for v in flat[i:i + len(buf[k])] if math.isfinite(v)]
+                i += len(buf[k])
+                self._metrics[mode][k].extend(vals)
+                means[k] = sum(vals) / len(vals) if vals else math.nan
+            buf.clear()
+            if mode == "train" and self.accelerator.is_main_process:
+                self._creditlab_warnings.observe(means, step=int(self.state.global_step))
+        super().log(logs, start_time)
 
     _creditlab_old: torch.Tensor | None = None  # learner log-probs computed by the dump, reused by the correction
 
     # -- helpers -------------------------------------------------------------------------------
+    def _rewards(self, B: int) -> torch.Tensor | None:
+        """``(B,)`` float64 weighted reward of this process's completions of the batch (TRL's ``nansum`` of
+        the reward functions), NaN where no function could score (from TRL's logged per-function rewards;
+        None when its log holds fewer than the batch, e.g. an eval batch larger than a generation batch)."""
+        n_all = B * self.accelerator.num_processes
+        start = self.accelerator.process_index * B
+        logged = [list(self._logs["rewards"][name])[-n_all:][start:start + B] for name in self.reward_func_names]
+        if any(len(v) != B for v in logged):
+            return None
+        per_func = torch.tensor(logged, dtype=torch.float64).T  # (B, n_funcs)
+        weights = self.reward_weights.detach().cpu().to(torch.float64)
+        rewards = torch.where(torch.isnan(per_func), 0.0, per_func * weights).sum(1)
+        return torch.where(torch.isnan(per_func).all(1), math.nan, rewards)
+
+    def _live_values(self, out: dict[str, Any], pm: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
+        """The live check values of this batch, kept as device tensors until :meth:`log` (no host read)."""
+        if not self.creditlab_live_checks:
+            return {}
+        old = out.get("old_per_token_logps")
+        if old is None:
+            old = self._creditlab_old
+        B = pm.shape[0]
+        start = self.accelerator.process_index * B
+        groups = (torch.arange(B) + start) // self.num_generations - start // self.num_generations
+        rewards = self._rewards(B)
+        values = batch_values(old, out.get("sampling_per_token_logps"), pm, group_ids=groups.to(pm.device),
+                              rewards=None if rewards is None else rewards.to(pm.device))
+        buf = self._creditlab_live[mode]
+        for k, v in values.items():
+            buf.setdefault(k, []).append(v.detach())
+        return values
+
     def _dump(self, out: dict[str, Any], mode: str) -> None:
         """Write this process's completions of the batch as dump rows (see :func:`dump_rows`)."""
         from pathlib import Path
@@ -196,11 +266,9 @@ class CreditlabGRPOTrainer(GRPOTrainer):
         B = out["completion_ids"].shape[0]
         n_all = B * self.accelerator.num_processes
         start = self.accelerator.process_index * B
-        per_func = torch.tensor([list(self._logs["rewards"][name])[-n_all:][start:start + B]
-                                 for name in self.reward_func_names], dtype=torch.float64).T  # (B, n_funcs)
-        weights = self.reward_weights.detach().cpu().to(torch.float64)
-        rewards = torch.where(torch.isnan(per_func), 0.0, per_func * weights).sum(1)
-        rewards[torch.isnan(per_func).all(1)] = math.nan  # unscorable: dropped below
+        rewards = self._rewards(B)  # NaN: unscorable, dropped below
+        if rewards is None:
+            raise CreditlabError(f"dump: TRL's reward log holds fewer than the batch's {B} completions")
         completions = list(self._logs["completion"])[-n_all:][start:start + B]
         rows = dump_rows(out, rewards, step=int(self.state.global_step), old_logprobs=old,
                          group_ids=(torch.arange(B) + start) // self.num_generations,

@@ -46,6 +46,11 @@ changes nothing):
   (row sum of ``token_level_scores``), the ``uid`` and the reward function's ``precision`` /
   ``recall`` when they reach the batch (the legacy trainer puts them there; the v1 trainer does not).
   :func:`rows_from_dataproto` / :func:`dump_batch` do the same for any ``DataProto``.
+* **Live checks**: every step's ``compute_data_metrics`` (wrapped, :func:`install_live_checks`) carries
+  the values of ``creditlab diagnose``'s batch checks as ``rollout_corr/creditlab/<check>``
+  (:func:`live_metrics`, computed without a host read and read once per step), and a check crossing
+  its warn threshold logs one warning line, once per run and check; ``CREDITLAB_LIVE_CHECKS=0`` turns
+  them off.
 
 Convention for per-turn scores in ``token_level_rewards``
 --------------------------------------------------------
@@ -103,14 +108,18 @@ __all__ = [
     "ROLLOUT_PREFIX",
     "TESTED_VERL_VERSIONS",
     "DUMP_KEYS",
+    "LIVE_ENV",
+    "VERL_PREFIX",
     "compute_policy_loss_creditlab",
     "dump_batch",
     "fork_compute_score",
     "install",
     "install_dump_hook",
     "install_estimators",
+    "install_live_checks",
     "install_policy_loss",
     "install_rollout_correction",
+    "live_metrics",
     "pack_turn_rewards",
     "parse_rollout_is",
     "rollout_weights",
