@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from creditlab.core import credit
@@ -35,6 +36,8 @@ __all__ = [
     "MicroBatcher",
     "TurnLayout",
     "fork_reward",
+    "group_ids",
+    "token_reward_advantages",
     "turn_credit",
     "turn_layout",
 ]
@@ -166,6 +169,42 @@ class CreditSettings:
         if self.prm_schedule == "decay":
             return decay(self.prm_lambda, self.prm_start, self.prm_end, self.prm_power)
         return constant(self.prm_lambda)
+
+
+def group_ids(index: Any, what: str) -> torch.Tensor:
+    """``(B,)`` int64 group labels from a trainer's per-row group keys (``index``: uids of any type);
+    ``what`` names them in the error when they are missing (e.g. "verl's 'uid'")."""
+    if index is None:
+        raise ConfigError("index", f"creditlab estimators group rollouts by {what} (index), which is missing")
+    _, inverse = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
+    return torch.as_tensor(inverse.reshape(-1), dtype=torch.long)
+
+
+def token_reward_advantages(geometry: str, token_level_rewards: torch.Tensor, policy_mask: torch.Tensor,
+                            group: torch.Tensor, *, step: int | None, settings: CreditSettings) -> torch.Tensor:
+    """Token advantages ``(B, L)`` of a credit geometry from a trainer's token-level rewards.
+
+    The outcome of a row is the sum of its token rewards (for ``prm``: the reward on its last policy
+    token and after, :attr:`TurnLayout.tail`, while the rewards inside each turn's span are that turn's
+    process score); the per-turn credit of :func:`turn_credit` is broadcast to each turn's tokens.
+    ``group`` ``(B,)``: :func:`group_ids`. No gradient.
+    """
+    with torch.no_grad():
+        r = token_level_rewards.to(torch.float32)
+        lay = turn_layout(policy_mask)
+        gid = group.to(r.device)
+        if gid.shape[0] != r.shape[0]:
+            raise InputError(f"index: {gid.shape[0]} uids for {r.shape[0]} rows")
+        if geometry == "prm":
+            tail = lay.tail.to(r.dtype)
+            scores = lay.span_sums(r * (1 - tail))
+            outcome = (r * tail).sum(dim=1)
+        else:
+            scores = lay.span_sums(r)
+            outcome = r.sum(dim=1)
+        a = turn_credit(geometry, lay.step_mask, gid, rewards=outcome, step_scores=scores, step=step,
+                        settings=settings)
+        return lay.to_tokens(a.to(torch.float32)).to(token_level_rewards.dtype)
 
 
 def turn_credit(

@@ -47,7 +47,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 try:
@@ -58,7 +57,7 @@ except ModuleNotFoundError as err:  # pragma: no cover - depends on the environm
 from creditlab.core import correction, credit
 from creditlab.core._checks import check_tensor
 from creditlab.errors import ConfigError, CreditlabError, InputError
-from creditlab.integrations._common import CreditSettings, fork_reward, turn_credit, turn_layout
+from creditlab.integrations._common import CreditSettings, fork_reward, group_ids, token_reward_advantages
 
 #: SkyRL versions this module was tested against (``CREDITLAB_ALLOW_UNTESTED_SKYRL=1`` lets another through).
 TESTED_SKYRL_VERSIONS = ("0.3.0",)
@@ -252,13 +251,6 @@ def _loss_fn(arm: str):
 # advantage estimators
 
 
-def _group_ids(index: Any) -> torch.Tensor:
-    if index is None:
-        raise ConfigError("index", "creditlab estimators group rollouts by SkyRL's uids (index), which are missing")
-    _, inverse = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
-    return torch.as_tensor(inverse.reshape(-1), dtype=torch.long)
-
-
 def _estimator(geometry: str):
     def estimator(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None,
                   config: Any = None, loss_mask: torch.Tensor | None = None, **kwargs: Any
@@ -274,23 +266,8 @@ def _estimator(geometry: str):
         policy = loss_mask if loss_mask is not None else _POLICY_MASK.get()
         if policy is None or tuple(policy.shape) != tuple(response_mask.shape):
             policy = response_mask
-        with torch.no_grad():
-            r = token_level_rewards.to(torch.float32)
-            pm = (policy > 0) & (response_mask > 0)
-            lay = turn_layout(pm)
-            gid = _group_ids(index).to(r.device)
-            if gid.shape[0] != r.shape[0]:
-                raise InputError(f"index: {gid.shape[0]} uids for {r.shape[0]} rows")
-            if geometry == "prm":
-                tail = lay.tail.to(r.dtype)
-                scores = lay.span_sums(r * (1 - tail))
-                outcome = (r * tail).sum(dim=1)
-            else:
-                scores = lay.span_sums(r)
-                outcome = r.sum(dim=1)
-            a = turn_credit(geometry, lay.step_mask, gid, rewards=outcome, step_scores=scores, step=_STEP[0],
-                            settings=settings)
-            adv = lay.to_tokens(a.to(torch.float32)).to(token_level_rewards.dtype)
+        adv = token_reward_advantages(geometry, token_level_rewards, (policy > 0) & (response_mask > 0),
+                                      group_ids(index, "SkyRL's uids"), step=_STEP[0], settings=settings)
         return adv, adv.clone()
 
     estimator.__name__ = estimator.__qualname__ = f"compute_creditlab_{geometry}_advantage"

@@ -44,8 +44,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import trl
-from trl import GRPOTrainer
+
+try:
+    import trl
+    from trl import GRPOTrainer
+except ModuleNotFoundError as err:  # one line naming the extra, not a traceback into our import
+    if err.name != "trl":
+        raise
+    raise ImportError('creditlab.integrations.trl needs TRL: pip install "creditlab[trl]"') from None
 
 from creditlab.core import correction as _correction
 from creditlab.core import credit as _credit

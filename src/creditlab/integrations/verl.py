@@ -85,7 +85,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import verl
+
+try:
+    import verl
+except ModuleNotFoundError as err:  # one line naming the extra, not a traceback into our import
+    if err.name != "verl":
+        raise
+    raise ImportError('creditlab.integrations.verl needs verl: pip install "creditlab[verl]"') from None
 from verl.trainer.ppo import core_algos, rollout_corr_helper
 from verl.utils.skip.skip_manager import SkipManager
 
@@ -98,7 +104,8 @@ from creditlab.integrations._common import (
     CreditSettings,
     MicroBatcher,
     fork_reward,
-    turn_credit,
+    group_ids,
+    token_reward_advantages,
     turn_layout,
 )
 
@@ -308,13 +315,6 @@ def pack_turn_rewards(response_mask: torch.Tensor, outcome: torch.Tensor | None 
     return out
 
 
-def _group_ids(index: Any) -> torch.Tensor:
-    if index is None:
-        raise ConfigError("index", "creditlab estimators group rollouts by verl's 'uid' (index), which is missing")
-    _, inverse = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
-    return torch.as_tensor(inverse.reshape(-1), dtype=torch.long)
-
-
 def _settings(config: Any) -> CreditSettings:
     if config is None:
         return CreditSettings()
@@ -335,24 +335,9 @@ def _estimator(geometry: str):
         check_tensor("response_mask", response_mask, shape=("B", "L"), dims=dims)
         check_tensor("token_level_rewards", token_level_rewards, shape=("B", "L"), floating=True, finite=True,
                      dims=dims)
-        with torch.no_grad():
-            r = token_level_rewards.to(torch.float32)
-            lay = turn_layout(response_mask.bool())
-            gid = _group_ids(index).to(r.device)
-            if gid.shape[0] != r.shape[0]:
-                raise InputError(f"index: {gid.shape[0]} uids for {r.shape[0]} rows")
-            total = r.sum(dim=1)
-            if geometry == "prm":
-                tail = lay.tail.to(r.dtype)
-                scores = lay.span_sums(r * (1 - tail))
-                outcome = (r * tail).sum(dim=1)
-            else:
-                scores = lay.span_sums(r)
-                outcome = total
-            step = SkipManager.step if SkipManager.step >= 0 else None
-            a = turn_credit(geometry, lay.step_mask, gid, rewards=outcome, step_scores=scores, step=step,
-                            settings=settings)
-            adv = lay.to_tokens(a.to(torch.float32)).to(token_level_rewards.dtype)
+        step = SkipManager.step if SkipManager.step >= 0 else None
+        adv = token_reward_advantages(geometry, token_level_rewards, response_mask.bool(),
+                                      group_ids(index, "verl's 'uid'"), step=step, settings=settings)
         return adv, adv.clone()
 
     estimator.__name__ = estimator.__qualname__ = f"compute_creditlab_{geometry}_advantage"
