@@ -1,4 +1,4 @@
-"""creditlab inside TRL (tested with TRL 1.16.0): InterQ-RL weights, per-turn credit, FORK reward.
+"""creditlab inside TRL (tested with TRL 1.15.0 and 1.16.0): InterQ-RL weights, per-turn credit, FORK reward.
 
 * :class:`CreditlabGRPOTrainer`: a ``GRPOTrainer`` that overrides one method,
   ``_generate_and_score_completions``, and post-processes its output:
@@ -31,7 +31,10 @@
     TRL's own metrics, and one warning line when a check crosses its warn threshold.
 
 The trainer refuses a TRL version it was not tested with (:data:`TESTED_TRL_VERSIONS`);
-``CREDITLAB_ALLOW_UNTESTED_TRL=1`` lets another version through.
+``CREDITLAB_ALLOW_UNTESTED_TRL=1`` lets another version through. The TRL internals it uses
+(``_generate_and_score_completions``, ``_get_per_token_logps_and_entropies``, ``log``, ``_metrics``,
+``_logs``) are the same in TRL 1.15.0 and 1.16.0. TRL 1.15.0's own log-prob kernel needs Triton on a
+CUDA / XPU device (its GRPOTrainer does not run on CPU); 1.16.0 added a CPU path.
 * :func:`fork_reward_func`: FORK as an async, batched GRPO reward function (``None`` where the judge
   failed, which TRL skips); precision and recall are logged as ``reward/fork/precision|recall``.
 """
@@ -63,7 +66,7 @@ __all__ = ["CORRECTIONS", "CREDITS", "TESTED_TRL_VERSIONS", "CreditlabGRPOTraine
            "dump_rows", "fork_reward_func"]
 
 #: TRL versions this module was tested against (``CREDITLAB_ALLOW_UNTESTED_TRL=1`` lets another through).
-TESTED_TRL_VERSIONS = ("1.16.0",)
+TESTED_TRL_VERSIONS = ("1.15.0", "1.16.0")
 #: Values of ``correction`` (``None``: leave TRL's ratio alone): the live registry of arms.
 CORRECTIONS = _correction.CORRECTIONS
 #: What TRL gives a credit geometry: its outcome advantages, per-turn scores from the samples, and
