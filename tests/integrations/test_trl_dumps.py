@@ -1,4 +1,5 @@
-"""What ``creditlab diagnose`` makes of TRL's own files and numbers, produced by TRL's code (1.16.0; 1.15.0 in test_trl_versions.py): the
+"""What ``creditlab diagnose`` makes of TRL's own files and numbers, produced by TRL's code (1.16.0;
+1.15.0 in test_trl_versions.py): the
 ``log_completions`` parquet files and wandb tables of a real ``GRPOTrainer`` run, a NaN engine log-prob
 carried through TRL's generation path into a ``CreditlabGRPOTrainer(dump=...)`` dump, and TRL's own
 ``sampling/*`` metrics against the ones ``diagnose.json`` computes from the dump of the same batches."""

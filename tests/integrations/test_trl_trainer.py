@@ -1,4 +1,5 @@
-"""``CreditlabGRPOTrainer`` and the FORK reward function inside the real GRPOTrainer of TRL (1.16.0 here; 1.15.0 in test_trl_versions.py), on a tiny
+"""``CreditlabGRPOTrainer`` and the FORK reward function inside the real GRPOTrainer of TRL (1.16.0 here;
+1.15.0 in test_trl_versions.py), on a tiny
 random Llama built from a config, with a multi-turn rollout whose engine runs fake-quantized weights."""
 
 from __future__ import annotations
@@ -167,7 +168,8 @@ def test_untested_trl_version_is_refused_unless_allowed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(trl, "__version__", "9.9.9")
     monkeypatch.delenv("CREDITLAB_ALLOW_UNTESTED_TRL", raising=False)
-    with pytest.raises(CreditlabError, match="tested with TRL 1.15.0, 1.16.0, found 9.9.9.*CREDITLAB_ALLOW_UNTESTED_TRL=1"):
+    with pytest.raises(CreditlabError,
+                       match="tested with TRL 1.15.0, 1.16.0, found 9.9.9.*CREDITLAB_ALLOW_UNTESTED_TRL=1"):
         CreditlabGRPOTrainer(model=tiny_model(), reward_funcs=_length_reward, args=_args(tmp_path),
                              train_dataset=_dataset(), processing_class=tiny_tokenizer())
     monkeypatch.setenv("CREDITLAB_ALLOW_UNTESTED_TRL", "1")
