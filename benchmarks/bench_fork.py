@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import json
 import os
@@ -153,8 +154,43 @@ def print_endpoints(judge: OpenAIJudge, tag: str) -> None:
 
 # -- 1. creditlab's client against the openai SDK ------------------------------------------------------
 
+@contextlib.contextmanager
+def tensor_fork_math():
+    """The client's per-item FORK math on tiny torch tensors (``core.precision.fork_scores``, the
+    reference), as the client ran it before it moved to plain floats: the "before" of that change."""
+    import torch
+
+    from creditlab.core import precision
+    from creditlab.rewards import fork as fork_mod
+
+    def credits(match, positive):
+        J, n = len(positive), len(match[0]) if match else 0
+        m = torch.tensor(match, dtype=torch.bool).reshape(1, J, n)
+        return precision.unit_credit(m, torch.tensor([positive], dtype=torch.bool).reshape(1, J),
+                                     torch.ones(1, n, dtype=torch.bool))[0].tolist()
+
+    def scores(match, coverage, weights, correct, tau, beta=1.0, mode="fork"):
+        J, n = len(weights), len(correct)
+        out = precision.fork_scores(
+            torch.tensor(match, dtype=torch.bool).reshape(1, J, n),
+            torch.tensor([coverage], dtype=torch.bool).reshape(1, J),
+            torch.tensor([weights], dtype=torch.float32).reshape(1, J),
+            torch.tensor([correct], dtype=torch.bool).reshape(1, n),
+            torch.ones(1, J, dtype=torch.bool), torch.ones(1, n, dtype=torch.bool), tau=tau, beta=beta, mode=mode)
+        return precision.ForkOne(float(out.reward[0]), float(out.precision[0]), float(out.recall[0]),
+                                 out.credits[0].tolist(), out.necessary[0].tolist())
+
+    saved = fork_mod.unit_credit_one, fork_mod.fork_scores_one
+    fork_mod.unit_credit_one, fork_mod.fork_scores_one = credits, scores
+    try:
+        yield
+    finally:
+        fork_mod.unit_credit_one, fork_mod.fork_scores_one = saved
+
+
 def bench_clients(args, items: list[ForkItem]) -> None:
-    clients = ["creditlab/asyncio", "creditlab/httpx", "openai-sdk"]
+    # "+tensor-math": the same asyncio client with the per-item FORK math on torch tensors (the reference)
+    clients = ["creditlab/asyncio", "creditlab/asyncio+tensor-math", "creditlab/httpx", "openai-sdk"]
     walls: dict[str, list[float]] = {c: [] for c in clients}
     print(f"\n== clients: {len(items)} items, concurrency {args.concurrency}, latency {args.latency * 1000:.0f} ms, "
           f"one server process")
@@ -165,10 +201,12 @@ def bench_clients(args, items: list[ForkItem]) -> None:
                     judge = SDKJudge(url, "bench", concurrency=args.concurrency, timeout=10)
                 else:
                     judge = OpenAIJudge(url, "bench", concurrency=args.concurrency, timeout=10,
-                                        transport=client.split("/")[1])
+                                        transport=client.split("/")[1].split("+")[0])
+                math = tensor_fork_math() if client.endswith("+tensor-math") else contextlib.nullcontext()
                 before, server_cpu = server_requests(url), server_stats(url)["cpu_seconds"]
                 t0, c0 = time.perf_counter(), time.process_time()
-                results = asyncio.run(score_all(FORKReward(judge), items))
+                with math:
+                    results = asyncio.run(score_all(FORKReward(judge), items))
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 n_req = server_requests(url) - before
                 server_cpu = server_stats(url)["cpu_seconds"] - server_cpu
@@ -181,7 +219,7 @@ def bench_clients(args, items: list[ForkItem]) -> None:
                       f"{cpu / n_req * 1000:.2f} ms/request, server CPU {server_cpu / n_req * 1000:.2f} ms/request; "
                       f"{load()}")
     best = {c: min(w) for c, w in walls.items()}
-    for c in clients[:2]:
+    for c in clients[:3]:
         print(f"[ratio] openai-sdk wall / {c} wall: {best['openai-sdk'] / best[c]:.2f} (best of {args.repeat}; "
               f"> 1: creditlab faster)")
 

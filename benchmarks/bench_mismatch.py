@@ -12,6 +12,11 @@ Side by side in one run, from the lab's cached base policy (built on first use):
    precision, one decode step likewise;
 3. the same updates run one arm at a time (seven stacks of one model): the speed-up of stacking;
 4. the estimated wall time of the full lab at one dose (3 seeds) with 1 and 2 workers.
+
+Each phase is also given as achieved FLOP/s against the matmul peak of one thread measured in the
+same run (:func:`matmul_peak`), "x% of peak". FLOPs counted are the model's matmuls only
+(:data:`FLOP_FORMULA`); fake quantization, the environment and the optimizer count as time, not as
+FLOPs.
 """
 
 from __future__ import annotations
@@ -30,6 +35,42 @@ from creditlab.train.toolshop_base import base_policy, default_cache_dir
 from creditlab.train.toolshop_grpo import train_grpo_stacked
 from creditlab.train.toolshop_rollout import make_tasks, rollout_stacked, stacked_logprobs
 
+FLOP_FORMULA = ("FLOPs = model matmuls only: 2 x (block linear + LM head weights) x tokens, plus attention scores "
+                "and values 2 x 2 x d_model x (causal key positions) per token and layer; backward = 2x forward; "
+                "fake quantization, environment, optimizer: time, not FLOPs")
+
+
+def matmul_peak(reps: int = 20) -> float:
+    """FLOP/s of one fp32 matmul ``(40320, 64) @ (64, 64)`` on the current threads (best of ``reps``)."""
+    a, b = torch.randn(40320, 64), torch.randn(64, 64)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 40320 * 64 * 64 / best
+
+
+def _matmul_params(cfg) -> int:
+    d = cfg.d_model
+    return cfg.n_layer * (3 * d * d + d * d + 2 * cfg.mlp_ratio * d * d) + cfg.vocab_size * d
+
+
+def forward_flops(cfg, rows: int, length: int) -> float:
+    """Matmul FLOPs of a full causal forward of ``rows`` sequences of ``length`` tokens."""
+    attn = 4 * cfg.d_model * cfg.n_layer * length * (length + 1) / 2  # scores + values over causal pairs
+    return rows * (2 * _matmul_params(cfg) * length + attn)
+
+
+def decode_flops(cfg, rows: int, steps: int) -> float:
+    """Matmul FLOPs of ``steps`` one-token decode steps of ``rows`` rows from position 0."""
+    attn = 4 * cfg.d_model * cfg.n_layer * steps * (steps + 1) / 2
+    return rows * (2 * _matmul_params(cfg) * steps + attn)
+
+
+def pct(flops: float, seconds: float, peak: float) -> str:
+    return f"{100 * flops / max(seconds, 1e-12) / peak:5.1f}% of peak"
+
 
 def _configs(cfg: MismatchConfig, arms: list[str], dose: str, updates: int, tasks: int):
     g = replace(cfg.grpo, updates=updates, tasks_per_update=tasks, eval_every=0)
@@ -41,10 +82,21 @@ def _configs(cfg: MismatchConfig, arms: list[str], dose: str, updates: int, task
 
 
 def _train(base, configs) -> tuple[float, list[dict]]:
+    """Wall time and model 0's update rows; each row gets ``shape/L`` (the padded batch length) and
+    ``shape/B`` (rows per model)."""
     stack = StackedTinyLM([base] * len(configs))
+    shapes: dict[int, tuple[int, int]] = {}
+
+    def seen(k, m, batch, rewards, old):
+        shapes[k] = tuple(batch.tokens.shape)
+
     t0 = time.perf_counter()
-    rows = train_grpo_stacked(stack, configs, eval_precision=None)
-    return time.perf_counter() - t0, [r for r in rows[0] if "time/update_s" in r]
+    rows = train_grpo_stacked(stack, configs, eval_precision=None, on_rollouts=seen)
+    wall = time.perf_counter() - t0
+    rows = [r for r in rows[0] if "time/update_s" in r]
+    for k, r in enumerate(rows):
+        r["shape/B"], r["shape/L"] = shapes[k]
+    return wall, rows
 
 
 def main() -> None:
@@ -52,8 +104,10 @@ def main() -> None:
     ap.add_argument("--dose", default="nvfp4")
     ap.add_argument("--updates", type=int, default=3)
     ap.add_argument("--batch-tasks", type=int, default=None, help="tasks per update (default: the lab's)")
+    ap.add_argument("--skip-unstacked", action="store_true", help="skip 3. (the arms one at a time)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    peak = matmul_peak()
     cfg = MismatchConfig()
     tasks = args.batch_tasks or cfg.grpo.tasks_per_update
     base = base_policy(cfg.base, cache_dir=default_cache_dir(os.environ.get("CREDITLAB_CACHE")))
@@ -61,20 +115,33 @@ def main() -> None:
     print(f"dose {args.dose}, {tasks} tasks x {cfg.grpo.group_size} rollouts per update, {args.updates} updates, "
           f"1 thread; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     arms = [a for a in ARMS if a != "fp32"]
+    mcfg = base.cfg
+    print(f"matmul peak of one thread (40320x64 @ 64x64, fp32): {peak / 1e9:.0f} GFLOP/s\n{FLOP_FORMULA}")
 
     # 1. one stack of the seven quantized arms
     wall, rows = _train(base, _configs(cfg, arms, args.dose, args.updates, tasks))
     parts = {k: float(np.mean([r[f"time/{k}"] for r in rows]))
              for k in ("rollout_s", "old_logprobs_s", "weights_metrics_s", "optimize_s", "update_s")}
     steps = float(np.mean([r["time/decode_steps"] for r in rows]))
+    M, g = len(arms), cfg.grpo
+    fl = {"rollout_s": 0.0, "old_logprobs_s": 0.0, "weights_metrics_s": 0.0, "optimize_s": 0.0}
+    for r in rows:  # per update, averaged below
+        fwd = M * forward_flops(mcfg, r["shape/B"], r["shape/L"])
+        fl["rollout_s"] += M * decode_flops(mcfg, r["shape/B"], int(r["time/decode_steps"])) / len(rows)
+        fl["old_logprobs_s"] += fwd / len(rows)  # every row's forward once
+        # forward + backward (2x) of every row per epoch, less the first minibatch's forward
+        fl["optimize_s"] += (g.epochs * 3 * fwd - fwd / g.minibatches) / len(rows)
+    fl["update_s"] = sum(fl.values())
     print(f"\n1. one update of {len(arms)} arms as one stack: {parts['update_s']:.2f} s "
-          f"({parts['update_s'] / len(arms):.2f} s per arm)")
+          f"({parts['update_s'] / len(arms):.2f} s per arm), {fl['update_s'] / 1e9:.1f} GFLOP, "
+          f"{pct(fl['update_s'], parts['update_s'], peak)}")
     per_step = 1000 * parts["rollout_s"] / steps
     for k, label in (("rollout_s", f"rollout ({steps:.0f} decode steps, {per_step:.1f} ms each)"),
                      ("old_logprobs_s", "learner log-probs (first minibatch with grad + the rest)"),
                      ("weights_metrics_s", "correction weights and mismatch metrics"),
                      ("optimize_s", "optimisation (forward + backward of the other minibatches, AdamW)")):
-        print(f"   {label:70s} {parts[k]:6.2f} s  {100 * parts[k] / parts['update_s']:4.0f}%")
+        share = f"{pct(fl[k], parts[k], peak)}" if fl[k] else ""
+        print(f"   {label:70s} {parts[k]:6.2f} s  {100 * parts[k] / parts['update_s']:4.0f}%  {share}")
 
     # 2. quantization's share: the same tokens through the learner and the engine in each precision
     stack = StackedTinyLM([base] * len(arms))
@@ -100,16 +167,19 @@ def main() -> None:
                 stack.step(batch.tokens[:, :, t], cache)
             dec = (time.perf_counter() - t0) / 10
         base_fwd = base_fwd or (fwd, dec)
-        print(f"   {prec:6s} forward {fwd:6.2f} s ({fwd / base_fwd[0]:4.1f}x fp32)   decode step {1000 * dec:6.1f} ms "
-              f"({dec / base_fwd[1]:4.1f}x fp32)")
+        f_fwd = len(arms) * forward_flops(mcfg, B, batch.tokens.size(-1))
+        f_dec = len(arms) * (decode_flops(mcfg, B, 90) - decode_flops(mcfg, B, 80)) / 10
+        print(f"   {prec:6s} forward {fwd:6.2f} s ({fwd / base_fwd[0]:4.1f}x fp32, {pct(f_fwd, fwd, peak)})   "
+              f"decode step {1000 * dec:6.1f} ms ({dec / base_fwd[1]:4.1f}x fp32, {pct(f_dec, dec, peak)})")
 
     # 3. one arm at a time
-    t_one = 0.0
-    for a in arms:
-        w, _ = _train(base, _configs(cfg, [a], args.dose, args.updates, tasks))
-        t_one += w
-    print(f"\n3. the same {args.updates} updates one arm at a time: {t_one:.1f} s, as one stack: {wall:.1f} s; "
-          f"stacking is {t_one / wall:.2f}x faster")
+    if not args.skip_unstacked:
+        t_one = 0.0
+        for a in arms:
+            w, _ = _train(base, _configs(cfg, [a], args.dose, args.updates, tasks))
+            t_one += w
+        print(f"\n3. the same {args.updates} updates one arm at a time: {t_one:.1f} s, as one stack: {wall:.1f} s; "
+              f"stacking is {t_one / wall:.2f}x faster")
 
     # 4. the full lab at one dose: training updates only (held-out evaluation comes on top)
     g = cfg.grpo
@@ -118,6 +188,8 @@ def main() -> None:
     total = cfg.seeds * cell + cfg.seeds * g.updates * per_model  # + the fp32 cell (cheaper: no quantizer)
     print(f"\n4. training updates of one dose ({cfg.seeds} seeds x {len(ARMS)} arms x {g.updates} updates) at this "
           f"speed: about {total / 60:.0f} min with 1 worker, {max(total / 2, cell) / 60:.0f} min with --workers 2")
+    load = os.getloadavg()
+    print(f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
 if __name__ == "__main__":

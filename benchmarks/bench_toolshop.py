@@ -8,6 +8,11 @@ Target (issue): 256 rollouts of up to 160 tokens per update, 100 updates in unde
 It measures, side by side in one run, the fp32 engine + fp32 learner and the FP8 (W8A8-KV8) engine
 + QAT learner, from the cached base policy (trained on first use, cached under $CREDITLAB_CACHE or
 the user cache directory) or a random init.
+
+Each figure also comes as achieved FLOP/s against the fp32 matmul peak measured in the same run on
+the same threads ("x% of peak"); FLOPs counted are the model's matmuls only (the formula of
+``bench_mismatch.FLOP_FORMULA``: 2 x matmul weights x tokens plus attention scores and values,
+backward = 2x forward); fake quantization and the environment count as time, not as FLOPs.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import time
 
 import torch
+from bench_mismatch import FLOP_FORMULA, decode_flops, forward_flops, matmul_peak, pct
 
 from creditlab.envs.toolshop import VOCAB
 from creditlab.models.tiny_lm import TinyLM
@@ -25,13 +31,30 @@ from creditlab.train.toolshop_grpo import GRPOConfig, train_grpo
 from creditlab.train.toolshop_rollout import make_tasks, rollout
 
 
+def _train_counted(model: TinyLM, cfg: GRPOConfig) -> tuple[list[dict], tuple[float, float]]:
+    """``train_grpo``'s rows and the mean matmul FLOPs per update of its rollout and of its learner
+    (old log-probs: one forward; each epoch: forward + backward of every row)."""
+    shapes = []
+    rows = train_grpo(model, cfg, on_rollouts=lambda k, batch, rewards, old: shapes.append(tuple(batch.tokens.shape)))
+    roll = sum(decode_flops(model.cfg, B, L - 1) for B, L in shapes) / len(shapes)
+    learn = sum((1 + 3 * cfg.epochs) * forward_flops(model.cfg, B, L) for B, L in shapes) / len(shapes)
+    return rows, (roll, learn)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--updates", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--random-init", action="store_true")
     args = ap.parse_args()
+    torch.set_num_threads(1)
+    peak1 = matmul_peak()
     torch.set_num_threads(args.threads)
+    peak = max(matmul_peak(), peak1)  # on shared cores more threads can measure less than one
+    load = os.getloadavg()
+    print(f"matmul peak (40320x64 @ 64x64, fp32): {peak1 / 1e9:.0f} GFLOP/s on 1 thread, {peak / 1e9:.0f} on "
+          f"{args.threads} (the reference of 'x% of peak'); load average {load[0]:.2f} {load[1]:.2f} "
+          f"{load[2]:.2f}\n{FLOP_FORMULA}")
     bcfg = BaseConfig()
     if args.random_init:
         model = TinyLM(bcfg.model_config(), generator=torch.Generator().manual_seed(0))
@@ -47,8 +70,9 @@ def main() -> None:
         b = rollout(model, tasks, precision=prec, max_len=160, generator=torch.Generator().manual_seed(0))
         dt = time.perf_counter() - t0
         n = int(b.valid_mask.sum())
+        fl = decode_flops(model.cfg, len(tasks), b.tokens.size(1) - 1)
         print(f"rollout {prec:5s}: 256 rollouts, {n} tokens (longest {b.tokens.size(1)}), {dt:.2f} s, "
-              f"{n / dt:,.0f} tokens/s, success {float(b.success.mean()):.2f}")
+              f"{n / dt:,.0f} tokens/s, success {float(b.success.mean()):.2f}, {pct(fl, dt, peak)}")
     res = {}
     arms = (("fp32 engine / fp32 learner", "fp32", "fp32"), ("fp8 engine / QAT learner", "fp8", "fp8"))
     for name, rp, lp in arms:
@@ -56,12 +80,12 @@ def main() -> None:
         m.load_state_dict(model.state_dict())
         cfg = GRPOConfig(updates=args.updates, tasks_per_update=32, group_size=8, max_len=160,
                          rollout_precision=rp, learner_precision=lp)
-        rows = train_grpo(m, cfg)
+        rows, fl = _train_counted(m, cfg)
         per = sum(r["time/update_s"] for r in rows) / len(rows)
         roll = sum(r["time/rollout_s"] for r in rows) / len(rows)
         res[name] = per
-        print(f"update {name}: {per:.2f} s/update (rollout {roll:.2f} s), "
-              f"100 updates ~ {100 * per / 60:.1f} min")
+        print(f"update {name}: {per:.2f} s/update (rollout {roll:.2f} s, {pct(fl[0], roll, peak)}; learner "
+              f"{per - roll:.2f} s, {pct(fl[1], per - roll, peak)}), 100 updates ~ {100 * per / 60:.1f} min")
     a, b = res.values()
     print(f"ratio fp8+QAT / fp32 seconds per update: {b / a:.2f}")
     # Worst case: every rollout runs the full 160 tokens (an untrained policy on C=8 tasks with a
@@ -74,16 +98,17 @@ def main() -> None:
                     generator=torch.Generator().manual_seed(0))
         dt = time.perf_counter() - t0
         n = int(b.valid_mask.sum())
+        fl = decode_flops(rnd.cfg, len(long_tasks), b.tokens.size(1) - 1)
         print(f"full-length rollout {prec:5s}: {n} tokens (longest {b.tokens.size(1)}), {dt:.2f} s, "
-              f"{n / dt:,.0f} tokens/s")
+              f"{n / dt:,.0f} tokens/s, {pct(fl, dt, peak)}")
     for rp, lp in (("fp32", "fp32"), ("fp8", "fp8")):
         cfg = GRPOConfig(updates=args.updates, tasks_per_update=32, group_size=8, max_len=160, max_turns=60,
                          chain_lengths=(8,), rollout_precision=rp, learner_precision=lp)
         m = TinyLM(rnd.cfg)
         m.load_state_dict(rnd.state_dict())
-        rows = train_grpo(m, cfg)
+        rows, fl = _train_counted(m, cfg)
         per = sum(r["time/update_s"] for r in rows) / len(rows)
-        print(f"full-length update {rp} engine / {lp} learner: {per:.2f} s/update "
+        print(f"full-length update {rp} engine / {lp} learner: {per:.2f} s/update ({pct(sum(fl), per, peak)}) "
               f"({rows[-1]['episode/length']:.0f} tokens per rollout), "
               f"100 updates ~ {100 * per / 60:.1f} min")
 

@@ -201,3 +201,59 @@ def test_fp8_blockwise_of_a_stack_is_each_weight_alone():
     stacked = quant_fp8_blockwise(w, 16)
     for i in range(3):
         assert torch.equal(stacked[i], quant_fp8_blockwise(w[i], 16))
+
+
+def _wide_fp32(n: int, seed: int, lo: int = -40, hi: int = 12) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(lo, hi, (n,), generator=g).float())
+    return torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf")])])
+
+
+def test_fp32_arithmetic_fp8_rounding_is_the_cast_bit_for_bit():
+    grid = [g for g in fp8_e4m3_values() if g >= 0]
+    mids = [(a + b) / 2 for a, b in zip(grid, grid[1:], strict=False)]
+    pts = torch.tensor(grid + mids, dtype=torch.float32)
+    pts = torch.cat([pts, -pts, torch.nextafter(pts, pts + 1), torch.nextafter(pts, pts - 1), _wide_fp32(200_000, 1)])
+    cast = pts.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
+    assert torch.equal(fp8_e4m3_round(pts).view(torch.int32), cast.view(torch.int32))  # signed zeros too
+
+
+def test_fp32_arithmetic_fp4_rounding_is_the_table_bit_for_bit():
+    grid = fp4_e2m1_values()
+    mids = [(a + b) / 2 for a, b in zip(grid, grid[1:], strict=False)]
+    pts = torch.tensor(grid + mids, dtype=torch.float32)
+    pts = torch.cat([pts, torch.nextafter(pts, pts + 1), torch.nextafter(pts, pts - 1), _wide_fp32(200_000, 2, -12, 5)])
+    want = fp4_e2m1_round(pts.double()).float()  # the table (bucketize) path
+    assert torch.equal(fp4_e2m1_round(pts).view(torch.int32), want.view(torch.int32))
+
+
+def _fp4_blockwise_table(x: torch.Tensor, block: int, scale: str) -> torch.Tensor:
+    """The fp32 block quantizer with the cast and the E2M1 table (the eager formulas of the format)."""
+    n = x.shape[-1]
+    xb = torch.nn.functional.pad(x, (0, -n % block)).reshape(*x.shape[:-1], -1, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    if scale == "e4m3":
+        s_row = amax.amax(dim=-2, keepdim=True).clamp_min(1e-30) / (448.0 * 6.0)
+        s = (amax / 6.0 / s_row).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype) * s_row
+    else:
+        s = torch.exp2(torch.floor(torch.log2(amax.clamp_min(1e-30))) - 2)
+    ok = s > 0
+    e2m1 = fp4_e2m1_round((xb / torch.where(ok, s, 1.0)).double()).float()
+    q = torch.where(ok, e2m1 * s, 0.0)
+    return q.reshape(*q.shape[:-2], -1)[..., :n]
+
+
+@pytest.mark.parametrize(("block", "scale"), [(16, "e4m3"), (32, "e8m0")])
+def test_fp32_block_quantizers_are_the_cast_and_table_formulas_bit_for_bit(block, scale):
+    g = torch.Generator().manual_seed(block)
+    x = torch.randn(3, 64, 96, generator=g) * torch.logspace(-6, 3, 96)
+    x[0, 0, :block] = 0.0
+    x[0, 1, :block] = -0.0
+    got = quant_fp4_blockwise(x, block, scale)
+    assert torch.equal(got.view(torch.int32), _fp4_blockwise_table(x, block, scale).view(torch.int32))
+    s = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 448.0
+    want = (x / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32) * s
+    assert torch.equal(quant_fp8_per_row(x).view(torch.int32), want.view(torch.int32))
+    s = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 127.0
+    want = torch.clamp(torch.round(x / s), -127.0, 127.0) * s
+    assert torch.equal(quant_int8_per_row(x).view(torch.int32), want.view(torch.int32))

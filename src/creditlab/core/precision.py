@@ -29,6 +29,8 @@ rewards do today), ``mean`` (arithmetic mean of P and Rec), ``f2`` (F-beta with 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -44,9 +46,11 @@ __all__ = [
     "deletion_curve",
     "f_beta",
     "fork_scores",
+    "fork_scores_one",
     "necessity",
     "signed_recall",
     "unit_credit",
+    "unit_credit_one",
     "unit_precision",
 ]
 
@@ -314,3 +318,67 @@ def _as_batch(name: str, value: torch.Tensor | float, b: int, dims: dict[str, in
         check_tensor(name, value, shape=("B",), floating=True, dims=dims, device=device)
         return value
     return torch.full((b,), check_scalar(name, value), dtype=torch.float32, device=device)
+
+
+# ------------------------------------------------------------------------------------------------
+# One response on plain numbers: the judge client's path
+# ------------------------------------------------------------------------------------------------
+
+def unit_credit_one(match: Sequence[Sequence[bool]], positive: Sequence[bool]) -> list[float]:
+    """:func:`unit_credit` of one response on plain lists: ``match[j][i]`` (J rubrics x n units),
+    ``positive[j]`` (the rubric counts); ``n`` credits.
+
+    Python floats (double precision) instead of float32 tensors: a judge client scores one response
+    at a time, where tiny tensors cost more than the arithmetic. The tensor version stays the
+    reference; the two agree to float32 rounding (about 1e-7, tested on random inputs), far below
+    the 6 decimals a result keeps.
+    """
+    n = len(match[0]) if match else 0
+    credits = [0.0] * n
+    for row, pos in zip(match, positive, strict=True):
+        k = sum(1 for v in row if v) if pos else 0
+        if k:
+            share = 1.0 / k
+            credits = [c + share if v else c for c, v in zip(credits, row, strict=True)]
+    return credits
+
+
+class ForkOne(NamedTuple):
+    """:func:`fork_scores_one`'s result for one response."""
+
+    reward: float
+    precision: float
+    recall: float
+    credits: list[float]
+    necessary: list[bool]
+
+
+def fork_scores_one(match: Sequence[Sequence[bool]], coverage: Sequence[bool], weights: Sequence[float],
+                    correct: Sequence[bool], tau: float, beta: float = 1.0, mode: str = "fork") -> ForkOne:
+    """:func:`fork_scores` of one response on plain lists (``match[j][i]``, ``coverage[j]``,
+    ``weights[j]``, ``correct[i]``) in Python floats (see :func:`unit_credit_one`)."""
+    if mode not in COMBINE_MODES:
+        raise InputError(f"mode: unknown combine mode {mode!r}; valid: {', '.join(COMBINE_MODES)}")
+    tau = float(check_scalar("tau", tau))
+    if not (tau > 0 and math.isfinite(tau)):
+        raise InputError(f"tau: must be finite and > 0, got {[tau]}")
+    w = [float(x) for x in weights]
+    credits = unit_credit_one(match, [x > 0 for x in w])
+    n = len(correct)
+    nec = [c >= tau - 1e-6 for c in credits]  # the tolerance of necessity()
+    p = sum(1 for a, b in zip(nec, correct, strict=True) if a and b) / max(n, 1)
+    pos_total = sum(x for x in w if x > 0)
+    earned = sum(x for x, s in zip(w, coverage, strict=True) if s)
+    if pos_total > 0:
+        rec = min(max(earned / pos_total, 0.0), 1.0)
+    else:
+        rec = 0.0 if any(x < 0 and s for x, s in zip(w, coverage, strict=True)) else 1.0
+    if mode == "recall":
+        reward = rec
+    elif mode == "mean":
+        reward = 0.5 * (p + rec)
+    else:
+        b2 = float(check_scalar("beta", beta, low=0.0, low_open=True)) ** 2 if mode == "fork" else 4.0
+        den = b2 * p + rec
+        reward = (1 + b2) * p * rec / den if den > 0 else 0.0
+    return ForkOne(reward, p, rec, credits, nec)

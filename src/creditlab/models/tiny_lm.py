@@ -281,7 +281,10 @@ def _mixed(x: torch.Tensor, prec: tuple[str, ...], fn: Callable[[torch.Tensor, s
             start = m
     if len(runs) == 1:
         return fn(x, prec[0])
-    return torch.cat([fn(x[a:b], p) for a, b, p in runs])
+    # split, not slices: its backward is one concatenation of the gradients, where each slice's
+    # backward zero-fills a tensor of the whole stack
+    parts = x.split([b - a for a, b, _ in runs])
+    return torch.cat([fn(t, p) for t, (_, _, p) in zip(parts, runs, strict=True)])
 
 
 class StackedKVCache:
@@ -392,8 +395,9 @@ class StackedTinyLM(nn.Module):
         eng = cache is not None
         pre = f"blocks.{i}"
         qkv = self._linear(self._ln(x, f"{pre}.ln1"), f"{pre}.qkv", w["qkv"], prec, eng)  # (M, B, L, 3D)
-        q, k, v = (t.reshape(M, B, L, H, D // H) for t in qkv.split(D, dim=-1))
-        k, v = _mixed(k, prec, quant_kv), _mixed(v, prec, quant_kv)  # per token per head: same grid
+        q = qkv[..., :D].reshape(M, B, L, H, D // H)
+        # keys and values in one call: per token per head, so the same grid as one call each
+        k, v = _mixed(qkv[..., D:].reshape(M, B, L, 2, H, D // H), prec, quant_kv).unbind(3)
         q, k, v = (t.reshape(M * B, L, H, D // H).transpose(1, 2) for t in (q, k, v))  # (M*B, H, L, hd)
         if cache is None:
             y = _attend(q, k, v)

@@ -38,9 +38,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-
-from creditlab.core.precision import COMBINE_MODES, fork_scores, unit_credit
+from creditlab.core.precision import COMBINE_MODES, fork_scores_one, unit_credit_one
 from creditlab.errors import ConfigError, InputError
 from creditlab.judge.base import Judge, JudgeError, track_usage
 from creditlab.rewards.items import (
@@ -259,12 +257,10 @@ class FORKReward:
             _expect("match", "match entries in a row", row, len(units), bool)
         _expect("correctness", "correctness flags", correct, len(units), bool)
 
-        J, n = len(criteria), len(units)
-        m = torch.tensor(match, dtype=torch.bool).reshape(1, J, n)
-        rmask = torch.ones(1, J, dtype=torch.bool)
-        umask = torch.ones(1, n, dtype=torch.bool)
-        weights = torch.tensor([[r.points for r in item.rubrics]], dtype=torch.float32).reshape(1, J)
-        credits = unit_credit(m, rmask & (weights > 0), umask)[0].tolist()
+        # one response: the math of core.precision.fork_scores on plain floats (fork_scores_one)
+        n = len(units)
+        points = [float(r.points) for r in item.rubrics]
+        credits = unit_credit_one(match, [w > 0 for w in points])
         tau: float | None
         if self.tau != "judge":
             tau = float(self.tau)
@@ -274,13 +270,11 @@ class FORKReward:
                 raise JudgeError("threshold", "invalid_reply", f"tau must be > 0, got {tau!r}")
         else:
             tau = None  # no unit has credit: no threshold makes one necessary, so none is asked for
-        out = fork_scores(m, torch.tensor([coverage], dtype=torch.bool).reshape(1, J), weights,
-                          torch.tensor([correct], dtype=torch.bool).reshape(1, n), rmask, umask,
-                          tau=float(tau) if tau is not None else 1.0, beta=self.beta, mode=self.mode)
+        out = fork_scores_one(match, coverage, points, correct, tau=float(tau) if tau is not None else 1.0,
+                              beta=self.beta, mode=self.mode)
         return ForkResult(
-            reward=round(float(out.reward[0]), 6), precision=round(float(out.precision[0]), 6),
-            recall=round(float(out.recall[0]), 6),
-            units=list(units), credits=[round(c, 6) for c in credits], N=out.necessary[0].tolist(),
+            reward=round(out.reward, 6), precision=round(out.precision, 6), recall=round(out.recall, 6),
+            units=list(units), credits=[round(c, 6) for c in credits], N=out.necessary,
             C=list(correct), coverage=list(coverage), n_units=n, tau=None if tau is None else float(tau), **base)
 
     # -- TRL-style reward function -----------------------------------------------------------------
