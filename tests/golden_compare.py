@@ -82,7 +82,8 @@ def assert_rows_match(got: pd.DataFrame, want: pd.DataFrame, keys: list[str], *,
             pd.testing.assert_series_equal(as_objects(g), as_objects(w), check_dtype=False, obj=c)
             continue
         g, w = g.to_numpy(float), w.to_numpy(float)
-        assert (np.isnan(g) == np.isnan(w)).all(), f"{c}: NaN in other rows ({np.flatnonzero(np.isnan(g) != np.isnan(w))})"
+        nan_rows = np.flatnonzero(np.isnan(g) != np.isnan(w))
+        assert not len(nan_rows), f"{c}: NaN in other rows ({nan_rows})"
         ok = ~np.isnan(w)
         atol, sqrt_scale = tolerance(c, tokens)
         atol = np.array(np.broadcast_to(atol, w.shape), dtype=float)
@@ -96,8 +97,9 @@ def assert_rows_match(got: pd.DataFrame, want: pd.DataFrame, keys: list[str], *,
         if sqrt_scale:
             g, w = np.sqrt(np.abs(g)), np.sqrt(np.abs(w))
         bad = np.abs(g - w) > atol + rtol * np.abs(w)
+        tol = atol + rtol * np.abs(w)
         assert not bad.any(), (f"{c}: {int(bad.sum())} of {len(w)} rows differ beyond float noise; first: got "
-                               f"{g[bad][0]!r}, want {w[bad][0]!r}, tolerance {atol[bad][0] + rtol[bad][0] * abs(w[bad][0]):.3g}")
+                               f"{g[bad][0]!r}, want {w[bad][0]!r}, tolerance {tol[bad][0]:.3g}")
 
 
 def assert_real_signal_exceeds(frame: pd.DataFrame, column: str, rows: pd.Series, *, factor: float = 10.0,
