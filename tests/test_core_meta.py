@@ -117,6 +117,8 @@ DATA_DEPENDENT = {
     "credit.discretized": "GRPO of the outcome: torch.unique",
     "credit.reward_to_go": "group_stats: torch.unique",
     "diagnostics.chain_length": "works on Python call records, not tensors",
+    "precision.unit_credit_one": "plain Python lists and floats (the judge client's path), not tensors",
+    "precision.fork_scores_one": "plain Python lists and floats (the judge client's path), not tensors",
 }
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from creditlab.errors import ConfigError
 from creditlab.lab.protocol import run_lab
-from creditlab.lab.runner import Cell, CellLost, RayExecutor, SerialExecutor, make_executor, run_cells
+from creditlab.lab.runner import Cell, CellLost, RayExecutor, SerialExecutor, local_cpus, make_executor, run_cells
 from creditlab.lab.store import ResultStore
 from creditlab.labs.coverage import LAB, CoverageConfig
 from creditlab.train.chain import ChainTrainConfig
@@ -204,7 +204,13 @@ def _bad_cell(x):
 
 def test_make_executor_ray_and_its_mistakes(monkeypatch):
     assert isinstance(make_executor(1, "ray", "auto"), RayExecutor)
-    assert make_executor(3, "ray").num_cpus == 3 and make_executor(1, "ray").num_cpus is None
+    cpus = local_cpus()  # a local instance gets at most this machine's CPUs (capped with a warning)
+    if cpus > 1:
+        assert make_executor(cpus, "ray").num_cpus == cpus
+    with pytest.warns(UserWarning, match="more than the"):
+        assert make_executor(cpus + 1, "ray").num_cpus == (cpus if cpus > 1 else None)
+    assert make_executor(cpus + 1, "ray", "auto", warn=pytest.fail).num_cpus is None  # a cluster decides
+    assert make_executor(1, "ray").num_cpus is None
     with pytest.raises(ConfigError, match="--ray-address: needs --executor ray"):
         make_executor(2, "process", "auto")
     monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
