@@ -698,10 +698,14 @@ def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, 
         lp = _flat_floats(lp_v, lp_n, "logprobs", where)
         rl_v, rl_n = flat("rollout_logprobs")
         pm_v, pm_n = flat("policy_mask")
-        for name, lens in (("rollout_logprobs", rl_n), ("policy_mask", pm_n)):
+
+        def same_lengths(name: str, lens) -> None:
             if lens != lp_n:
                 i = next(k for k in range(n) if lens[k] != lp_n[k])
                 raise InputError(f"{where(i, name)}: {lens[i]} values, but 'logprobs' has {lp_n[i]}")
+
+        same_lengths("rollout_logprobs", rl_n)
+        same_lengths("policy_mask", pm_n)
         rlp = _flat_floats(rl_v, rl_n, "rollout_logprobs", where)
         pm = _flat_bools(pm_v, pm_n, "policy_mask", where)
         for name, a in (("logprobs", lp), ("rollout_logprobs", rlp)):
@@ -710,9 +714,7 @@ def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, 
         got = flat("turn_ids") if has("turn_ids") else None
         if got is not None:
             t_v, t_n = got
-            if t_n != lp_n:
-                i = next(k for k in range(n) if t_n[k] != lp_n[k])
-                raise InputError(f"{where(i, 'turn_ids')}: {t_n[i]} values, but 'logprobs' has {lp_n[i]}")
+            same_lengths("turn_ids", t_n)
             tid = _flat_ints(t_v, t_n, "turn_ids", where)
             if tid.size and int(tid.min()) < -1:
                 k = int(np.argmin(tid))
@@ -723,9 +725,7 @@ def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, 
         got = flat("rejected") if has("rejected") else None
         if got is not None:
             r_v, r_n = got
-            if r_n != lp_n:
-                i = next(k for k in range(n) if r_n[k] != lp_n[k])
-                raise InputError(f"{where(i, 'rejected')}: {r_n[i]} values, but 'logprobs' has {lp_n[i]}")
+            same_lengths("rejected", r_n)
             rej = _flat_bools(r_v, r_n, "rejected", where)
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.asarray(lp_n, dtype=np.int64), out=offsets[1:])
