@@ -103,3 +103,19 @@ def trend_rows(seed: int = 0, *, length_growth: float = 0.0, precision_drop: flo
         if r["reward"] == 0 and rng.random() < reward_rise * f:
             r["reward"] = 1.0
     return rows
+
+
+def padded_tensors(rows: list[dict]):
+    """``(logprobs, rollout_logprobs, policy_mask)`` ``(B, L)`` of token rows, zero-padded to the longest."""
+    import torch
+
+    L = max(len(r["logprobs"]) for r in rows)
+    B = len(rows)
+    old, roll = torch.zeros(B, L, dtype=torch.float64), torch.zeros(B, L, dtype=torch.float64)
+    pm = torch.zeros(B, L, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        n = len(r["logprobs"])
+        old[b, :n] = torch.tensor(r["logprobs"], dtype=torch.float64)
+        roll[b, :n] = torch.tensor(r["rollout_logprobs"], dtype=torch.float64)
+        pm[b, :n] = torch.tensor(r["policy_mask"])
+    return old, roll, pm

@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from creditlab.core.correction import mismatch_metrics
 from creditlab.diagnose import CHECKS, read_dump, run_checks, write_dump
@@ -16,7 +15,7 @@ from creditlab.diagnose._tokens import token_stats
 from creditlab.diagnose.checks import Context, turn_profile
 from creditlab.diagnose.report import exit_code
 from creditlab.errors import ConfigError, InputError
-from diagnose_synth import CHAIN_TURNS, clean_rows, token_row, topk_row
+from diagnose_synth import CHAIN_TURNS, clean_rows, padded_tensors, token_row, topk_row
 
 
 def _run(tmp_path, rows, name="d.jsonl", **kw):
@@ -42,19 +41,6 @@ def test_every_check_passes_on_a_clean_dump(clean):
         assert r.status == "skipped" or r.value is not None
 
 
-def _padded(rows):
-    L = max(len(r["logprobs"]) for r in rows)
-    B = len(rows)
-    old, roll = torch.zeros(B, L, dtype=torch.float64), torch.zeros(B, L, dtype=torch.float64)
-    pm = torch.zeros(B, L, dtype=torch.bool)
-    for b, r in enumerate(rows):
-        n = len(r["logprobs"])
-        old[b, :n] = torch.tensor(r["logprobs"], dtype=torch.float64)
-        roll[b, :n] = torch.tensor(r["rollout_logprobs"], dtype=torch.float64)
-        pm[b, :n] = torch.tensor(r["policy_mask"])
-    return old, roll, pm
-
-
 def test_token_quantities_equal_core_mismatch_metrics_on_padded_rows(tmp_path):
     rng = np.random.default_rng(3)
     rows = []
@@ -65,7 +51,7 @@ def test_token_quantities_equal_core_mismatch_metrics_on_padded_rows(tmp_path):
     dump = read_dump(write_dump(rows, tmp_path / "r.parquet"))
     ctx = Context(dump, max_turns=8)
     ts = ctx.tokens
-    want = mismatch_metrics(*_padded(rows), max_turns=8)
+    want = mismatch_metrics(*padded_tensors(rows), max_turns=8)
     k3 = float((np.expm1(ts.delta) - ts.delta).sum() / ts.usable.sum())
     assert k3 == pytest.approx(want["mismatch/k3"], rel=1e-9)
     prof = turn_profile(ctx)
@@ -77,7 +63,7 @@ def test_token_quantities_equal_core_mismatch_metrics_on_padded_rows(tmp_path):
         else:
             assert prof["tokens"][k] == 0
     # sequence log ratio per row
-    old, roll, pm = _padded(rows)
+    old, roll, pm = padded_tensors(rows)
     seq = ((old - roll) * pm).sum(1).numpy()
     assert np.allclose(ts.row_delta, seq, atol=1e-12)
 

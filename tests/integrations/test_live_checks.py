@@ -29,25 +29,13 @@ from creditlab.integrations._live import LIVE_CHECKS, LiveWarnings, batch_values
 from creditlab.integrations.trl import CreditlabGRPOTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the synthetic dump builders
-from diagnose_synth import clean_rows, token_row, topk_row  # noqa: E402
+from diagnose_synth import clean_rows, padded_tensors, token_row, topk_row  # noqa: E402
 
 V = cv.VERL_PREFIX  # "rollout_corr/creditlab/"
 
 
 # ------------------------------------------------------------------------------------------------
 # the device-side values are the checks' values
-
-
-def _padded(rows):
-    L = max(len(r["logprobs"]) for r in rows)
-    old, roll = torch.zeros(len(rows), L, dtype=torch.float64), torch.zeros(len(rows), L, dtype=torch.float64)
-    pm = torch.zeros(len(rows), L, dtype=torch.bool)
-    for b, r in enumerate(rows):
-        n = len(r["logprobs"])
-        old[b, :n] = torch.tensor(r["logprobs"], dtype=torch.float64)
-        roll[b, :n] = torch.tensor(r["rollout_logprobs"], dtype=torch.float64)
-        pm[b, :n] = torch.tensor(r["policy_mask"])
-    return old, roll, pm
 
 
 def _cases():
@@ -69,7 +57,7 @@ def test_batch_values_are_the_checks_values_on_the_same_batch(tmp_path, case):
     for r in rows:
         r.pop("turn_ids", None)  # turns: the runs of policy tokens, as a trainer's batch has them
     res = {r.id: r for r in run_checks(read_dump(write_dump(rows, tmp_path / "d.jsonl")))}
-    old, roll, pm = _padded(rows)
+    old, roll, pm = padded_tensors(rows)
     groups = torch.as_tensor(np.unique([r["group"] for r in rows], return_inverse=True)[1])
     live = batch_values(old, roll, pm, group_ids=groups, rewards=torch.tensor([r["reward"] for r in rows]))
     assert set(live) == {metric_name(c) for c in LIVE_CHECKS} | {metric_name("mismatch.prefix_drift") + "/first_turn"}
