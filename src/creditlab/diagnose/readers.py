@@ -39,7 +39,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -250,6 +250,17 @@ def read_dump(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
 # ------------------------------------------------------------------------------------------------
 
 
+class _PartTokens(NamedTuple):
+    """One file's token columns, flattened over its rows (``offsets`` ``(n + 1,)`` into the rest)."""
+
+    offsets: np.ndarray
+    logprobs: np.ndarray
+    rollout_logprobs: np.ndarray
+    policy_mask: np.ndarray
+    turn_ids: np.ndarray | None
+    rejected: np.ndarray | None
+
+
 @dataclass
 class _Part:
     fmt: str
@@ -258,7 +269,7 @@ class _Part:
     step: np.ndarray
     group: list[Any]
     reward: np.ndarray
-    tokens: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None] | None
+    tokens: _PartTokens | None
     scalars: dict[str, np.ndarray]
     texts: dict[str, list[str | None]]
     turns: list[list[dict] | None] | None
@@ -729,7 +740,7 @@ def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, 
             rej = _flat_bools(r_v, r_n, "rejected", where)
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.asarray(lp_n, dtype=np.int64), out=offsets[1:])
-        tokens = (offsets, lp, rlp, pm, tid, rej)
+        tokens = _PartTokens(offsets, lp, rlp, pm, tid, rej)
     else:
         for name in ("turn_ids", "rejected"):
             if has(name):
@@ -755,7 +766,7 @@ def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, 
     turns = _turns_column(values("turns"), where) if has("turns") else None
     unit = None
     if "response_length" in scalars:
-        unit = _length_unit(scalars["response_length"], None if tokens is None else np.diff(tokens[0]),
+        unit = _length_unit(scalars["response_length"], None if tokens is None else np.diff(tokens.offsets),
                             texts.get("response"))
     return _Part(fmt, n, where.numbers, step, group, reward, tokens, scalars, texts, turns, length_unit=unit)
 
@@ -811,8 +822,8 @@ def _concat(files: list[str], parts: list[_Part]) -> Dump:
     tokens = None
     if any(p.tokens is not None for p in parts):
         lengths, lps, rlps, pms, tids, rejs, has = [], [], [], [], [], [], []
-        any_tid = any(p.tokens is not None and p.tokens[4] is not None for p in parts)
-        any_rej = any(p.tokens is not None and p.tokens[5] is not None for p in parts)
+        any_tid = any(p.tokens is not None and p.tokens.turn_ids is not None for p in parts)
+        any_rej = any(p.tokens is not None and p.tokens.rejected is not None for p in parts)
         for p in parts:
             if p.tokens is None:
                 lengths.append(np.zeros(p.n, dtype=np.int64))
