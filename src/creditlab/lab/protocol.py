@@ -252,12 +252,12 @@ def _changed(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
-def _check_code(out: Path, old: dict, keep_cells: bool) -> list[str]:
+def _check_code(out: Path, old: dict, code: dict[str, str], keep_cells: bool) -> list[str]:
     """The modules changed since the stored cells were computed ([] when none); refuses unless ``keep_cells``."""
     if not (out / "store").is_dir() or not ResultStore(out / "store").done():
         return []  # nothing computed yet: nothing to mix
     recorded = old.get("code")
-    changed = _changed(recorded, code_fingerprint()) if recorded is not None else ["(not recorded)"]
+    changed = _changed(recorded, code) if recorded is not None else ["(not recorded)"]
     if not changed or keep_cells:
         return changed
     what = ("was made before creditlab recorded the code of a run" if recorded is None else
@@ -322,12 +322,13 @@ def _clean(out: Path, old: dict | None, everything: bool) -> None:
         (out / MANIFEST).unlink(missing_ok=True)
 
 
-def _write_manifest(out: Path, lab: Lab, config: LabConfig, outputs: list[str], mixed: list[str]) -> None:
+def _write_manifest(out: Path, lab: Lab, config: LabConfig, outputs: list[str], code: dict[str, str],
+                    mixed: list[str]) -> None:
     from creditlab import __version__
 
     data = {"lab": lab.name, "manifest_version": MANIFEST_VERSION, "creditlab_version": __version__,
             "identity": config.identity(), "config": config.to_dict(), "outputs": sorted(outputs),
-            "code": code_fingerprint(), "mixed_code": mixed}
+            "code": code, "mixed_code": mixed}
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
     tmp.replace(out / MANIFEST)
@@ -367,9 +368,10 @@ def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | N
     config.validate()
     out = Path(out)
     old = _check_out(out, lab, config, fresh)
+    code = code_fingerprint()  # once, at the start: the code that computes this run's cells
     mixed = []
     if old is not None and not fresh:
-        mixed = sorted(set(old.get("mixed_code", [])) | set(_check_code(out, old, keep_cells)))
+        mixed = sorted(set(old.get("mixed_code", [])) | set(_check_code(out, old, code, keep_cells)))
     cells = lab.cells(config)
     _clean(out, old, everything=fresh)
     prepare = getattr(lab, "prepare", None)
@@ -377,7 +379,7 @@ def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | N
         prepare(config, progress)
     out.mkdir(parents=True, exist_ok=True)
     store = ResultStore(out / "store")
-    _write_manifest(out, lab, config, [], mixed)  # an interrupted run is resumable from here on
+    _write_manifest(out, lab, config, [], code, mixed)  # an interrupted run is resumable from here on
     before = store.done()
     frame = run_cells(cells, store, executor=executor, desc=f"{lab.name} lab", progress=progress)
     computed = len({c.key for c in cells} - before)
@@ -402,7 +404,7 @@ def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | N
     report = out / "report.md"
     report.write_text(_report(lab, config, tables, texts, plots, mixed))
     written.append(report.name)
-    _write_manifest(out, lab, config, written, mixed)
+    _write_manifest(out, lab, config, written, code, mixed)
     if status is not None:
         status(f"{lab.name} lab: {computed} cell(s) computed, {len(cells) - computed} read back from {out}/store")
     return LabResult(tables=tables, plots=plots, report=report, computed=computed)
