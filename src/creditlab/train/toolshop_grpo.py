@@ -315,8 +315,9 @@ def _correction(correction: str | WeightFn, old: torch.Tensor, rollout_lp: torch
     """Per-token weights and the row's ``mismatch/*`` and ``correction/*`` metrics of one batch.
 
     A registered arm (by name) runs :func:`creditlab.core.correction.correction_weights`: one call,
-    one InterQ pass, the arm's own keys winning over :func:`~creditlab.core.correction.mismatch_metrics`'.
-    A callable :data:`WeightFn` gets :func:`~creditlab.core.correction.mismatch_metrics` beside it."""
+    one InterQ pass, ``correction/*`` from the arm and ``mismatch/*`` from
+    :func:`~creditlab.core.correction.mismatch_metrics`. A callable :data:`WeightFn` gets
+    ``mismatch_metrics`` beside it, merged by the same rule."""
     from creditlab.core.correction import correction_weights, mismatch_metrics
 
     if isinstance(correction, str):
