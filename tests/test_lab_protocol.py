@@ -161,3 +161,32 @@ def test_reports_a_reader_can_trust(tmp_path):
     assert mean_ci([1.0, 1.0, 0.8], bounds=(0.0, 1.0))[2] == 1.0  # a score's interval stops at a perfect score
     md = to_markdown(pd.DataFrame({"label": ["a|b"], "x": [-0.0001], "lo": [float("nan")]}))
     assert "a\\|b" in md and "| 0.000 |" in md and "| - |" in md
+
+
+def test_gate_cells_run_first_and_their_table_is_shown_before_the_others(tmp_path):
+    """A lab with ``gate_groups`` gets its gate table through ``status`` after those cells and before
+    any other cell runs."""
+    import pandas as pd
+
+    from creditlab.lab.protocol import Table
+    from creditlab.lab.store import ResultStore
+
+    out = tmp_path / "out"
+    seen = {}
+
+    class Gated(type(LAB)):
+        gate_groups = ("dose",)
+
+        def gate(self, rows, config):
+            seen["groups"] = set(rows)
+            seen["stored"] = len(ResultStore(out / "store").done())
+            return Table(pd.DataFrame({"check": ["dose cells"], "gate": ["pass"]}), "Gate: test")
+
+    lab = Gated()
+    n_dose = sum(c.group == "dose" for c in lab.cells(TINY))
+    said = []
+    run_lab(lab, TINY, out, progress=False, status=said.append)
+    assert seen["groups"] == {"dose"} and 0 < n_dose < len(lab.cells(TINY))
+    assert seen["stored"] == n_dose  # only the gate's cells had run
+    assert said[0].startswith("Gate: test") and "| dose cells | pass |" in said[0]
+    assert len(said) == 2 and "cell(s) computed" in said[1]

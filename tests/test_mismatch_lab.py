@@ -223,12 +223,17 @@ def _tiny(cache, **kw):
 def test_lab_writes_every_table_and_plot_and_resumes(tmp_path, cache):
     cfg = _tiny(cache, arms=("fp32", "naive", "qat", "qat_interq"))
     out = tmp_path / "out"
-    res = run_lab(LAB, cfg, out, progress=False)
-    tables = ("knobs", "dose", "summary", "means", "diff_vs_qat", "diff_vs_fp32", "by_turn", "fingerprint", "curves")
+    said = []
+    res = run_lab(LAB, cfg, out, progress=False, status=said.append)
+    tables = ("knobs", "gate", "dose", "summary", "means", "diff_vs_qat", "diff_vs_fp32", "predictions", "phase_map",
+              "by_turn", "fingerprint", "curves")
     for name in tables:
         assert (out / f"{name}.parquet").exists() and (out / f"{name}.md").exists(), name
     assert {p.name for p in res.plots} == {"mismatch_success.png", "mismatch_k3.png", "mismatch_fingerprint.png",
-                                           "mismatch_dose.png"}
+                                           "mismatch_dose.png", "mismatch_phase_map.png"}
+    assert said[0].startswith("Gate:") and "drift_qat" in said[0] and len(said) == 2  # the gate, then the summary
+    assert set(res.tables["gate"].frame["engine"]) == {"fp8", "int8", "nvfp4", "mxfp4"}
+    assert set(res.tables["predictions"].frame["prediction"]) == {"a", "b"}
     dose = res.tables["dose"].frame
     assert set(dose["engine"]) == {"fp32", "fp8", "int8", "nvfp4", "mxfp4"} and len(dose) == 9
     assert dose.set_index(["engine", "learner"])["k3"][("fp32", "fp32")] < 1e-9

@@ -39,6 +39,13 @@ failing call gets ``OBS ERR EOO`` (never an exception) and changes nothing. A wr
 (``OBS OK EOO``) ends the episode; so does the action budget (``max_turns``), in which case the
 episode is *truncated*.
 
+Thoughts. An action may carry free *thought* tokens (:data:`THOUGHT_TOKENS`, appended after
+:data:`VOCAB` in :data:`VOCAB_WITH_THOUGHTS`, so no existing id moves): the environment drops them
+before parsing, wherever they sit, so they change no tool call and no verdict. A policy whose
+actions think has :func:`vocab_size` ``(m)`` outputs; :class:`ScriptedAgent` with ``thoughts = m``
+starts every action with ``m`` uniformly random thoughts (high entropy by construction, as an LLM
+agent's free text keeps its entropy while its tool calls become deterministic).
+
 Verifier. :func:`verify` compares the final store with the goal store field by field: the target
 item's variant, the target item's status, and "no other item changed". ``success`` is all three;
 ``progress`` is the fraction that hold. Only the write step changes the store, so a state-diff
@@ -63,14 +70,23 @@ __all__ = [
     "COLORS",
     "MAX_CHAIN",
     "MIN_CHAIN",
+    "MULTI_EXCHANGE",
+    "MultiScriptedAgent",
+    "MultiTask",
+    "make_multi_task",
+    "verify_multi",
     "N_IDS",
+    "N_THOUGHTS",
     "NAMES",
     "READ_TOOLS",
     "STATUSES",
     "TOOLS",
+    "THOUGHT0",
+    "THOUGHT_TOKENS",
     "TOOL_TABLE",
     "TOK",
     "VOCAB",
+    "VOCAB_WITH_THOUGHTS",
     "WRITE_TOOLS",
     "Store",
     "Task",
@@ -80,6 +96,7 @@ __all__ = [
     "TurnRecord",
     "decode",
     "encode",
+    "is_thought",
     "make_store",
     "make_task",
     "ScriptedAgent",
@@ -87,6 +104,7 @@ __all__ = [
     "tool_chain",
     "trajectory_stats",
     "verify",
+    "vocab_size",
     "world_stats",
 ]
 
@@ -229,9 +247,27 @@ MARKERS = ("case", "ticket", "name", "user", "order", "item", "product")
 ATTRIBUTE_TOKENS = STATUSES + CATEGORIES + COLORS
 VOCAB: tuple[str, ...] = (SPECIALS + TOOLS + MARKERS + ATTRIBUTE_TOKENS + NAMES
                           + tuple(str(i) for i in range(N_IDS)))
-TOK: dict[str, int] = {t: i for i, t in enumerate(VOCAB)}
+#: Reward-neutral "thought" tokens an action may carry (:data:`VOCAB_WITH_THOUGHTS`): appended after
+#: :data:`VOCAB`, so no existing id moves; a policy without thoughts has ``len(VOCAB)`` outputs.
+N_THOUGHTS = 16
+THOUGHT_TOKENS: tuple[str, ...] = tuple(f"think{i}" for i in range(N_THOUGHTS))
+VOCAB_WITH_THOUGHTS: tuple[str, ...] = VOCAB + THOUGHT_TOKENS
+TOK: dict[str, int] = {t: i for i, t in enumerate(VOCAB_WITH_THOUGHTS)}
 PAD, BOS, EOA, EOO = TOK["<pad>"], TOK["<bos>"], TOK["EOA"], TOK["EOO"]
 _ID0 = TOK["0"]
+THOUGHT0 = len(VOCAB)
+"""The id of the first thought token: ids ``THOUGHT0 .. THOUGHT0 + N_THOUGHTS - 1`` are thoughts."""
+
+
+def vocab_size(thoughts: int = 0) -> int:
+    """Outputs of a toolshop policy: ``len(VOCAB)``, plus :data:`N_THOUGHTS` when its actions carry
+    ``thoughts > 0`` thought tokens."""
+    return len(VOCAB) + (N_THOUGHTS if thoughts > 0 else 0)
+
+
+def is_thought(token_id: int) -> bool:
+    """Whether ``token_id`` is a thought token (reward-neutral: :class:`ToolshopEnv` drops it)."""
+    return THOUGHT0 <= token_id < THOUGHT0 + N_THOUGHTS
 
 def encode(tokens: Sequence[str | int]) -> list[int]:
     """Token strings (ints are id numbers) to token ids; raises :class:`InputError` on unknowns."""
@@ -249,9 +285,9 @@ def decode(ids: Sequence[int]) -> list[str]:
     out = []
     for i in ids:
         i = int(i)
-        if not 0 <= i < len(VOCAB):
-            raise InputError(f"ids: {i} is outside the vocabulary of size {len(VOCAB)}")
-        out.append(VOCAB[i])
+        if not 0 <= i < len(VOCAB_WITH_THOUGHTS):
+            raise InputError(f"ids: {i} is outside the vocabulary of size {len(VOCAB_WITH_THOUGHTS)}")
+        out.append(VOCAB_WITH_THOUGHTS[i])
     return out
 
 
@@ -407,6 +443,86 @@ def make_task(seed: int, chain_length: int = 4, **store_kwargs) -> Task:
                 item=i, variant=v, user=u, status=status, category=cat, color=color)
 
 
+#: The task code of a multi-exchange task in a list of chain lengths (``make_tasks``): an episode of
+#: 3 or 4 independent exchanges on one store (:func:`make_multi_task`).
+MULTI_EXCHANGE = 0
+#: Sub-tasks per multi-exchange task, and their chain lengths (each sub-task draws one).
+MULTI_SUBTASKS, MULTI_SUB_CHAINS = (3, 4), (2, 3, 4)
+
+
+@dataclass(frozen=True)
+class MultiTask:
+    """A task of several independent exchanges on one store: ``subtasks`` (each a :class:`Task` on
+    :attr:`store`, distinct target items), asked one after the other in one prompt,
+    ``BOS TASK <instruction 1> TASK <instruction 2> ... SEP``. A successful write completes one
+    exchange; the episode ends after ``len(subtasks)`` successful writes or the action budget,
+    twice that of a single task (``2 (C + 2)``, ``C`` the calls of a correct episode). Its outcome
+    is graded: the share of sub-tasks solved (:func:`verify`)."""
+
+    seed: int
+    chain_length: int              # tool calls of a correct episode (sum over the sub-tasks)
+    store: Store
+    instruction: tuple[str, ...]   # the sub-tasks' instructions, separated by TASK
+    given: tuple[str, ...]         # the values the instructions contain
+    subtasks: tuple[Task, ...]
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """``BOS TASK <instruction 1> TASK ... SEP`` as token ids."""
+        return encode(("<bos>", "TASK", *self.instruction, "SEP"))
+
+    @property
+    def n_writes(self) -> int:
+        """Successful writes that end the episode (one per sub-task)."""
+        return len(self.subtasks)
+
+    @property
+    def turn_budget(self) -> int:
+        """The default action budget: ``2 (C + 2)``."""
+        return 2 * (self.chain_length + 2)
+
+    def goal_store(self) -> Store:
+        st = self.store.copy()
+        for t in self.subtasks:
+            st.items[t.item]["variant"] = t.variant
+            st.items[t.item]["status"] = "exchanged"
+        return st
+
+
+def make_multi_task(seed: int, n_subtasks: int | None = None, sub_chains: Sequence[int] = MULTI_SUB_CHAINS
+                    ) -> MultiTask:
+    """A deterministic multi-exchange task from ``seed``: ``n_subtasks`` (default: 3 or 4, seeded)
+    exchanges of distinct items of one store, each sub-task with a chain length drawn from
+    ``sub_chains`` (the instruction of :func:`make_task` for that length)."""
+    rng = random.Random(f"multi-{seed}")
+    K = int(n_subtasks) if n_subtasks is not None else rng.choice(MULTI_SUBTASKS)
+    st = make_store(seed)
+    if not 1 <= K <= len(st.items):
+        raise ConfigError("n_subtasks", f"must be in [1, {len(st.items)}], got {n_subtasks}")
+    subs = []
+    for i in rng.sample(sorted(st.items), K):
+        C = int(rng.choice(tuple(sub_chains)))
+        tool_chain(C)  # validates
+        o, p = st.items[i]["order"], st.items[i]["product"]
+        u = st.orders[o]["user"]
+        v = rng.choice([w for w in st.products[p]["variants"] if w != st.items[i]["variant"]])
+        status, cat, color = st.orders[o]["status"], st.products[p]["category"], st.variants[v]["color"]
+        name = st.users[u]["name"]
+        ticket = next(t for t, n in st.tickets.items() if n == name)
+        case = next(k for k, t in st.cases.items() if t == ticket)
+        head = {8: ("case", str(case), status, cat), 7: ("ticket", str(ticket), status, cat),
+                6: ("name", name, status, cat), 5: ("user", str(u), status, cat), 4: ("order", str(o), cat),
+                3: ("order", str(o), "item", str(i)), 2: ("order", str(o), "item", str(i), "product", str(p))}[C]
+        inst = (*head, color)
+        subs.append(Task(seed=seed, chain_length=C, store=st, instruction=inst,
+                         given=tuple(t for t in inst if t not in MARKERS), order=o, item=i, variant=v, user=u,
+                         status=status, category=cat, color=color))
+    instruction = tuple(t for j, s in enumerate(subs) for t in ((("TASK",) if j else ()) + s.instruction))
+    given = tuple(dict.fromkeys(g for s in subs for g in s.given))
+    return MultiTask(seed=seed, chain_length=sum(s.chain_length for s in subs), store=st, instruction=instruction,
+                     given=given, subtasks=tuple(subs))
+
+
 # ----------------------------------------------------------------------------------------------
 # Verifier
 # ----------------------------------------------------------------------------------------------
@@ -417,7 +533,10 @@ def verify(store: Store, task: Task) -> tuple[bool, float]:
 
     Fields: target item's variant == goal variant; target item's status == "exchanged"; every
     other item unchanged. ``progress`` = fraction of the three that hold; ``success`` = all hold.
+    A :class:`MultiTask` is graded (:func:`verify_multi`): ``success`` is the share of sub-tasks solved.
     """
+    if isinstance(task, MultiTask):
+        return verify_multi(store, task)
     start = task.store.items  # the goal store equals the start store except on the target item
     tgt = store.items.get(task.item, {})
     f_variant = tgt.get("variant") == task.variant
@@ -426,6 +545,23 @@ def verify(store: Store, task: Task) -> tuple[bool, float]:
         and set(store.items) == set(start)
     fields = (f_variant, f_status, f_others)
     return all(fields), sum(fields) / len(fields)
+
+
+def verify_multi(store: Store, task: MultiTask) -> tuple[float, float]:
+    """``(share solved, progress)`` of a :class:`MultiTask`: a sub-task is solved when its item holds
+    the goal variant and is exchanged; ``progress`` = the fraction of the ``2 K + 1`` fields that
+    hold (each sub-task's variant and status, and "no other item changed")."""
+    targets = {t.item for t in task.subtasks}
+    solved, fields = 0, 0
+    for t in task.subtasks:
+        rec = store.items.get(t.item, {})
+        f_variant, f_status = rec.get("variant") == t.variant, rec.get("status") == "exchanged"
+        solved += f_variant and f_status
+        fields += f_variant + f_status
+    f_others = all(store.items.get(i) == rec for i, rec in task.store.items.items() if i not in targets) \
+        and set(store.items) == set(task.store.items)
+    K = len(task.subtasks)
+    return solved / K, (fields + f_others) / (2 * K + 1)
 
 
 def trajectory_stats(records: Sequence[TurnRecord]) -> dict[str, float]:
@@ -481,7 +617,8 @@ class ToolshopEnv:
 
     def __init__(self, task: Task, max_turns: int | None = None):
         self.task = task
-        self.max_turns = int(max_turns) if max_turns is not None else task.chain_length + 2
+        self.max_turns = int(max_turns) if max_turns is not None else getattr(task, "turn_budget",
+                                                                                task.chain_length + 2)
         if self.max_turns < 1:
             raise ConfigError("max_turns", f"must be >= 1, got {max_turns}")
         self.store: Store | None = None
@@ -513,15 +650,16 @@ class ToolshopEnv:
         obs = ["OBS", *(("ERR",) if not rec.ok else ("OK",) if rec.is_write else rec.returned), "EOO"]
         rec.observation = tuple(encode(obs))
         self.records.append(rec)
-        if rec.is_write:
-            self.wrote = True
+        if rec.is_write and sum(r.is_write for r in self.records) >= getattr(self.task, "n_writes", 1):
+            self.wrote = True  # every exchange asked for went through (one for a single task)
             self.done = True
         elif len(self.records) >= self.max_turns:
             self.done = True
         return StepResult(list(rec.observation), self.done, rec)
 
     def _call(self, action: list[int]) -> TurnRecord:
-        toks = [VOCAB[a] if 0 <= a < len(VOCAB) else "?" for a in action]
+        # thought tokens are reward-neutral: dropped wherever they sit, before parsing
+        toks = [VOCAB[a] if 0 <= a < len(VOCAB) else "?" for a in action if not is_thought(a)]
 
         def fail(name: str, msg: str, arguments: dict | None = None) -> TurnRecord:
             return TurnRecord(name, arguments or {}, [], False, False, msg, tuple(action))
@@ -581,8 +719,13 @@ class ScriptedAgent:
     wrong choice, so a wrong read propagates to the write, as a careless agent's would.
     """
 
-    def __init__(self, task: Task, rng: random.Random, noise: float = 0.0):
+    def __init__(self, task: Task, rng: random.Random, noise: float = 0.0, thoughts: int = 0,
+                 thought_rng: random.Random | None = None):
+        if thoughts < 0:
+            raise ConfigError("thoughts", f"must be >= 0, got {thoughts}")
         self.task, self.rng, self.noise = task, rng, float(noise)
+        self.thoughts = int(thoughts)
+        self.thought_rng = thought_rng if thought_rng is not None else random.Random(f"thoughts/{task.instruction}")
         self.chain = tool_chain(task.chain_length)
         self.stage = 0
         inst = dict(zip(task.instruction[::2], task.instruction[1::2], strict=False))
@@ -601,23 +744,61 @@ class ScriptedAgent:
                     last.returned, getattr(task, done.listed_by), rng, noise)
             elif done.returns is not None:
                 known[done.returns] = last.returned[0]
+        think = [self.thought_rng.choice(THOUGHT_TOKENS) for _ in range(self.thoughts)]
         if rng.random() < noise / 4:
             junk = rng.choice([[WRITE_TOOLS[0], str(task.order)], [rng.choice(READ_TOOLS)], ["EOO"]])
-            return [*junk, "EOA"]
+            return [*think, *junk, "EOA"]
         tool = TOOL_TABLE[self.chain[min(self.stage, len(self.chain) - 1)]]
         args = [known.get(n) for n in tool.arg_names]
         if tool.guard is not None:  # the attribute the id was selected by (only when selected from a list)
             args.insert(tool.guard_pos, known.get(tool.guard))
-        return [tool.name, *(str(a) for a in args if a is not None), "EOA"]
+        return [*think, tool.name, *(str(a) for a in args if a is not None), "EOA"]
 
 
-def run_scripted(task: Task, seed: int, noise: float = 0.0, max_turns: int | None = None
+class MultiScriptedAgent:
+    """The scripted agent of a :class:`MultiTask`: a :class:`ScriptedAgent` per sub-task, one after
+    the other. After a successful write it starts the next sub-task; after a failed write (its
+    selections were wrong) it leaves that sub-task for later and starts it again from its
+    instruction once the others are done, as an agent that notices a failed exchange would."""
+
+    def __init__(self, task: MultiTask, rng: random.Random, noise: float = 0.0, thoughts: int = 0,
+                 thought_rng: random.Random | None = None):
+        self.task, self.rng, self.noise, self.thoughts = task, rng, float(noise), int(thoughts)
+        self.thought_rng = thought_rng if thought_rng is not None else random.Random(f"thoughts/{task.instruction}")
+        self.pending = list(task.subtasks)
+        self.agent = self._start()
+        self.wrote = False  # the last action was the current sub-task's write (not a malformed one)
+
+    def _start(self) -> ScriptedAgent | None:
+        if not self.pending:
+            return None
+        return ScriptedAgent(self.pending[0], self.rng, self.noise, thoughts=self.thoughts,
+                             thought_rng=self.thought_rng)
+
+    def act(self, last: TurnRecord | None = None) -> list[str]:
+        if self.wrote and last is not None:
+            done = self.pending.pop(0)
+            if not last.ok:  # a failed exchange: try that sub-task again after the others
+                self.pending.append(done)
+            self.agent, last = self._start(), None
+        if self.agent is None:  # nothing left to do (the budget ends the episode)
+            self.agent, self.pending = self._start(), list(self.task.subtasks)
+        action = self.agent.act(last)
+        calls = [t for t in action if t not in THOUGHT_TOKENS]
+        self.wrote = calls[0] in WRITE_TOOLS and len(calls) > TOOL_TABLE[calls[0]].arity
+        return action
+
+
+def run_scripted(task: Task, seed: int, noise: float = 0.0, max_turns: int | None = None, thoughts: int = 0
                  ) -> tuple[list[int], list[bool], ToolshopEnv]:
-    """Play one episode with :class:`ScriptedAgent`; returns (token ids, policy mask, finished env)."""
+    """Play one episode with :class:`ScriptedAgent`; returns (token ids, policy mask, finished env).
+    With ``thoughts = m > 0`` every action starts with ``m`` thought tokens drawn uniformly (from a
+    generator of their own, so the demonstrator's choices are those of ``thoughts = 0``)."""
     env = ToolshopEnv(task, max_turns)
     ids = env.reset()
     mask = [False] * len(ids)
-    agent = ScriptedAgent(task, random.Random(seed), noise)
+    agent = (MultiScriptedAgent if isinstance(task, MultiTask) else ScriptedAgent)(
+        task, random.Random(seed), noise, thoughts=thoughts, thought_rng=random.Random(f"thoughts/{seed}"))
     last = None
     while not env.done:
         action = encode(agent.act(last))

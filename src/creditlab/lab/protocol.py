@@ -197,6 +197,10 @@ class Lab(Protocol):
     config_type: type
     """The lab's :class:`LabConfig` dataclass.
 
+    Preconditions: a lab with ``gate_groups`` (cell groups) and ``gate(rows, config) -> Table``
+    has :func:`run_lab` run those cells first and show the gate table (through ``status``) before
+    any other cell runs; the gate table is also one of ``tables``.
+
     Optional attributes the CLI reads: ``help`` (the sub-command's help text; default ``summary``),
     ``options`` (a tuple of :class:`LabOption`, the lab's own flags) and ``threads`` (torch intra-op
     threads of the CLI process, e.g. 1 for labs of many tiny tensors, as each process worker gets).
@@ -381,14 +385,16 @@ def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | N
     store = ResultStore(out / "store")
     _write_manifest(out, lab, config, [], code, mixed)  # an interrupted run is resumable from here on
     before = store.done()
+    gate_groups = tuple(getattr(lab, "gate_groups", ()))
+    first = [c for c in cells if c.group in gate_groups]
+    if first:  # the preconditions: measured and shown before any other cell runs
+        gate_frame = run_cells(first, store, executor=executor, desc=f"{lab.name} lab: gate", progress=progress)
+        gate = lab.gate(_rows_by_group(gate_frame, first), config)
+        if status is not None and gate is not None:
+            status(f"{gate.title}\n\n{_markdown(gate)}")
     frame = run_cells(cells, store, executor=executor, desc=f"{lab.name} lab", progress=progress)
     computed = len({c.key for c in cells} - before)
-    rows: dict[str, pd.DataFrame] = {}
-    if len(frame):
-        group_of = {c.key: c.group for c in cells}
-        frame = frame.assign(_group=frame["cell_key"].map(group_of))
-        for group, df in frame.groupby("_group", sort=True):
-            rows[str(group)] = df.drop(columns=["_group", "cell_key"]).dropna(axis=1, how="all").reset_index(drop=True)
+    rows = _rows_by_group(frame, cells)
     tables = lab.tables(rows, config)
     texts = lab.interpret(tables, config)
     missing = [n for n, t in tables.items() if t.report and not texts.get(n)]
@@ -408,6 +414,17 @@ def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | N
     if status is not None:
         status(f"{lab.name} lab: {computed} cell(s) computed, {len(cells) - computed} read back from {out}/store")
     return LabResult(tables=tables, plots=plots, report=report, computed=computed)
+
+
+def _rows_by_group(frame: pd.DataFrame, cells: list[Cell]) -> dict[str, pd.DataFrame]:
+    """The stored rows of ``cells``, split by their cell's group (the input of ``Lab.tables``)."""
+    rows: dict[str, pd.DataFrame] = {}
+    if len(frame):
+        group_of = {c.key: c.group for c in cells}
+        frame = frame.assign(_group=frame["cell_key"].map(group_of))
+        for group, df in frame.groupby("_group", sort=True):
+            rows[str(group)] = df.drop(columns=["_group", "cell_key"]).dropna(axis=1, how="all").reset_index(drop=True)
+    return rows
 
 
 def _report(lab: Lab, config: LabConfig, tables: dict[str, Table], texts: dict[str, str], plots: list[Path],

@@ -52,7 +52,8 @@ from creditlab.labs._toolshop import BasePolicyConfig, BasePolicyLab, base_knob,
 from creditlab.train.toolshop_base import BaseConfig, base_policy
 from creditlab.train.toolshop_grpo import GRPOConfig, train_grpo_stacked
 
-__all__ = ["ARMS", "DOSES", "LAB", "MismatchConfig", "MismatchLab", "arm_triple", "run_stack", "score_curve"]
+__all__ = ["ARMS", "DOSES", "LAB", "MismatchConfig", "MismatchLab", "arm_triple", "gate_metrics", "gate_table",
+           "phase_map", "predictions_table", "run_stack", "score_curve"]
 
 #: Arm -> (rollout engine, learner, correction); "P" is the engine precision of the dose.
 ARMS: dict[str, tuple[str, str, str]] = {
@@ -72,6 +73,12 @@ DOSES = ("fp8", "int8", "nvfp4", "mxfp4")
 DEFAULT_DOSES = ("fp8", "int8", "nvfp4")
 #: Chain lengths (tool calls) of the lab's tasks, for the base policy and for training.
 CHAIN_LENGTHS = (5, 6, 7, 8)
+#: Thought tokens the demonstrator puts before every action (the lab's regime: see the knobs table).
+THOUGHTS = 24
+#: The gate: QAT's prefix drift entering the last turn, before training, must reach this (nats).
+GATE_DRIFT = 0.5
+#: Rollback threshold of the predictions (best - final held-out success).
+ROLLBACK = 0.03
 UNIT, DIFF = (0.0, 1.0), (-1.0, 1.0)
 METRICS = ("final", "best", "rollback", "aulc")
 
@@ -92,12 +99,13 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
     EXPERIMENTS: ClassVar[tuple[str, ...]] = DOSES
     SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "smooth", "dose_tasks", "dump_dir")
 
-    base: BaseConfig = field(default_factory=lambda: BaseConfig(chain_lengths=CHAIN_LENGTHS))
-    """Supervised warm start of the shared base policy (cached): chains of 5 to 8 tool calls."""
-    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(
-        updates=300, tasks_per_update=8, group_size=8, chain_lengths=CHAIN_LENGTHS, eval_every=10, eval_tasks=256))
+    base: BaseConfig = field(default_factory=lambda: _base_config())
+    """Supervised warm start of the shared base policy (cached): chains of 5 to 8 tool calls, each
+    action led by :data:`THOUGHTS` uniformly random thought tokens."""
+    grpo: GRPOConfig = field(default_factory=lambda: _grpo_config(updates=400, tasks_per_update=8, group_size=8,
+                                                                  eval_every=10, eval_tasks=256))
     """Outcome GRPO shared by every arm (its precisions, correction and seed are set per arm)."""
-    seeds: int = 3
+    seeds: int = 5
     """Paired seeds per arm (task stream, sampling uniforms, minibatch order)."""
     arms: tuple[str, ...] = tuple(ARMS)
     """Arms to train (see ARMS)."""
@@ -117,9 +125,9 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
 
     @classmethod
     def quick(cls) -> MismatchConfig:
-        return cls(grpo=GRPOConfig(updates=6, tasks_per_update=4, group_size=4, chain_lengths=CHAIN_LENGTHS,
-                                   eval_every=3, eval_tasks=32),
-                   seeds=2, smooth=1, dose_tasks=32, experiments=("nvfp4",))
+        """The gate table and a short fp32-vs-QAT run at NVFP4 (the full run's base policy)."""
+        return cls(grpo=_grpo_config(updates=4, tasks_per_update=4, group_size=4, eval_every=2, eval_tasks=32),
+                   seeds=1, smooth=1, dose_tasks=32, arms=("fp32", "qat"), experiments=("nvfp4",))
 
     def validate(self) -> None:
         check_count(self.seeds, "--seeds")
@@ -138,10 +146,23 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
             raise ConfigError("smooth", f"must be in [1, {g.updates // g.eval_every + 1}], got {self.smooth}")
         if g.max_len > self.base.max_len:
             raise ConfigError("grpo.max_len", f"{g.max_len} exceeds the model's {self.base.max_len}")
+        if self.base.thoughts and g.max_action_len < self.base.thoughts + 6:
+            raise ConfigError("grpo.max_action_len", f"{g.max_action_len} cannot hold {self.base.thoughts} thoughts "
+                                                     "and the longest call (6 tokens)")
         if tuple(g.chain_lengths) != tuple(self.base.chain_lengths):
             raise ConfigError("grpo.chain_lengths", "must equal base.chain_lengths (the base policy's tasks)")
         if g.advantage != "grpo":
             raise ConfigError("grpo.advantage", "the mismatch lab trains outcome GRPO (advantage='grpo')")
+
+
+def _base_config() -> BaseConfig:
+    # the context holds C + 2 turns of (thoughts + call + observation) at C = 8; demonstrations in
+    # batches of 64 (each holds about 7x the policy tokens of a demonstration without thoughts)
+    return BaseConfig(chain_lengths=CHAIN_LENGTHS, thoughts=THOUGHTS, max_len=416, batch_size=64)
+
+
+def _grpo_config(**kw) -> GRPOConfig:
+    return GRPOConfig(chain_lengths=CHAIN_LENGTHS, max_len=384, max_action_len=THOUGHTS + 8, **kw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,8 +230,63 @@ def run_dose_cell(config: dict, tasks: int, cache_dir: str) -> list[dict]:
                              "seq_k3": m["mismatch/seq_k3"], "prefix_turn0": m["mismatch/turn0/prefix"],
                              "prefix_last": m[f"mismatch/turn{last}/prefix"],
                              "current_last": m[f"mismatch/turn{last}/current"], "last_turn": last,
-                             "engine_success": float(batch.success.mean())})
+                             "engine_success": float(batch.success.mean()),
+                             **gate_metrics(old, batch.rollout_logprobs, batch.policy_mask, batch.turn_ids,
+                                            batch.tokens, batch.entropy)})
     return rows
+
+
+#: Token-entropy bins (nats, of the engine's distribution) of the gate's K3 by entropy.
+ENTROPY_BINS = (0.0, 0.05, 0.3, 1.0, math.inf)
+
+
+def _bin_name(lo: float, hi: float) -> str:
+    return f"k3_H<{hi:g}" if lo == 0 else f"k3_H>{lo:g}" if math.isinf(hi) else f"k3_H{lo:g}-{hi:g}"
+
+
+def gate_metrics(old, rollout_lp, policy_mask, turn_ids, tokens, entropy) -> dict[str, float]:
+    """The preconditions of the lab on one batch of trajectories sampled by the engine:
+
+    * ``policy_tokens``: policy tokens per trajectory (mean), ``thought_tokens`` the thoughts among them;
+    * ``drift_last``: the prefix log ratio entering each trajectory's last turn, ``sum of
+      (learner - engine)`` over the policy tokens of its earlier turns (mean over trajectories; it is
+      negative on average, since the engine drew the tokens: its mean is minus the KL of those
+      tokens' engine distributions from the learner's);
+    * ``k3_H...``: K3 per policy token by the engine's entropy at that token (:data:`ENTROPY_BINS`),
+      and ``share_H...`` each bin's share of the policy tokens; ``k3_thought`` / ``k3_action``: K3 on
+      the thought tokens and on the rest; ``thought_entropy``: the engine's mean entropy on thoughts.
+    """
+    import torch
+
+    pm = policy_mask.bool()
+    delta = (old - rollout_lp).double().masked_fill(~pm, 0.0)
+    k3 = (delta.exp() - 1 - delta).masked_fill(~pm, 0.0)
+    tid = torch.where(pm, turn_ids, torch.full_like(turn_ids, -1))
+    last = tid.max(1, keepdim=True).values
+    has = last[:, 0] >= 0
+    drift = (delta * (pm & (turn_ids < last))).sum(1)
+    thought = pm & _thought_mask(tokens)
+    out = {"policy_tokens": float(pm.sum(1).double().mean()), "thought_tokens": float(thought.sum(1).double().mean()),
+           "drift_last": float(drift[has].mean()) if bool(has.any()) else math.nan}
+    n = max(int(pm.sum()), 1)
+    ent = entropy.double() if entropy is not None else None
+    for lo, hi in zip(ENTROPY_BINS[:-1], ENTROPY_BINS[1:], strict=True):
+        name = _bin_name(lo, hi)
+        sel = pm & (ent >= lo) & (ent < hi) if ent is not None else None
+        cnt = int(sel.sum()) if sel is not None else 0
+        out[name] = float(k3[sel].mean()) if cnt else math.nan
+        out[name.replace("k3_", "share_")] = cnt / n
+    action = pm & ~thought
+    out["k3_thought"] = float(k3[thought].mean()) if bool(thought.any()) else math.nan
+    out["k3_action"] = float(k3[action].mean()) if bool(action.any()) else math.nan
+    out["thought_entropy"] = float(ent[thought].mean()) if ent is not None and bool(thought.any()) else math.nan
+    return out
+
+
+def _thought_mask(tokens):
+    from creditlab.envs.toolshop import N_THOUGHTS, THOUGHT0
+
+    return (tokens >= THOUGHT0) & (tokens < THOUGHT0 + N_THOUGHTS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,7 +332,11 @@ def _summary(df: pd.DataFrame, cfg: MismatchConfig) -> pd.DataFrame:
                      "weight_min": _mean_of(tr, "correction/weight_min"),
                      "weight_max": _mean_of(tr, "correction/weight_max"),
                      "clip_rate": _mean_of(tr, "correction/clip_rate"),
-                     "update_kl": _mean_of(tr, "loss/approx_kl")})
+                     "update_kl": _mean_of(tr, "loss/approx_kl"),
+                     # the regime: does the policy keep its entropy on thoughts while it trains?
+                     "thought_entropy_early": _mean_of(tr[tr["update"] < U / 3], "policy/thought_entropy"),
+                     "thought_entropy_late": _mean_of(tr[tr["update"] >= 2 * U / 3], "policy/thought_entropy"),
+                     "policy_tokens_late": _mean_of(tr[tr["update"] >= 2 * U / 3], "episode/policy_tokens")})
     return _ordered(pd.DataFrame(rows), ["dose", "arm", "seed"])
 
 
@@ -345,12 +425,23 @@ def _knob_rows(cfg: MismatchConfig) -> list[tuple[str, str, str]]:
          "5 to 8 tool calls (7 turns on average, up to C + 2): a long interaction history for the mismatch to "
          "compound over, and a base policy at about 0.4 held-out success that GRPO does not saturate at once "
          "(at C = 4 outcome GRPO reached 0.96 in 100 updates)."),
+        ("thought tokens per action", str(b.thoughts),
+         "reward-neutral free tokens before every call, uniformly random in the demonstrations, so the trained "
+         "policy keeps entropy where an LLM agent keeps it (its free text) while its tool calls become "
+         "deterministic. Per-token K3 is largest at high entropy, and the prefix drift grows with the policy "
+         "tokens before the last turn: with 24 thoughts a successful episode of C calls holds about C x 28 "
+         "policy tokens (140-225 at C = 5-8, inside the 150-400 of LLM agent turns' regime), against 20-29 "
+         "without thoughts. 32 would cost a third more decode steps per update for a few more tokens."),
+        ("context", f"model {b.max_len}, trajectory {g.max_len}, action {g.max_action_len} tokens",
+         "C + 2 = 10 turns at C = 8 of (thoughts + call + observation) fit; an action holds its thoughts and "
+         "the longest call."),
         ("base policy", base_knob(b),
-         "the toolshop defaults, only the chain lengths changed; one base policy shared by every arm and seed."),
+         "the toolshop defaults, with the chain lengths, the thoughts and the context above; demonstrations in "
+         "batches of 64 (each holds 7x the tokens of one without thoughts); one base policy shared by every arm "
+         "and seed."),
         ("updates", str(g.updates),
-         "held-out success of fp32 rises for about the first 50-70 updates and creeps after that (pilot); the rest "
-         "of the run is late training, where a rollback would show. Fewer than the paper's 400: the time of a run "
-         "is linear in updates."),
+         "as in the paper: its QAT run peaks near 300 updates and rolls back between 300 and 400; the time of a "
+         "run is linear in updates."),
         ("rollouts per update", f"{g.tasks_per_update} tasks x {g.group_size}",
          "a quarter of the toolshop lab's 256, for time: the cost of a run is linear in rollouts per update."),
         ("optimisation", optim_knob(g), "GRPOConfig defaults, as in the toolshop lab; not tuned."),
@@ -374,7 +465,102 @@ CURVE_COLUMNS = {"eval/success": "success", "reward/success": "train_success", "
                  "mismatch/mean_abs_delta": "mean_abs_delta", "mismatch/seq_k3": "seq_k3",
                  "correction/clip_rate": "clip_rate", "correction/weight_mean": "weight_mean",
                  "correction/weight_min": "weight_min", "correction/weight_max": "weight_max",
-                 "loss/clip_frac": "ppo_clip_frac", "grad_norm": "grad_norm", "episode/tool_calls": "tool_calls"}
+                 "loss/clip_frac": "ppo_clip_frac", "grad_norm": "grad_norm", "episode/tool_calls": "tool_calls",
+                 "policy/thought_entropy": "thought_entropy", "policy/action_entropy": "action_entropy",
+                 "episode/policy_tokens": "policy_tokens"}
+
+
+# --------------------------------------------------------------------------------------------
+# the gate, the predictions and the phase map
+
+
+def gate_table(dose: pd.DataFrame) -> pd.DataFrame:
+    """Per engine dose: the base policy's K3 per token, policy tokens per trajectory and prefix drift
+    entering the last turn for the naive (fp32 learner) and the QAT learner, K3 by token entropy, and
+    whether QAT's drift reaches :data:`GATE_DRIFT` (the precondition of the main run)."""
+    rows = []
+    for engine in [e for e in DOSES if e in set(dose["engine"])]:
+        d = dose[dose["engine"] == engine].set_index("learner")
+        if not {"fp32", "QAT"} <= set(d.index) or "drift_last" not in d.columns:
+            continue
+        nv, q = d.loc["fp32"], d.loc["QAT"]
+        row = {"engine": engine, "policy_tokens": q["policy_tokens"], "thought_tokens": q["thought_tokens"],
+               "k3_naive": nv["k3"], "k3_qat": q["k3"], "drift_naive": nv["drift_last"], "drift_qat": q["drift_last"]}
+        for c in [c for c in d.columns if c.startswith("k3_H")]:
+            row[f"{c} (naive)"], row[f"{c} (QAT)"] = nv[c], q[c]
+        row["k3_thought (QAT)"], row["k3_action (QAT)"] = q.get("k3_thought", math.nan), q.get("k3_action", math.nan)
+        row["thought_entropy"] = q.get("thought_entropy", math.nan)  # absent (all NaN) without thoughts
+        row["gate"] = "pass" if -q["drift_last"] >= GATE_DRIFT else "fail"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def predictions_table(summary: pd.DataFrame, diffs_fp32: pd.DataFrame, doses: list[str]) -> pd.DataFrame:
+    """The predictions (fixed before the full run; docs/mismatch.md) tested on this run, per dose:
+    (a) QAT rolls back (best - final > ROLLBACK in >= 3/5 of seeds) with K3 late / early > 1;
+    (b) InterQ does not (rollback <= ROLLBACK in >= 4/5 of seeds) and its final success paired with
+    fp32 has a 95% interval inside [-0.05, 0.05]; (c) TIS and MIS on QAT roll back as in (a);
+    (d) QAT+prefix and QAT+global are less stable than InterQ: a larger rollback than InterQ in
+    >= 3/5 of seeds, or a seed standard deviation of final success >= 2x InterQ's."""
+    rows = []
+
+    def runs(arm, dose):
+        return summary[(summary["arm"] == arm) & (summary["dose"] == dose)].set_index("seed")
+
+    for dose in doses:
+        inter = runs("qat_interq", dose)
+        n = len(inter) or len(runs("qat", dose))
+        need_a, need_b = math.ceil(0.6 * n), math.ceil(0.8 * n)
+        for label, arm in (("a", "qat"), ("c", "qat_tis"), ("c", "qat_mis")):
+            r = runs(arm, dose)
+            if r.empty:
+                continue
+            k = int((r["rollback"] > ROLLBACK).sum())
+            growth = float(r["k3_growth"].mean())
+            held = k >= need_a and growth > 1
+            rows.append({"dose": dose, "prediction": label, "arm": arm,
+                         "measured": f"rollback > {ROLLBACK:g} in {k}/{len(r)} seeds; K3 late/early {growth:.2f}",
+                         "held": held})
+        if not inter.empty:
+            k = int((inter["rollback"] <= ROLLBACK).sum())
+            d = diffs_fp32[(diffs_fp32["diff"].str.startswith("qat_interq")) & (diffs_fp32["dose"] == dose)] \
+                if len(diffs_fp32) else pd.DataFrame()
+            lo, hi = (float(d["final_lo"].iloc[0]), float(d["final_hi"].iloc[0])) if len(d) else (math.nan, math.nan)
+            rows.append({"dose": dose, "prediction": "b", "arm": "qat_interq",
+                         "measured": f"rollback <= {ROLLBACK:g} in {k}/{len(inter)} seeds; final - fp32 in "
+                                     f"[{lo:.3f}, {hi:.3f}]",
+                         "held": k >= need_b and -0.05 <= lo and hi <= 0.05})
+            for arm in ("qat_prefix", "qat_global"):
+                r = runs(arm, dose)
+                common = r.index.intersection(inter.index)
+                if not len(common):
+                    continue
+                larger = int((r.loc[common, "rollback"] > inter.loc[common, "rollback"]).sum())
+                sd, sd_i = float(r["final"].std(ddof=1)), float(inter["final"].std(ddof=1))
+                rows.append({"dose": dose, "prediction": "d", "arm": arm,
+                             "measured": f"larger rollback than InterQ in {larger}/{len(common)} seeds; final sd "
+                                         f"{sd:.3f} vs InterQ {sd_i:.3f}",
+                             "held": larger >= need_a or (sd_i > 0 and sd >= 2 * sd_i)})
+    return pd.DataFrame(rows)
+
+
+def phase_map(summary: pd.DataFrame, gate: pd.DataFrame) -> pd.DataFrame:
+    """Rollback of the uncorrected arms (naive, QAT) and of InterQ against the prefix drift entering the
+    last turn that the arm's learner had on the base policy (|drift| in nats, from the gate), one point
+    per arm and dose, with the fp32 arm's rollback (no mismatch) as the noise band."""
+    if gate.empty:
+        return pd.DataFrame()
+    drift = gate.set_index("engine")
+    fp = summary[summary["arm"] == "fp32"]["rollback"]
+    rows = []
+    for (arm, dose), g in summary[summary["arm"].isin(["naive", "qat", "qat_interq"])].groupby(["arm", "dose"]):
+        if dose not in drift.index:
+            continue
+        x = -float(drift.loc[dose, "drift_naive" if arm == "naive" else "drift_qat"])
+        rows.append({"arm": arm, "dose": dose, "drift": x, **ci_columns(g["rollback"], "rollback"),
+                     "rolled_back": int((g["rollback"] > ROLLBACK).sum()), "seeds": len(g),
+                     "fp32_rollback": float(fp.mean()) if len(fp) else math.nan})
+    return _ordered(pd.DataFrame(rows), ["drift", "arm"]) if rows else pd.DataFrame()
 
 
 # --------------------------------------------------------------------------------------------
@@ -391,6 +577,7 @@ class MismatchLab(BasePolicyLab):
             "-e nvfp4 -e mxfp4). The base policy is trained on first use (a few minutes on 2 cores) and cached; set "
             "CREDITLAB_CACHE to choose where. Use --workers 2 on two cores.")
     config_type = MismatchConfig
+    gate_groups = ("dose",)
     # One intra-op thread in the CLI process, as the process executor gives each worker: the lab's
     # tensors are small, and a second thread on busy cores waits more than it works (a GRPO update
     # of the tiny trainer took 7x longer with two threads than with one on a shared 2-core machine).
@@ -425,6 +612,12 @@ class MismatchLab(BasePolicyLab):
                                {"dose": dose, "arms": quantized, "seeds": [s], "config": ident}, ctx) for s in seeds]
         return cells
 
+    def gate(self, rows: dict[str, pd.DataFrame], cfg: MismatchConfig) -> Table | None:
+        if "dose" not in rows:
+            return None
+        return Table(gate_table(rows["dose"]), f"Gate: the base policy before training (QAT's drift entering the "
+                                               f"last turn >= {GATE_DRIFT:g} nat)", ".3g", console=True)
+
     def tables(self, rows: dict[str, pd.DataFrame], cfg: MismatchConfig) -> dict[str, Table]:
         df = rows["train"]
         df = df[df["dose"].isin(["fp32", *cfg.experiments]) & df["arm"].isin(cfg.arms)]
@@ -432,6 +625,7 @@ class MismatchLab(BasePolicyLab):
         summary = _summary(df, cfg)
         tabs = {"knobs": Table(_knobs(cfg), "Knobs chosen for this lab, and why")}
         if "dose" in rows:
+            tabs["gate"] = self.gate(rows, cfg)
             tabs["dose"] = Table(rows["dose"], "The dose: engine/learner mismatch of the base policy", ".3g")
         tabs |= {
                 "summary": Table(summary, "Summary per arm, dose and seed (held-out success, fp32 engine)", ".3g"),
@@ -440,6 +634,12 @@ class MismatchLab(BasePolicyLab):
             d = _diffs(summary, doses, ref)
             if len(d):
                 tabs[f"diff_vs_{ref}"] = Table(d, f"Paired differences against {LABELS[ref]} (same seeds)", ".3g")
+        diffs = tabs["diff_vs_fp32"].frame if "diff_vs_fp32" in tabs else pd.DataFrame()
+        tabs["predictions"] = Table(predictions_table(summary, diffs, doses),
+                                    "The predictions, tested on this run", console=True)
+        if "gate" in tabs:
+            tabs["phase_map"] = Table(phase_map(summary, tabs["gate"].frame),
+                                      "Phase map: rollback against the prefix drift entering the last turn", ".3g")
         by_turn = _by_turn(df, cfg)
         tabs["by_turn"] = Table(by_turn, "Prefix and current log ratio by turn", ".3g", report=False)
         tabs["fingerprint"] = Table(_fingerprint(by_turn),
@@ -456,6 +656,10 @@ class MismatchLab(BasePolicyLab):
         if len(tabs["by_turn"].frame):
             made.append(_plot_fingerprint(tabs["by_turn"].frame, doses, out))
         made.append(_plot_dose(means, doses, out))
+        if "thought_entropy" in curves.columns and curves["thought_entropy"].notna().any():
+            made.append(_plot_entropy(curves, doses, out))
+        if "phase_map" in tabs and len(tabs["phase_map"].frame):
+            made.append(_plot_phase_map(tabs["phase_map"].frame, out))
         return made
 
     def interpret(self, tabs: dict[str, Table], cfg: MismatchConfig) -> dict[str, str]:
@@ -466,7 +670,11 @@ class MismatchLab(BasePolicyLab):
                      "win or lose. Settings not listed are the defaults of GRPOConfig and BaseConfig (the toolshop "
                      "lab's) and of the correction arms in creditlab.core.correction."}
         if "dose" in tabs:
+            text["gate"] = _read_gate(tabs["gate"].frame)
             text["dose"] = _read_dose(tabs["dose"].frame, cfg)
+        text["predictions"] = _read_predictions(tabs["predictions"].frame, cfg) + few
+        if "phase_map" in tabs:
+            text["phase_map"] = _read_phase_map(tabs["phase_map"].frame)
         noise = _noise_floor(s)
         text["summary"] = (
             "One row per run. final: mean held-out success of the last evaluation points; best: the best such "
@@ -500,6 +708,40 @@ LAB = MismatchLab()
 def _noise_floor(summary: pd.DataFrame) -> float:
     fp = summary[summary["arm"] == "fp32"]["rollback"]
     return float(fp.mean()) if len(fp) else math.nan
+
+
+def _read_gate(g: pd.DataFrame) -> str:
+    if g.empty:
+        return "No dose was measured with both an fp32 and a QAT learner."
+    parts = [f"{r.engine}: {r.policy_tokens:.0f} policy tokens per trajectory, drift entering the last turn "
+             f"{r.drift_naive:.2f} nat naive and {r.drift_qat:.2f} QAT ({r.gate})" for r in g.itertuples()]
+    passing = list(g[g["gate"] == "pass"]["engine"])
+    return ("Measured on the base policy's own trajectories before any arm trains. The drift is the summed "
+            "learner - engine log ratio of the policy tokens before the last turn: negative because the engine "
+            "drew those tokens (its mean is minus their KL), and what a prefix correction multiplies the last "
+            f"turn's gradient by (as exp). The gate asks |QAT drift| >= {GATE_DRIFT:g} nat. " + "; ".join(parts)
+            + ". " + (f"Doses that pass: {', '.join(passing)}." if passing else
+                      "No dose passes: in this world QAT's residual mismatch does not reach the regime the "
+                      "predictions are about; their outcome below says nothing about it."))
+
+
+def _read_predictions(p: pd.DataFrame, cfg: MismatchConfig) -> str:
+    if p.empty:
+        return "The predictions need the QAT, InterQ and fp32 arms; this run has not got them."
+    parts = [f"({r.prediction}) {LABELS[r.arm]} at {r.dose}: {r.measured}: {'held' if r.held else 'did not hold'}"
+             for r in p.itertuples()]
+    return ("Each prediction of docs/mismatch.md (fixed before the full run) against this run's summary table. "
+            + "; ".join(parts) + ".")
+
+
+def _read_phase_map(m: pd.DataFrame) -> str:
+    if m.empty:
+        return "No phase-map point: the run has no gate measurement for its doses."
+    parts = [f"{LABELS[r.arm]} at {r.dose} (drift {r.drift:.2f} nat): rollback {r.rollback:.3f}, "
+             f"{r.rolled_back}/{r.seeds} seeds > {ROLLBACK:g}" for r in m.itertuples()]
+    return ("One point per arm and dose: x the |drift| entering the last turn that arm's learner had on the base "
+            "policy, y its mean rollback (95% interval over seeds); the fp32 arm's rollback is the band of "
+            "training without mismatch. " + "; ".join(parts) + ".")
 
 
 def _read_dose(d: pd.DataFrame, cfg: MismatchConfig) -> str:
@@ -617,6 +859,42 @@ def _plot_fingerprint(by_turn: pd.DataFrame, doses: list[str], out: Path) -> Pat
         axes[0][0].set_ylabel("mean log ratio learner - engine")
         axes[1][0].set_ylabel("mean log ratio learner - engine")
     return save(fig, out / "mismatch_fingerprint.png")
+
+
+def _plot_entropy(curves: pd.DataFrame, doses: list[str], out: Path) -> Path:
+    """The engine's entropy on thought tokens and on tool-call tokens over training, per dose."""
+    fig, axes = new_figure(1, len(doses), figsize=(5.2 * len(doses), 4.2), squeeze=False, sharey=True)
+    for ax, dose in zip(axes[0], doses, strict=True):
+        runs = _runs_for(curves, dose)
+        for arm in [a for a in ARMS if a in set(runs["arm"])]:
+            _band(ax, runs[runs["arm"] == arm], "thought_entropy", arm)
+        for arm in [a for a in ("fp32", "qat") if a in set(runs["arm"])]:
+            g = runs[runs["arm"] == arm].groupby("update")["action_entropy"].mean()
+            ax.plot(g.index, g.to_numpy(), ":", color=COLORS[arm], label=f"{LABELS[arm]}: tool-call tokens")
+        ax.set_title(f"engine {dose}: policy entropy (thoughts solid)")
+        ax.set_xlabel("update")
+    axes[0][0].set_ylabel("mean entropy of the sampled position (nats)")
+    axes[0][-1].legend(loc="center right", fontsize=7)
+    return save(fig, out / "mismatch_entropy.png")
+
+
+def _plot_phase_map(m: pd.DataFrame, out: Path) -> Path:
+    fig, axes = new_figure(1, 1, figsize=(6.4, 4.4), squeeze=False)
+    ax = axes[0][0]
+    for arm, g in m.groupby("arm", sort=False):
+        err = np.vstack([(g["rollback"] - g["rollback_lo"]).clip(lower=0), (g["rollback_hi"] - g["rollback"]).clip(lower=0)])
+        ax.errorbar(g["drift"], g["rollback"], yerr=err, fmt="o", color=COLORS[arm], label=LABELS[arm], capsize=3)
+        for r in g.itertuples():
+            ax.annotate(r.dose, (r.drift, r.rollback), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    fp = float(m["fp32_rollback"].iloc[0])
+    if not math.isnan(fp):
+        ax.axhline(fp, color="black", lw=1, ls="--", label="fp32 rollback (no mismatch)")
+    ax.axhline(ROLLBACK, color="gray", lw=0.8, ls=":", label=f"rollback threshold {ROLLBACK:g}")
+    ax.set_xscale("symlog", linthresh=0.1)
+    ax.set_xlabel("|prefix drift| entering the last turn, base policy (nats)")
+    ax.set_ylabel("rollback = best - final (mean, 95% interval)")
+    ax.legend(fontsize=8)
+    return save(fig, out / "mismatch_phase_map.png")
 
 
 def _plot_dose(means: pd.DataFrame, doses: list[str], out: Path) -> Path:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from creditlab.envs.toolshop import PAD, VOCAB, run_scripted
+from creditlab.envs.toolshop import PAD, VOCAB, run_scripted, vocab_size
 from creditlab.models.tiny_lm import TinyLM, TinyLMConfig
 from creditlab.train.toolshop_rollout import make_tasks
 
@@ -62,17 +62,30 @@ class BaseConfig:
     """Model context length (:attr:`TinyLMConfig.max_len`, and its default)."""
     seed: int = 0
     """Seed of the model init, the demonstrations and the batches."""
+    thoughts: int = 0
+    """Thought tokens at the start of every demonstrated action, drawn uniformly from
+    :data:`creditlab.envs.toolshop.THOUGHT_TOKENS` (0: none, and a vocabulary without them)."""
+    privileged: float = 0.0
+    """Share of the demonstrations that carry a self-distillation teacher's privileged hint, half the
+    reference answer, half per-turn advice (:func:`creditlab.train.opsd.privileged_demo`), so a
+    teacher built from this policy has seen its context; 0: none."""
 
     def model_config(self) -> TinyLMConfig:
         """The :class:`TinyLMConfig` of the policy: the toolshop vocabulary, and every field of this
         config that :class:`TinyLMConfig` has too (the rest at TinyLMConfig's defaults)."""
         shared = {f.name: getattr(self, f.name) for f in fields(self) if f.name in _MODEL_FIELDS}
-        return TinyLMConfig(vocab_size=len(VOCAB), **shared)
+        return TinyLMConfig(vocab_size=vocab_size(self.thoughts), **shared)
 
     def key(self) -> str:
-        # the model's full config and a format version: a changed architecture never loads old weights
-        blob = json.dumps({**asdict(self), "model": asdict(self.model_config()), "v": 2}, sort_keys=True)
+        # the model's full config and a format version: a changed architecture never loads old weights;
+        # fields added since (at their defaults) are left out, so existing cache entries keep their names
+        own = {k: v for k, v in asdict(self).items() if k not in _ADDED or v != _ADDED[k]}
+        blob = json.dumps({**own, "model": asdict(self.model_config()), "v": 2}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+#: Fields added to :class:`BaseConfig` after the cache format's version 2, with their defaults.
+_ADDED = {"thoughts": 0, "privileged": 0.0}
 
 
 def default_cache_dir(env_value: str | None = None) -> Path:
@@ -100,7 +113,12 @@ def train_base(cfg: BaseConfig, progress: Callable[[int, float], None] | None = 
     for j in range(cfg.n_demos):
         s = DEMO_SEED_OFFSET + cfg.seed * cfg.n_demos + j
         task = make_tasks([s], cfg.chain_lengths)[0]
-        ids, mask, _ = run_scripted(task, seed=s, noise=cfg.noise)
+        if cfg.privileged:  # a share of the demonstrations carry a teacher's hint
+            from creditlab.train.opsd import privileged_demo
+
+            ids, mask = privileged_demo(task, s, cfg.noise, cfg.privileged)
+        else:
+            ids, mask, _ = run_scripted(task, seed=s, noise=cfg.noise, thoughts=cfg.thoughts)
         seqs.append(ids)
         masks.append(mask)
     L = min(max(len(s) for s in seqs), cfg.max_len)

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from creditlab.envs.toolshop import N_THOUGHTS, THOUGHT0
 from creditlab.errors import ConfigError
 from creditlab.models.quant import check_precision
 from creditlab.models.tiny_lm import StackedTinyLM, TinyLM
@@ -376,7 +377,23 @@ def _update_metrics(batch: RolloutBatch, adv: torch.Tensor, grad_norm: float) ->
         "episode/policy_tokens": float(n_policy) / len(batch),
         "adv/abs_mean": float(adv[pm].abs().mean()) if n_policy else 0.0,
         "grad_norm": grad_norm,
+        **_entropy_metrics(batch),
     }
+
+
+def _entropy_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """The engine's mean entropy (nats) on the sampled tokens; with thought tokens in the batch, also
+    on the thoughts and on the rest (the tool calls) separately."""
+    if batch.entropy is None or not bool(batch.policy_mask.any()):
+        return {}
+    pm, ent = batch.policy_mask, batch.entropy.float()
+    out = {"policy/entropy": float(ent[pm].mean())}
+    th = pm & (batch.tokens >= THOUGHT0) & (batch.tokens < THOUGHT0 + N_THOUGHTS)
+    if bool(th.any()):
+        out["policy/thought_entropy"] = float(ent[th].mean())
+        out["policy/action_entropy"] = float(ent[pm & ~th].mean()) if bool((pm & ~th).any()) else float("nan")
+        out["episode/thought_tokens"] = float(th.sum()) / len(batch)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -394,7 +411,8 @@ def _model_batch(batch: StackedRollout, m: int, group_size: int) -> RolloutBatch
                         rollout_logprobs=batch.rollout_logprobs[m], turn_ids=batch.turn_ids[m],
                         records=batch.records[m], success=batch.success[m], progress=batch.progress[m],
                         truncated=batch.truncated[m], n_calls=batch.n_calls[m], tasks=list(batch.tasks[m]),
-                        group_ids=torch.arange(B) // group_size)
+                        group_ids=torch.arange(B) // group_size,
+                        entropy=None if batch.entropy is None else batch.entropy[m])
 
 
 def _uniforms(seeds: list[int], tag: str, update: int, B: int, L: int) -> torch.Tensor:

@@ -82,6 +82,7 @@ class RolloutBatch:
     n_calls: torch.Tensor           # (B,) long: tool calls (turns)
     tasks: list[Task]
     group_ids: torch.Tensor         # (B,) long
+    entropy: torch.Tensor | None = None  # (B, L) float: the engine's entropy at sampled tokens, 0 elsewhere
 
     def __len__(self) -> int:
         return self.tokens.size(0)
@@ -92,8 +93,16 @@ class RolloutBatch:
 
 
 def make_tasks(seeds: Sequence[int], chain_lengths: Sequence[int]) -> list[Task]:
-    """One task per seed; the chain length cycles through ``chain_lengths`` (seeded choice)."""
-    return [make_task(s, chain_lengths[random.Random(s).randrange(len(chain_lengths))]) for s in seeds]
+    """One task per seed; the chain length cycles through ``chain_lengths`` (seeded choice). The code
+    :data:`~creditlab.envs.toolshop.MULTI_EXCHANGE` in ``chain_lengths`` stands for a multi-exchange
+    task (:func:`~creditlab.envs.toolshop.make_multi_task`)."""
+    from creditlab.envs.toolshop import MULTI_EXCHANGE, make_multi_task
+
+    out = []
+    for s in seeds:
+        C = chain_lengths[random.Random(s).randrange(len(chain_lengths))]
+        out.append(make_multi_task(s) if C == MULTI_EXCHANGE else make_task(s, C))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,6 +116,7 @@ class _Draw:
 
     tokens: np.ndarray    # (n,) int64
     logprobs: np.ndarray  # (n,) float32
+    entropy: np.ndarray | None = None  # (n,) float32: the engine distribution's entropy (nats)
 
 
 def _multinomial_draw(logits: torch.Tensor, rows: np.ndarray, temperature: float,
@@ -114,18 +124,21 @@ def _multinomial_draw(logits: torch.Tensor, rows: np.ndarray, temperature: float
     """Sample the rows ``rows`` of ``logits`` ``(B, V)`` with ``torch.multinomial`` (:func:`rollout`)."""
     lp = torch.log_softmax(logits / temperature, dim=-1)
     idx = torch.as_tensor(rows)
-    draw = torch.multinomial(lp[idx].exp(), 1, generator=generator).squeeze(1)
-    return _Draw(tokens=draw.numpy(), logprobs=lp[idx, draw].numpy())
+    p = lp[idx].exp()
+    draw = torch.multinomial(p, 1, generator=generator).squeeze(1)
+    return _Draw(tokens=draw.numpy(), logprobs=lp[idx, draw].numpy(), entropy=-(p * lp[idx]).sum(-1).numpy())
 
 
 def _inverse_cdf_draw(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float) -> _Draw:
     """One token per row of ``logits`` ``(n, V)``: the first whose cumulative probability exceeds
     ``uniforms`` ``(n,)`` (float64) times the total (:func:`rollout_stacked`)."""
     lp = torch.log_softmax(logits / temperature, dim=-1)
-    cdf = lp.exp().to(torch.float64).cumsum(-1)
+    p = lp.exp()
+    cdf = p.to(torch.float64).cumsum(-1)
     u = uniforms * cdf[:, -1]
     draw = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp(max=cdf.size(1) - 1)
-    return _Draw(tokens=draw.numpy(), logprobs=lp.gather(1, draw[:, None]).squeeze(1).numpy())
+    return _Draw(tokens=draw.numpy(), logprobs=lp.gather(1, draw[:, None]).squeeze(1).numpy(),
+                 entropy=-(p * lp).sum(-1).numpy())
 
 
 @dataclass
@@ -172,6 +185,7 @@ class _Rows:
     finished: np.ndarray   # (R,) bool
     live: np.ndarray       # (B,) or (M, W) int64
     pos: np.ndarray        # (R,) int64
+    ent: np.ndarray | None = None  # (R, max_len) float32: the engine's entropy where a token was sampled
     decode_steps: int = 0
     decode_rows: int = 0
 
@@ -195,7 +209,8 @@ class _Rows:
                    logp=np.zeros((R, max_len), dtype=np.float32), qbuf=qbuf, qhead=np.zeros(R, dtype=np.int64),
                    qlen=qlen, abuf=np.zeros((R, max(max_action_len, 1)), dtype=np.int64),
                    alen=np.zeros(R, dtype=np.int64), nrec=np.zeros(R, dtype=np.int64), done=np.zeros(R, dtype=bool),
-                   finished=np.zeros(R, dtype=bool), live=np.arange(R).reshape(shape), pos=np.arange(R))
+                   finished=np.zeros(R, dtype=bool), live=np.arange(R).reshape(shape), pos=np.arange(R),
+                   ent=np.zeros((R, max_len), dtype=np.float32))
 
     def engine_logits(self, model: TinyLM | StackedTinyLM, cache: KVCache | StackedKVCache, t: int) -> torch.Tensor:
         """Feed position ``t`` of the engine's batch: the next-token logits ``(live.size, V)`` (fp32) of
@@ -215,6 +230,8 @@ class _Rows:
         self.tokens[rows, t + 1] = draw.tokens
         self.policy[rows, t + 1] = self.valid[rows, t + 1] = True
         self.logp[rows, t + 1] = draw.logprobs
+        if draw.entropy is not None:
+            self.ent[rows, t + 1] = draw.entropy
         self.turn[rows, t + 1] = self.nrec[rows]
         self.abuf[rows, self.alen[rows]] = draw.tokens
         self.alen[rows] += 1
@@ -276,7 +293,8 @@ class _Rows:
             turn_ids=torch.as_tensor(self.turn[:, :L]), records=[env.records for env in envs],
             success=torch.tensor([o.success for o in outcome]), progress=torch.tensor([o.progress for o in outcome]),
             truncated=torch.tensor([not env.wrote for env in envs]),
-            n_calls=torch.tensor([len(env.records) for env in envs]), tasks=list(tasks), group_ids=gids)
+            n_calls=torch.tensor([len(env.records) for env in envs]), tasks=list(tasks), group_ids=gids,
+            entropy=torch.as_tensor(self.ent[:, :L]))
 
     def stacked_rollout(self, tasks: Sequence[Sequence[Task]]) -> StackedRollout:
         """The :class:`StackedRollout` of a :func:`rollout_stacked` (``tasks[m]``: the ``B`` tasks of model ``m``)."""
@@ -296,7 +314,7 @@ class _Rows:
             progress=mb([o.progress for o in outcome], torch.float32),
             truncated=mb([not env.wrote for env in envs]), n_calls=mb([len(env.records) for env in envs]),
             budget=mb([env.max_turns for env in envs]), tasks=[list(row) for row in tasks],
-            decode_steps=self.decode_steps, decode_rows=self.decode_rows)
+            decode_steps=self.decode_steps, decode_rows=self.decode_rows, entropy=mb(self.ent[:, :L]))
 
 
 @torch.no_grad()
@@ -341,6 +359,7 @@ class StackedRollout:
     tasks: list[list[Task]]
     decode_steps: int = 0           # model calls (positions) the engine ran
     decode_rows: int = 0            # rows x positions it computed (less than M * B * decode_steps when compacting)
+    entropy: torch.Tensor | None = None  # (M, B, L) float: the engine's entropy at sampled tokens, 0 elsewhere
 
 
 @torch.no_grad()

@@ -1,0 +1,211 @@
+"""The mismatch lab's regime: thought tokens in the toolshop world, the gate's metrics, the predictions.
+
+Thought tokens are reward-neutral (the environment drops them), appended after the vocabulary (no id
+moves) and off by default (the cache keys of existing base policies stay); the gate's metrics match a
+slow per-trajectory loop on random ragged batches and a hand-computed case; the predictions table
+reads a hand-made summary the way docs/mismatch.md states the predictions.
+"""
+
+import math
+import random
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from creditlab.envs.toolshop import (
+    N_THOUGHTS,
+    THOUGHT0,
+    THOUGHT_TOKENS,
+    TOK,
+    VOCAB,
+    VOCAB_WITH_THOUGHTS,
+    ToolshopEnv,
+    decode,
+    encode,
+    is_thought,
+    make_task,
+    run_scripted,
+    vocab_size,
+)
+from creditlab.errors import ConfigError
+from creditlab.labs.mismatch import ENTROPY_BINS, MismatchConfig, gate_metrics, gate_table, predictions_table
+from creditlab.train.toolshop_base import BaseConfig
+
+
+def test_thought_tokens_are_appended_and_move_no_id():
+    assert VOCAB_WITH_THOUGHTS[:len(VOCAB)] == VOCAB and THOUGHT0 == len(VOCAB)
+    assert all(TOK[t] == i for i, t in enumerate(VOCAB))
+    assert [TOK[t] for t in THOUGHT_TOKENS] == list(range(THOUGHT0, THOUGHT0 + N_THOUGHTS))
+    assert vocab_size(0) == len(VOCAB) and vocab_size(8) == len(VOCAB) + N_THOUGHTS
+    assert decode(encode(["think3", "get_order", "12"])) == ["think3", "get_order", "12"]
+    assert is_thought(THOUGHT0) and not is_thought(THOUGHT0 - 1) and not is_thought(THOUGHT0 + N_THOUGHTS)
+
+
+def test_default_cache_keys_are_those_of_the_configs_without_thoughts():
+    # the keys existing caches hold (recorded before thoughts were added): a thoughtless config keeps its file
+    assert BaseConfig().key() == "b33704abf4222439"
+    assert BaseConfig(chain_lengths=(5, 6, 7, 8)).key() == "9b99370fa2e5e7b8"
+    assert BaseConfig(thoughts=4).key() != BaseConfig().key()
+    assert BaseConfig(thoughts=4).model_config().vocab_size == len(VOCAB) + N_THOUGHTS
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), C=st.integers(2, 8), m=st.integers(1, 12), noise=st.sampled_from([0.0, 0.3]))
+def test_thoughts_are_reward_neutral_and_leave_the_demonstrator_s_choices(seed, C, m, noise):
+    """The same episode with and without thoughts: the same tool calls, records and verdict; the
+    thoughts stripped, the same tokens."""
+    task = make_task(seed, C)
+    ids0, mask0, env0 = run_scripted(task, seed, noise=noise)
+    ids, mask, env = run_scripted(task, seed, noise=noise, thoughts=m)
+    assert env.result() == env0.result()
+    assert [(r.name, r.arguments, r.returned, r.ok) for r in env.records] == \
+        [(r.name, r.arguments, r.returned, r.ok) for r in env0.records]
+    keep = [i for i, t in enumerate(ids) if not is_thought(t)]
+    assert [ids[i] for i in keep] == ids0 and [mask[i] for i in keep] == mask0
+    n_thoughts = sum(is_thought(t) for t in ids)
+    assert n_thoughts == m * len(env.records) and all(mask[i] for i, t in enumerate(ids) if is_thought(t))
+
+
+def test_thoughts_anywhere_in_an_action_change_nothing():
+    task = make_task(3, 4)
+    plain = ToolshopEnv(task)
+    plain.reset()
+    a = encode(["get_order", str(task.order), "EOA"])
+    want = plain.step(a)
+    env = ToolshopEnv(task)
+    env.reset()
+    got = env.step([THOUGHT0 + 1, a[0], THOUGHT0, a[1], THOUGHT0 + 5, a[2]])
+    assert got.observation == want.observation and got.record.returned == want.record.returned
+    with pytest.raises(ConfigError, match="thoughts"):
+        run_scripted(task, 0, thoughts=-1)
+
+
+def _gate_loop(old, rollout, pm, turn, tokens, ent):
+    """Slow reference of gate_metrics: one trajectory and one token at a time."""
+    B, L = pm.shape
+    drifts, n_pol, n_th = [], [], []
+    k3_bins = {i: [] for i in range(len(ENTROPY_BINS) - 1)}
+    k3_th, k3_act, ent_th = [], [], []
+    for b in range(B):
+        pol = [t for t in range(L) if pm[b, t]]
+        n_pol.append(len(pol))
+        n_th.append(sum(1 for t in pol if is_thought(int(tokens[b, t]))))
+        if pol:
+            last = max(int(turn[b, t]) for t in pol)
+            drifts.append(sum(float(old[b, t]) - float(rollout[b, t]) for t in pol if turn[b, t] < last))
+        for t in pol:
+            d = float(old[b, t]) - float(rollout[b, t])
+            k3 = math.exp(d) - 1 - d
+            h = float(ent[b, t])
+            for i in range(len(ENTROPY_BINS) - 1):
+                if ENTROPY_BINS[i] <= h < ENTROPY_BINS[i + 1]:
+                    k3_bins[i].append(k3)
+            if is_thought(int(tokens[b, t])):
+                k3_th.append(k3)
+                ent_th.append(h)
+            else:
+                k3_act.append(k3)
+    mean = lambda v: float(np.mean(v)) if v else math.nan  # noqa: E731
+    return {"policy_tokens": mean(n_pol), "thought_tokens": mean(n_th), "drift_last": mean(drifts),
+            "bins": [mean(k3_bins[i]) for i in k3_bins], "k3_thought": mean(k3_th), "k3_action": mean(k3_act),
+            "thought_entropy": mean(ent_th)}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gate_metrics_equal_the_loop_on_ragged_batches(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, L = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(4, 30, (1,), generator=g))
+    pm = torch.rand(B, L, generator=g) < 0.6
+    pm[0] = False if seed % 3 == 0 else pm[0]  # a row without policy tokens
+    turn = torch.sort(torch.randint(0, 5, (B, L), generator=g), dim=1).values
+    tokens = torch.randint(0, THOUGHT0 + N_THOUGHTS, (B, L), generator=g)
+    old = -torch.rand(B, L, generator=g) * 3
+    rollout = old + torch.randn(B, L, generator=g) * 0.3
+    ent = torch.rand(B, L, generator=g) * 2.5
+    got = gate_metrics(old, rollout, pm, turn, tokens, ent)
+    want = _gate_loop(old, rollout, pm, turn, tokens, ent)
+    for k in ("policy_tokens", "thought_tokens", "drift_last", "k3_thought", "k3_action", "thought_entropy"):
+        assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-9, nan_ok=True), k
+    names = [c for c in got if c.startswith("k3_H")]
+    assert len(names) == len(ENTROPY_BINS) - 1
+    for name, w in zip(names, want["bins"], strict=True):
+        assert got[name] == pytest.approx(w, rel=1e-6, abs=1e-9, nan_ok=True), name
+    shares = sum(got[n.replace("k3_", "share_")] for n in names)
+    assert shares == pytest.approx(1.0 if pm.any() else 0.0)
+
+
+def test_gate_metrics_by_hand():
+    # one trajectory, turns 0, 0, 1, 1 on policy tokens; deltas -0.1, -0.2, -0.3, 0.4: the drift entering
+    # turn 1 is -0.3; the first token is a thought
+    old = torch.tensor([[0.0, -0.1, -0.2, -0.3, 0.4]])
+    rollout = torch.zeros(1, 5)
+    pm = torch.tensor([[False, True, True, True, True]])
+    turn = torch.tensor([[-1, 0, 0, 1, 1]])
+    tokens = torch.tensor([[1, THOUGHT0, 5, 6, 7]])
+    ent = torch.tensor([[0.0, 2.0, 0.01, 0.5, 0.5]])
+    m = gate_metrics(old, rollout, pm, turn, tokens, ent)
+    k3 = lambda d: math.exp(d) - 1 - d  # noqa: E731
+    assert m["drift_last"] == pytest.approx(-0.3)
+    assert m["policy_tokens"] == 4 and m["thought_tokens"] == 1
+    assert m["k3_thought"] == pytest.approx(k3(-0.1)) and m["thought_entropy"] == pytest.approx(2.0)
+    assert m["k3_H<0.05"] == pytest.approx(k3(-0.2)) and m["share_H<0.05"] == 0.25
+    assert m["k3_H0.3-1"] == pytest.approx((k3(-0.3) + k3(0.4)) / 2) and math.isnan(m["k3_H0.05-0.3"])
+
+
+def test_gate_table_passes_a_dose_by_qat_s_drift():
+    rows = []
+    for engine, dq in (("fp8", -0.2), ("nvfp4", -0.7)):
+        for learner, drift in (("fp32", -3.0), ("QAT", dq)):
+            rows.append({"engine": engine, "learner": learner, "k3": 0.01, "drift_last": drift, "policy_tokens": 200.0,
+                         "thought_tokens": 150.0, "k3_thought": 0.02, "k3_action": 0.001, "thought_entropy": 2.5,
+                         "k3_H>1": 0.02})
+    g = gate_table(pd.DataFrame(rows)).set_index("engine")
+    assert g.loc["fp8", "gate"] == "fail" and g.loc["nvfp4", "gate"] == "pass"
+    assert g.loc["nvfp4", "drift_naive"] == -3.0 and g.loc["nvfp4", "k3_H>1 (QAT)"] == 0.02
+
+
+def _summary(arm, rollbacks, finals=None, growth=1.5, dose="nvfp4"):
+    finals = finals or [0.8] * len(rollbacks)
+    return [{"arm": arm, "dose": dose, "seed": s, "rollback": r, "final": f, "k3_growth": growth}
+            for s, (r, f) in enumerate(zip(rollbacks, finals, strict=True))]
+
+
+def test_predictions_are_read_as_the_docs_state_them():
+    rows = (_summary("qat", [0.05, 0.04, 0.06, 0.0, 0.01])                   # (a) 3 of 5, growth 1.5: held
+            + _summary("qat_tis", [0.05, 0.0, 0.0, 0.0, 0.04])               # (c) 2 of 5: not held
+            + _summary("qat_mis", [0.05, 0.04, 0.06, 0.1, 0.01], growth=0.9)  # (c) 4 of 5 but K3 falls: not held
+            + _summary("qat_interq", [0.0, 0.01, 0.02, 0.05, 0.0])           # (b) 4 of 5 <= 0.03
+            + _summary("qat_prefix", [0.03, 0.02, 0.03, 0.0, 0.01])          # (d) larger in 3 of 5: held
+            + _summary("qat_global", [0.0, 0.0, 0.0, 0.0, 0.0], finals=[0.8, 0.81, 0.79, 0.8, 0.8]))
+    diffs = pd.DataFrame([{"diff": "qat_interq - fp32", "dose": "nvfp4", "final": 0.0, "final_lo": -0.04,
+                           "final_hi": 0.03}])
+    p = predictions_table(pd.DataFrame(rows), diffs, ["nvfp4"]).set_index("arm")
+    assert p.loc["qat", "held"] and p.loc["qat", "prediction"] == "a"
+    assert not p.loc["qat_tis", "held"] and not p.loc["qat_mis", "held"]
+    assert p.loc["qat_interq", "held"] and p.loc["qat_interq", "prediction"] == "b"
+    assert p.loc["qat_prefix", "held"] and not p.loc["qat_global", "held"]
+    wide = diffs.assign(final_lo=-0.06)  # the interval leaves [-0.05, 0.05]: (b) fails
+    assert not predictions_table(pd.DataFrame(rows), wide, ["nvfp4"]).set_index("arm").loc["qat_interq", "held"]
+
+
+def test_the_lab_default_is_the_thought_regime():
+    c = MismatchConfig()
+    c.validate()
+    assert c.base.thoughts > 0 and c.grpo.max_action_len >= c.base.thoughts + 6 and c.grpo.updates == 400
+    assert c.seeds >= 5 and c.grpo.max_len <= c.base.max_len
+    with pytest.raises(ConfigError, match="max_action_len"):
+        from dataclasses import replace
+
+        replace(c, grpo=replace(c.grpo, max_action_len=c.base.thoughts)).validate()
+    # demonstrations of the default hold 150-400 policy tokens when they succeed
+    tokens = []
+    for s in range(40):
+        task = make_task(10_000_000 + s, random.Random(s).choice(c.base.chain_lengths))
+        ids, mask, env = run_scripted(task, s, noise=0.0, thoughts=c.base.thoughts)
+        assert env.result()[0]
+        tokens.append(sum(mask))
+    assert 150 <= np.median(tokens) <= 400
