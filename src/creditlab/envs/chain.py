@@ -22,7 +22,7 @@ import torch
 
 from creditlab.errors import ConfigError
 
-__all__ = ["ChainTasks", "chain_outcome", "exact_score", "make_tasks", "obs_dim", "observe"]
+__all__ = ["ChainTasks", "chain_outcome", "exact_completion", "exact_score", "make_tasks", "obs_dim", "observe"]
 
 
 @dataclass(frozen=True)
@@ -130,3 +130,11 @@ def exact_score(tasks: ChainTasks, p_correct_causal: torch.Tensor) -> torch.Tens
     p = torch.where(tasks.causal_valid, p_correct_causal, torch.ones_like(p_correct_causal))
     alive = torch.cumprod(p, dim=-1) * tasks.causal_valid
     return alive.sum(-1) / tasks.C.to(p.dtype)
+
+
+def exact_completion(tasks: ChainTasks, p_correct_causal: torch.Tensor) -> torch.Tensor:
+    """Probability ``prod_j p_j`` ``(M,)`` that a policy completes the whole chain (reward 1: what a
+    verifier of the final write sees), from the same ``p_j`` ``(M, Cmax)`` as :func:`exact_score`
+    (padding entries are ignored)."""
+    p = torch.where(tasks.causal_valid, p_correct_causal, torch.ones_like(p_correct_causal))
+    return p.prod(-1)

@@ -12,6 +12,7 @@ noise) and a model's result does not depend on which other models share its batc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import NamedTuple
 
@@ -19,12 +20,22 @@ import torch
 
 from creditlab.core import credit as cr
 from creditlab.core.advantages import grpo_advantages
-from creditlab.envs.chain import ChainTasks, chain_outcome, exact_score, make_tasks, obs_dim, observe, validate
+from creditlab.envs.chain import (
+    ChainTasks,
+    chain_outcome,
+    exact_completion,
+    exact_score,
+    make_tasks,
+    obs_dim,
+    observe,
+    validate,
+)
 from creditlab.errors import ConfigError
 from creditlab.models.batched_mlp import BatchedAdam, BatchedMLP
 from creditlab.train.common import generator, single_thread
 
-__all__ = ["ChainTrainConfig", "ModelSpec", "chain_step_batch", "single_update", "train_chain"]
+__all__ = ["ChainTrainConfig", "ModelSpec", "chain_step_batch", "pretrain_to_completion", "single_update",
+           "single_update_from", "train_chain"]
 
 # A model's credit arm is any geometry registered in creditlab.core.credit.GEOMETRIES. The chain
 # world feeds every geometry the same StepBatch: the GRPO advantage A_i, the outcome reward, the
@@ -246,7 +257,10 @@ def _credit(arms: _Arms, advantages: torch.Tensor, ro: _Rollouts, noise: _Noise)
     return credit
 
 
-def _train_chain(specs: list[ModelSpec], cfg: ChainTrainConfig) -> dict[str, torch.Tensor]:
+def _train_chain(specs: list[ModelSpec], cfg: ChainTrainConfig,
+                 watch: Callable[[int, BatchedMLP], bool] | None = None) -> dict[str, torch.Tensor]:
+    """``watch(u, policy)``: called before the first update (``u = 0``) and after update ``u``;
+    training stops when it returns True (it must not draw from the seed streams)."""
     _check(specs, cfg, "train")
     T, K, G = cfg.T, cfg.K, cfg.group
     M = len(specs)
@@ -264,7 +278,8 @@ def _train_chain(specs: list[ModelSpec], cfg: ChainTrainConfig) -> dict[str, tor
     x_static = observe(T, torch.arange(T)).expand(M, T, T) if not cfg.state_dependent else None
 
     e = 0
-    for u in range(cfg.updates):
+    stop = watch is not None and watch(0, policy)
+    for u in range(0 if stop else cfg.updates):
         noise = _draw_noise(streams, seed_idx, G, T)
         # --- rollouts
         ro = _rollouts(policy, tasks, noise.act, x_static)
@@ -280,12 +295,24 @@ def _train_chain(specs: list[ModelSpec], cfg: ChainTrainConfig) -> dict[str, tor
         if e < len(eval_at) and u + 1 == int(eval_at[e]):
             curve[:, e] = _exact_eval(policy, tasks, cfg.state_dependent)
             e += 1
+        if watch is not None and watch(u + 1, policy):
+            break
     return {"final_score": curve[:, -1].clone(), "curve": curve, "eval_at": eval_at, "train_reward": train_reward,
             "policy": policy}
 
 
 def _exact_eval(policy: BatchedMLP, tasks: ChainTasks, state_dependent: bool) -> torch.Tensor:
     """Exact expected reward ``(M,)`` of each model's (sampling) policy: no rollout noise."""
+    return exact_score(tasks, _p_causal(policy, tasks, state_dependent))
+
+
+def _exact_completion(policy: BatchedMLP, tasks: ChainTasks) -> torch.Tensor:
+    """Exact chain completion ``(M,)`` (probability of reward 1) of each independent-step policy."""
+    return exact_completion(tasks, _p_causal(policy, tasks, False))
+
+
+def _p_causal(policy: BatchedMLP, tasks: ChainTasks, state_dependent: bool) -> torch.Tensor:
+    """``(M, Cmax)`` probability of the correct action at each causal step on the still-correct path."""
     M, T = tasks.M, tasks.T
     if not state_dependent:
         logits, _ = policy.forward(observe(T, torch.arange(T)).expand(M, T, T))
@@ -297,7 +324,7 @@ def _exact_eval(policy: BatchedMLP, tasks: ChainTasks, state_dependent: bool) ->
         logits, _ = policy.forward(x)
         corr = tasks.correct.gather(1, tasks.causal_pos)
         p_causal = torch.softmax(logits, -1).gather(2, corr.unsqueeze(-1)).squeeze(-1)
-    return exact_score(tasks, p_causal)
+    return p_causal
 
 
 def _dlogits(credit: torch.Tensor, actions: torch.Tensor, probs: torch.Tensor, state_dependent: bool) -> torch.Tensor:
@@ -343,17 +370,49 @@ def _single_update(specs, cfg, base_updates, step, clip, G):
                                            f"{base_updates}, {step}, {clip}")
     if G < 2:
         raise ConfigError("rollouts", f"GRPO needs at least 2 rollouts, got {G}")
-    T = cfg.T
-    M = len(specs)
     bases = sorted({(s.seed, s.C) for s in specs})
-    idx = torch.tensor([bases.index((s.seed, s.C)) for s in specs])
     base = _train_chain([ModelSpec(seed=sd, C=C, arm="uniform") for sd, C in bases],
                         replace(cfg, updates=base_updates, eval_points=1))["policy"]
+    return _one_update(base, bases, specs, cfg, step, clip, G)
+
+
+def single_update_from(base: BatchedMLP, base_keys: list[tuple[int, int]], specs: list[ModelSpec],
+                       cfg: ChainTrainConfig, *, step: float, clip: float, rollouts: int | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """:func:`single_update` from given base policies: row ``b`` of ``base`` is the base of every spec
+    with ``(seed, C) == base_keys[b]`` (e.g. the snapshots of :func:`pretrain_to_completion`).
+
+    The rollouts of a base are drawn from the same stream as :func:`single_update`'s for its
+    ``(seed, C)``; the returned dict also has ``completion_before`` / ``completion_after`` ``(M,)``,
+    the exact chain completion."""
+    with single_thread():
+        _check(specs, cfg, "update")
+        G = rollouts or cfg.group
+        if cfg.state_dependent:
+            raise ConfigError("state_dependent", "single_update supports independent-step chains only")
+        if not step > 0 or not clip > 0 or G < 2:
+            raise ConfigError("single_update", f"needs step > 0, clip > 0, rollouts >= 2; got {step}, {clip}, {G}")
+        keys = [(int(sd), int(C)) for sd, C in base_keys]
+        if len(set(keys)) != len(keys) or len(keys) != base.W1.shape[0]:
+            raise ConfigError("base_keys", f"needs one distinct (seed, C) per base row ({base.W1.shape[0]}), "
+                                           f"got {len(keys)} ({len(set(keys))} distinct)")
+        missing = sorted({(s.seed, s.C) for s in specs} - set(keys))
+        if missing:
+            raise ConfigError("base_keys", f"no base policy for (seed, C) {missing[:3]}")
+        return _one_update(base, keys, specs, cfg, step, clip, G)
+
+
+def _one_update(base: BatchedMLP, bases: list[tuple[int, int]], specs: list[ModelSpec], cfg: ChainTrainConfig,
+                step: float, clip: float, G: int) -> dict[str, torch.Tensor]:
+    """One clipped SGD step per spec from the base row of its (seed, C), on shared rollouts."""
+    T = cfg.T
+    M = len(specs)
+    idx = torch.tensor([bases.index((s.seed, s.C)) for s in specs])
     policy = BatchedMLP(**{k: v[idx].clone() for k, v in base.params().items()})
     tasks = make_tasks(T, cfg.K, [s.C for s in specs], [s.seed for s in specs])
     # one stream per (seed, C), distinct from the training streams: the arms of a base share rollouts
     noise = _draw_noise([generator("chain/single_update", sd, C) for sd, C in bases], idx, G, T)
-    before = _exact_eval(policy, tasks, False)
+    before, completion_before = _exact_eval(policy, tasks, False), _exact_completion(policy, tasks)
     # --- rollouts and scores
     ro = _rollouts(policy, tasks, noise.act, observe(T, torch.arange(T)).expand(M, T, T))
     # --- advantages
@@ -367,7 +426,61 @@ def _single_update(specs, cfg, base_updates, step, clip, G):
     for k, g in grads.items():
         getattr(policy, k).sub_(g * (step * coef).view(M, *([1] * (g.dim() - 1))))
     # --- metrics
-    return {"before": before, "after": _exact_eval(policy, tasks, False), "grad_norm": norm, "binding": norm > clip}
+    return {"before": before, "after": _exact_eval(policy, tasks, False), "grad_norm": norm, "binding": norm > clip,
+            "completion_before": completion_before, "completion_after": _exact_completion(policy, tasks),
+            "rollout_completion": (ro.reward >= 1).float().mean(1)}
+
+
+def pretrain_to_completion(seeds: list[int], C: int, cfg: ChainTrainConfig, *, targets: tuple[float, ...],
+                           max_updates: int) -> dict:
+    """Base policies at fixed capability points: for each seed, the uniform-credit GRPO run of
+    :func:`train_chain` (Adam, ``cfg``, the seed's own training stream) on the chain ``(seed, C)``,
+    its policy snapshotted at the first update after which the exact chain completion (probability
+    of reward 1; no rollout noise) is ``>= target``, for each of ``targets``.
+
+    The rule stops at the first crossing, so each snapshot's completion is at or just above its
+    target (by at most one update's change). A seed that does not reach a target within
+    ``max_updates`` updates keeps its final policy there, with ``updates = -1``.
+
+    Returns ``policies`` (one :class:`BatchedMLP` per target, one row per seed), ``updates``
+    ``(n_targets, S)`` long (pre-training updates the snapshot took; 0: the initial policy),
+    ``completion`` and ``score`` ``(n_targets, S)`` (exact completion and expected reward of the
+    snapshot) and ``reached`` ``(n_targets, S)`` bool.
+    """
+    if not targets or any(not 0.0 < t <= 1.0 for t in targets):
+        raise ConfigError("targets", f"completion targets must be in (0, 1], got {targets}")
+    if max_updates < 1:
+        raise ConfigError("max_updates", f"must be >= 1, got {max_updates}")
+    specs = [ModelSpec(seed=int(sd), C=C, arm="uniform") for sd in seeds]
+    _check(specs, cfg, "pre-train")
+    if cfg.state_dependent:
+        raise ConfigError("state_dependent", "pretrain_to_completion supports independent-step chains only")
+    tasks = make_tasks(cfg.T, cfg.K, [C] * len(specs), [s.seed for s in specs])
+    updates = torch.full((len(targets), len(specs)), -1, dtype=torch.long)
+    snaps: list[dict[str, torch.Tensor]] = []
+
+    def watch(u: int, policy: BatchedMLP) -> bool:
+        if not snaps:
+            snaps.extend({k: v.clone() for k, v in policy.params().items()} for _ in targets)
+        completion = _exact_completion(policy, tasks)
+        for i, target in enumerate(targets):
+            new = (updates[i] < 0) & (completion >= target)
+            for k, v in policy.params().items():
+                snaps[i][k][new] = v[new]
+            updates[i][new] = u
+        return bool((updates >= 0).all())
+
+    with single_thread():
+        final = _train_chain(specs, replace(cfg, updates=max_updates, eval_points=1), watch)["policy"]
+        policies = []
+        for i, snap in enumerate(snaps):
+            for k, v in final.params().items():
+                snap[k][updates[i] < 0] = v[updates[i] < 0]
+            policies.append(BatchedMLP(**snap))
+        completion = torch.stack([_exact_completion(p, tasks) for p in policies])
+        score = torch.stack([_exact_eval(p, tasks, False) for p in policies])
+    return {"policies": policies, "updates": updates, "completion": completion, "score": score,
+            "reached": updates >= 0}
 
 
 def chain_step_batch(arm: str, rows: torch.Tensor, G: int, advantages: torch.Tensor, *, reward: torch.Tensor,
