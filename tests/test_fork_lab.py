@@ -35,7 +35,7 @@ def test_world_steps_and_exact_verdicts():
     assert match[0, 0, :5].tolist() == [True, True, False, False, False]
     parts = env.anatomy(p, resp)
     assert {k: float(v[0]) for k, v in parts.items()} == {"length": 5.0, "necessary": 2.0, "redundant": 1.0,
-                                                          "wrong": 1.0, "filler": 1.0}
+                                                          "wrong": 1.0, "filler": 1.0, "sweep": 0.0}
     # Recall (2 + 1) / 4; with tau 0.75 only the unit on fact 1 is necessary: P = 1/5.
     s = env.score(p, resp, "fork", tau=0.75)
     assert s.recall.item() == pytest.approx(0.75) and s.precision.item() == pytest.approx(0.2)

@@ -16,7 +16,18 @@ reward arms are :mod:`creditlab.train.bagofunits`) under one reward per arm, all
 Experiments: ``train`` (the arms above), ``oracle`` (best fixed rule per reward, no learning),
 ``map`` (where FORK keeps recall and where it trades recall for precision: a sweep over the share
 of facts the policy knows and the judge's leniency on paraphrases) and ``deletion`` (the necessity
-check: deletion curves of the credit-split necessity against a noisy direct necessity guess).
+check: deletion curves of the credit-split necessity against a noisy direct necessity guess), and
+three in the regime of the FORK paper:
+
+* ``noise``: a judge as noisy as a real one. The arms train on the verdicts of a judge that flips
+  each verdict with probability ``p`` and are evaluated on the exact ones. ``p`` is chosen per
+  target correlation (``noise_targets``; the paper's judge agreed with its reference at r = 0.714) by
+  measuring, on the initial policies' responses, the Pearson r between the noisy judge's FORK F1
+  and the exact one on a grid of rates (the gate table ``fork_noise_gate``);
+* ``winrate``: the rubric-free headline metric: the share of prompts on which an arm's response has
+  a higher true quality than the initial policy's (ties count half), exact judge;
+* ``pitfalls``: a world with a tempting pitfall (a sweeping claim buys recall for sure, is incorrect
+  and violates an absence rubric): absence-rubric satisfaction before and after training.
 
 Expected: recall-only grows the response with redundancy and wrong guesses (hedging); the mean
 gives up recall to gain precision; FORK keeps recall, raises precision and cuts length.
@@ -27,6 +38,9 @@ training prompts and the evaluation batch are the same across arms (paired compa
 
 from __future__ import annotations
 
+import functools
+import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
@@ -38,14 +52,30 @@ from creditlab.envs.bagofunits import BagOfUnits, Prompts
 from creditlab.errors import ConfigError
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import LabConfig, Table, check_count
-from creditlab.lab.report import paired_diff, read_diff, small_run_note, summarize
+from creditlab.lab.report import ci_columns, paired_diff, read_diff, small_run_note, summarize, to_markdown
 from creditlab.lab.runner import Cell
-from creditlab.train.bagofunits import REWARD_ARMS, BagTrainConfig, eval_seed, new_policy, reward_of, rollout, train_bag
+from creditlab.train.bagofunits import (
+    REWARD_ARMS,
+    BagTrainConfig,
+    bag_stream,
+    eval_seed,
+    make_env,
+    new_policy,
+    pearson,
+    reward_of,
+    rollout,
+    train_bag,
+)
 from creditlab.train.common import generator, single_thread
 
-__all__ = ["LAB", "ForkLab", "ForkLabConfig", "oracle_thresholds", "run_fork_cell", "run_oracle_cell"]
+__all__ = ["LAB", "ForkLab", "ForkLabConfig", "chosen_flips", "noise_calibration", "oracle_thresholds",
+           "run_fork_cell", "run_noise_cell", "run_oracle_cell", "run_pitfall_cell"]
 
-EXPERIMENTS = ("train", "oracle", "map", "deletion")
+EXPERIMENTS = ("train", "oracle", "map", "deletion", "noise", "winrate", "pitfalls")
+#: The correlation of the FORK paper's judge with its reference.
+PAPER_R = 0.714
+#: Largest |measured r - target r| at the chosen flip rate for the gate to pass.
+GATE_TOL = 0.02
 
 
 METRICS = ("length", "recall", "precision", "f1", "necessary", "redundant", "wrong", "filler")
@@ -76,14 +106,37 @@ class ForkLabConfig(BagTrainConfig, LabConfig):
     """``map``: GRPO updates per run."""
     deletion_noise: float = 0.25
     """``deletion``: probability that the direct necessity guess is wrong about a unit."""
+    noise_targets: tuple[float, ...] = (1.0, 0.85, PAPER_R, 0.55)
+    """``noise``: target correlations r of the noisy judge with the truth (1.0: the exact judge)."""
+    noise_flips: tuple[float, ...] = tuple(round(0.01 * i, 2) for i in range(31))
+    """``noise``: grid of flip rates the calibration measures r on (must include 0)."""
+    noise_calib_prompts: int = 2048
+    """``noise``: calibration prompts per initial policy (one per seed of ``noise_seeds``)."""
+    noise_arms: tuple[str, ...] = ("recall", "mean", "fork")
+    """``noise`` and ``winrate``: reward arms (include ``fork``: it is compared with the others)."""
+    noise_seeds: int = 4
+    """``noise`` and ``winrate``: paired seeds per cell."""
+    noise_updates: int = 200
+    """``noise`` and ``winrate``: GRPO updates per run."""
+    pitfall_arms: tuple[str, ...] = ("recall", "mean", "fork")
+    """``pitfalls``: reward arms."""
+    pitfall_weights: tuple[float, ...] = (1.0, 0.0)
+    """``pitfalls``: points of the absence rubric in the reward's rubric (0: left out of it, so only the
+    evaluation knows the pitfall); one run per value."""
+    pitfall_seeds: int = 4
+    """``pitfalls``: paired seeds."""
+    pitfall_updates: int = 200
+    """``pitfalls``: GRPO updates per run."""
     experiments: tuple[str, ...] = EXPERIMENTS
-    """``train``, ``oracle``, ``map``, ``deletion`` (see the module docstring)."""
+    """``train``, ``oracle``, ``map``, ``deletion``, ``noise``, ``winrate``, ``pitfalls`` (module docstring)."""
 
     @classmethod
     def quick(cls) -> ForkLabConfig:
-        """Under a minute on 2 cores."""
+        """About a minute and a half on 2 cores."""
         return cls(arms=("recall", "mean", "fork"), seeds=3, updates=100, prompts_per_update=16, eval_every=20,
-                   eval_prompts=128, map_known=(0.25, 1.0), map_arms=("recall", "fork"), map_seeds=1, map_updates=50)
+                   eval_prompts=128, map_known=(0.25, 1.0), map_arms=("recall", "fork"), map_seeds=1, map_updates=50,
+                   noise_targets=(1.0, PAPER_R, 0.55), noise_calib_prompts=1024, noise_seeds=2, noise_updates=50,
+                   pitfall_seeds=2, pitfall_updates=50)
 
     def validate(self) -> None:
         if not self.arms:
@@ -100,6 +153,7 @@ class ForkLabConfig(BagTrainConfig, LabConfig):
                 raise ConfigError("map_seeds", "map_seeds and map_updates must be >= 1")
         if not 0.0 <= self.deletion_noise <= 0.5:
             raise ConfigError("deletion_noise", f"must be in [0, 0.5], got {self.deletion_noise}")
+        self._validate_regime()
         for name in ("seeds", "updates", "prompts_per_update", "eval_every", "eval_prompts", "hidden"):
             check_count(getattr(self, name), f"--{name}" if name in ("seeds", "updates") else name)
         if not self.experiments or any(e not in EXPERIMENTS for e in self.experiments):
@@ -111,6 +165,33 @@ class ForkLabConfig(BagTrainConfig, LabConfig):
         if not self.tau > 0:
             raise ConfigError("tau", f"must be > 0, got {self.tau}")
         BagOfUnits(self.f_min, self.f_max, self.known_prob, self.max_units, lenient=self.lenient)  # its checks
+
+    def _validate_regime(self) -> None:
+        """The fields of the noisy judge, the win rate and the pitfalls."""
+        if not (0.0 <= self.judge_flip <= 0.5):
+            raise ConfigError("judge_flip", f"must be in [0, 0.5], got {self.judge_flip}")
+        for name in ("quality_wrong", "quality_pitfall", "pitfall_points"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(name, f"must be finite and >= 0, got {v}")
+        if not math.isfinite(self.pitfall_prior):
+            raise ConfigError("pitfall_prior", f"must be finite, got {self.pitfall_prior}")
+        for name in ("noise_seeds", "noise_updates", "noise_calib_prompts", "pitfall_seeds", "pitfall_updates"):
+            check_count(getattr(self, name), name)
+        for a in (*self.noise_arms, *self.pitfall_arms):
+            reward_of(a, self.beta)
+        if {"noise", "winrate"} & set(self.experiments) and "fork" not in self.noise_arms:
+            raise ConfigError("noise_arms", "the noise and winrate experiments compare fork with the others: "
+                                            "include it")
+        if "pitfalls" in self.experiments and not self.pitfall_arms:
+            raise ConfigError("pitfall_arms", "needs at least one arm")
+        if not self.pitfall_weights or any(not (math.isfinite(w) and w >= 0) for w in self.pitfall_weights):
+            raise ConfigError("pitfall_weights", f"points finite and >= 0; got {list(self.pitfall_weights)}")
+        flips = self.noise_flips
+        if not flips or any(not (0.0 <= f <= 0.5) for f in flips) or 0.0 not in flips:
+            raise ConfigError("noise_flips", f"flip rates in [0, 0.5], 0 included; got {list(flips)}")
+        if not self.noise_targets or any(not (0.0 < t <= 1.0) for t in self.noise_targets):
+            raise ConfigError("noise_targets", f"correlations in (0, 1]; got {list(self.noise_targets)}")
 
 
 
@@ -210,6 +291,84 @@ def run_deletion_cell(seed: int, config: dict) -> list[dict]:
     return rows
 
 
+def noise_calibration(cfg: ForkLabConfig) -> pd.DataFrame:
+    """r per flip rate: Pearson correlation between the FORK F1 a noisy judge gives the initial
+    policies' responses and the exact F1 (``noise_calib_prompts`` prompts for each of the
+    ``noise_seeds`` initial policies, pooled; the same noise draw reused across rates, so r is
+    monotone up to the sampling noise of one draw). Also the r of recall and of precision, and the
+    lowest and highest r of one policy. Computed in the pitfall-free world of ``cfg``."""
+    with single_thread():
+        return _calibration(json.dumps(replace(cfg, pitfalls=False).identity(), sort_keys=True)).copy()
+
+
+@functools.lru_cache(maxsize=8)
+def _calibration(ident: str) -> pd.DataFrame:
+    cfg = ForkLabConfig.from_dict(json.loads(ident))
+    env = make_env(cfg)
+    exact, noisy_by_flip = [], {f: [] for f in cfg.noise_flips}
+    for seed in range(cfg.noise_seeds):
+        gen = torch.Generator().manual_seed(bag_stream("calib", seed))
+        prompts = env.sample_prompts(cfg.noise_calib_prompts, gen)
+        with torch.no_grad():
+            resp, _ = rollout(env, new_policy(cfg.hidden, seed), prompts, gen)
+        truth = env.score(prompts, resp, "fork", cfg.tau, 1.0)
+        exact.append(truth)
+        for f in cfg.noise_flips:  # one draw of uniforms per seed, thresholded at each rate
+            noisy_by_flip[f].append(env.score(prompts, resp, "fork", cfg.tau, 1.0, f,
+                                              torch.Generator().manual_seed(bag_stream("calib_judge", seed))))
+    cat = lambda scores, key: torch.cat([getattr(x, key) for x in scores])  # noqa: E731
+    rows = []
+    for f in cfg.noise_flips:
+        noisy = noisy_by_flip[f]
+        per_seed = [pearson(n.reward, t.reward) for n, t in zip(noisy, exact, strict=True)]
+        rows.append({"flip": f, "r": pearson(cat(noisy, "reward"), cat(exact, "reward")),
+                     "r_min_policy": min(per_seed), "r_max_policy": max(per_seed),
+                     "r_recall": pearson(cat(noisy, "recall"), cat(exact, "recall")),
+                     "r_precision": pearson(cat(noisy, "precision"), cat(exact, "precision")),
+                     "responses": int(sum(len(t.reward) for t in exact))})
+    return pd.DataFrame(rows)
+
+
+def chosen_flips(calib: pd.DataFrame, targets: tuple[float, ...]) -> pd.DataFrame:
+    """Per target r: the grid's flip rate whose measured r is closest to it (the lower rate on a
+    tie), its measured r and whether it passes the gate (within :data:`GATE_TOL`)."""
+    rows = []
+    for t in targets:
+        gap = (calib["r"] - t).abs()
+        i = int(gap.idxmin())  # first (lowest-rate) minimum: the grid is in ascending order
+        r = float(calib.loc[i, "r"])
+        rows.append({"target_r": t, "flip": float(calib.loc[i, "flip"]), "measured_r": r,
+                     "gap": abs(r - t), "gate": "pass" if abs(r - t) <= GATE_TOL else "FAIL"})
+    return pd.DataFrame(rows)
+
+
+def run_calibration_cell(config: dict) -> list[dict]:
+    """The noise calibration as a cell (its rows are the gate table's source)."""
+    return noise_calibration(ForkLabConfig.from_dict(config)).to_dict("records")
+
+
+def run_noise_cell(arm: str, seed: int, target: float, flip: float, config: dict) -> list[dict]:
+    """One ``noise`` run: GRPO under ``arm`` on the verdicts of a judge flipping each with
+    probability ``flip`` (chosen for the correlation ``target``), no pitfalls; extended evaluation
+    (exact verdicts) of the initial and the final policy."""
+    base = ForkLabConfig.from_dict(config)
+    cfg = replace(base, judge_flip=flip, pitfalls=False, updates=base.noise_updates, eval_every=base.noise_updates)
+    with single_thread():
+        rows = train_bag(arm, seed, cfg, extended=True)
+    return [{**r, "target_r": target, "flip": flip} for r in rows]
+
+
+def run_pitfall_cell(arm: str, seed: int, points: float, config: dict) -> list[dict]:
+    """One ``pitfalls`` run: GRPO under ``arm`` in the world with pitfalls, the absence rubric worth
+    ``points`` in the reward's rubric (judge noise as ``judge_flip``); extended evaluation of the
+    initial policy and every quarter of training."""
+    base = ForkLabConfig.from_dict(config)
+    cfg = replace(base, pitfalls=True, pitfall_points=points, updates=base.pitfall_updates,
+                  eval_every=max(1, base.pitfall_updates // 4))
+    with single_thread():
+        return [{**r, "pitfall_points": points} for r in train_bag(arm, seed, cfg, extended=True)]
+
+
 def run_oracle_cell(config: dict) -> list[dict]:
     """The ``oracle`` experiment as a cell: one row per reward arm (see :func:`oracle_thresholds`)."""
     return oracle_thresholds(ForkLabConfig.from_dict(config)).to_dict("records")
@@ -249,7 +408,39 @@ class ForkLab:
         if "deletion" in cfg.experiments:
             cells += [Cell("deletion", f"seed={seed}", run_deletion_cell, {"seed": seed, "config": ident})
                       for seed in range(cfg.seeds)]
+        return cells + self._regime_cells(cfg, ident)
+
+    def _regime_cells(self, cfg: ForkLabConfig, ident: dict) -> list[Cell]:
+        """Cells of ``noise``, ``winrate`` and ``pitfalls``; ``winrate`` is the exact-judge part of
+        ``noise`` (the same cells, shared when both run)."""
+        cells: list[Cell] = []
+        flips: dict[float, float] = {}
+        if "noise" in cfg.experiments:
+            cells.append(Cell("noise_calibration", "calibration", run_calibration_cell, {"config": ident}))
+            gate = chosen_flips(noise_calibration(cfg), cfg.noise_targets)
+            flips = dict(zip(gate["target_r"], gate["flip"], strict=True))
+        if "winrate" in cfg.experiments:
+            flips.setdefault(1.0, 0.0)
+        for target, flip in flips.items():
+            cells += [Cell("noise", f"target={target:g}/flip={flip:g}/arm={arm}/seed={seed}", run_noise_cell,
+                           {"arm": arm, "seed": seed, "target": float(target), "flip": float(flip), "config": ident})
+                      for seed in range(cfg.noise_seeds) for arm in cfg.noise_arms]
+        if "pitfalls" in cfg.experiments:
+            cells += [Cell("pitfalls", f"points={w:g}/arm={arm}/seed={seed}", run_pitfall_cell,
+                           {"arm": arm, "seed": seed, "points": float(w), "config": ident})
+                      for w in cfg.pitfall_weights for seed in range(cfg.pitfall_seeds) for arm in cfg.pitfall_arms]
         return cells
+
+    def prepare(self, cfg: ForkLabConfig, progress: bool = True) -> None:
+        """With ``noise``: measure the judge-noise calibration in the driver and print its gate
+        table before any arm trains (the cells use the same, deterministic, calibration)."""
+        if "noise" not in cfg.experiments:
+            return
+        gate = chosen_flips(noise_calibration(cfg), cfg.noise_targets)
+        if progress:
+            print("fork lab gate: flip rate of the noisy judge per target correlation with the exact FORK F1 "
+                  "(measured on the initial policies' responses)")
+            print(to_markdown(gate))
 
     def tables(self, rows: dict[str, pd.DataFrame], cfg: ForkLabConfig) -> dict[str, Table]:
         tabs: dict[str, Table] = {}
@@ -281,7 +472,7 @@ class ForkLab:
             s["mean_units"] = float(free["mean_units"].mean())
             tabs["fork_deletion"] = Table(s, "Necessity check: share of a response's units deleted before recall "
                                              "drops (initial policy)")
-        return tabs
+        return tabs | regime_tables(rows, cfg)
 
     def plots(self, tabs: dict[str, Table], cfg: ForkLabConfig, out: Path) -> list[Path]:
         made = _plot(tabs["fork_curves"].frame, cfg, out) if "fork_curves" in tabs else []
@@ -289,6 +480,12 @@ class ForkLab:
             made.append(_plot_map(tabs["fork_map"].frame, out))
         if "fork_deletion_curve" in tabs:
             made.append(_plot_deletion(tabs["fork_deletion_curve"].frame, out))
+        if "fork_noise" in tabs:
+            made.append(_plot_noise(tabs["fork_noise_calibration"].frame, tabs["fork_noise"].frame, cfg, out))
+        if "fork_winrate" in tabs:
+            made.append(_plot_winrate(tabs["fork_winrate"].frame, out))
+        if "fork_pitfalls" in tabs:
+            made.append(_plot_pitfalls(tabs["fork_pitfalls"].frame, out))
         return made
 
     def interpret(self, tabs: dict[str, Table], cfg: ForkLabConfig) -> dict[str, str]:
@@ -337,7 +534,7 @@ class ForkLab:
                 + "; ".join(f"{p}: {v:.2f}" for p, v in d.items())
                 + f". The direct guess is wrong about a unit with probability {cfg.deletion_noise:g}; 'truth' deletes "
                 "every unit but the first correct statement of each fact (the ceiling)." + few)
-        return text
+        return text | regime_texts(tabs, cfg)
 
 
 LAB = ForkLab()
@@ -458,3 +655,241 @@ def _plot(df: pd.DataFrame, cfg: ForkLabConfig, out: Path) -> list[Path]:
     ax.legend()
     anatomy = save(fig, out / "fork_anatomy.png")
     return [curves, anatomy]
+
+
+# ------------------------------------------------------------------------------------------------
+# the paper's regime: noisy judge, win rate, pitfalls
+
+
+#: Range of the metrics the tables give intervals for (an interval is clipped to it).
+BOUNDS = {"f1": (0.0, 1.0), "win_rate": (0.0, 1.0), "absence": (0.0, 1.0), "absence_change": (-1.0, 1.0)}
+
+
+def _ci(values, name: str) -> dict[str, float]:
+    return ci_columns(values, name, BOUNDS.get(name))
+
+
+def _paired(final: pd.DataFrame, arms: tuple[str, ...], metrics: tuple[str, ...], by: list[str]) -> pd.DataFrame:
+    """FORK minus every other arm, paired by seed, per group of ``by``, for each metric."""
+    out = []
+    for other in arms:
+        if other == "fork":
+            continue
+        for m in metrics:
+            d = paired_diff(final, "fork", other, by, m)
+            d.insert(len(by) + 1, "metric", m)
+            out.append(d)
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame()
+
+
+def _arm_rows(final: pd.DataFrame, start: pd.DataFrame, arms: tuple[str, ...], cis: tuple[str, ...],
+              means: tuple[str, ...]) -> pd.DataFrame:
+    """One row per arm (means with 95% intervals over seeds for ``cis``, plain means for ``means``),
+    after the initial policy's row (the same policy and evaluation samples in every arm at update 0)."""
+    first = start[start["arm"] == arms[0]]
+    rows = [{"arm": "initial policy", **{k: v for c in cis for k, v in _ci(first[c], c).items()},
+             **{c: float(first[c].mean()) for c in means}, "n": len(first)}]
+    for arm in arms:
+        g = final[final["arm"] == arm]
+        rows.append({"arm": arm, **{k: v for c in cis for k, v in _ci(g[c], c).items()},
+                     **{c: float(g[c].mean()) for c in means}, "n": len(g)})
+    return pd.DataFrame(rows)
+
+
+def regime_tables(rows: dict[str, pd.DataFrame], cfg: ForkLabConfig) -> dict[str, Table]:
+    """The tables of ``noise``, ``winrate`` and ``pitfalls``."""
+    tabs: dict[str, Table] = {}
+    if "noise_calibration" in rows and "noise" in cfg.experiments:
+        calib = rows["noise_calibration"].sort_values("flip").reset_index(drop=True)
+        tabs["fork_noise_calibration"] = Table(calib, "Noisy judge: r with the exact FORK F1 per flip rate (initial "
+                                                      "policies' responses)")
+        tabs["fork_noise_gate"] = Table(chosen_flips(calib, cfg.noise_targets),
+                                        "Gate: the flip rate chosen per target correlation", console=True)
+    if "noise" in rows:
+        df = rows["noise"]
+        final = df[df["update"] == cfg.noise_updates]
+        if "noise" in cfg.experiments:
+            by = ["target_r", "flip"]
+            t = _noise_table(final, cfg)
+            tabs["fork_noise"] = Table(t, "Trained on a noisy judge, evaluated on the exact verdicts (final "
+                                          "policies)", console=True)
+            tabs["fork_noise_paired"] = Table(_paired(final, cfg.noise_arms, ("f1", "win_rate", "quality"), by),
+                                              "FORK's lead at each judge noise (paired seeds)", console=True)
+        exact = df[df["flip"] == 0.0]
+        if "winrate" in cfg.experiments and len(exact):
+            fin, start = exact[exact["update"] == cfg.noise_updates], exact[exact["update"] == 0]
+            tabs["fork_winrate"] = Table(
+                _arm_rows(fin, start, cfg.noise_arms, ("win_rate", "quality"), ("length", "recall", "precision")),
+                "Win rate against the initial policy's responses (true quality, no rubric; exact judge)",
+                console=True)
+            tabs["fork_winrate_paired"] = Table(_paired(fin, cfg.noise_arms, ("win_rate", "quality"), []),
+                                                "Win rate: FORK minus the other arms (paired seeds)")
+    if "pitfalls" in rows:
+        tabs |= _pitfall_tables(rows["pitfalls"], cfg)
+    return tabs
+
+
+def _pitfall_tables(df: pd.DataFrame, cfg: ForkLabConfig) -> dict[str, Table]:
+    key = ["pitfall_points", "arm", "seed"]
+    fin, start = df[df["update"] == cfg.pitfall_updates], df[df["update"] == 0]
+    gain = fin.set_index(key)["absence"] - start.set_index(key)["absence"]
+    fin = fin.merge(gain.rename("absence_change").reset_index(), on=key)
+    parts, paired = [], []
+    for w in cfg.pitfall_weights:
+        f, s0 = fin[fin["pitfall_points"] == w], start[start["pitfall_points"] == w].assign(absence_change=0.0)
+        t = _arm_rows(f, s0, cfg.pitfall_arms, ("absence", "absence_change", "win_rate"),
+                      ("sweep", "quality", "recall", "precision", "length"))
+        parts.append(t.assign(pitfall_points=w)[["pitfall_points", *t.columns]])
+        if "fork" in cfg.pitfall_arms and len(cfg.pitfall_arms) > 1:
+            paired.append(_paired(f, cfg.pitfall_arms, ("absence", "win_rate"), ["pitfall_points"]))
+    tabs = {"fork_pitfalls": Table(pd.concat(parts, ignore_index=True), "Absence rubric (no sweeping claims): "
+                                   "satisfaction before and after training", console=True),
+            "fork_pitfalls_curves": Table(df.sort_values(key + ["update"]).reset_index(drop=True),
+                                          "pitfalls: every evaluation point", report=False)}
+    if paired:
+        tabs["fork_pitfalls_paired"] = Table(pd.concat(paired, ignore_index=True),
+                                             "Pitfalls: FORK minus the other arms (paired seeds)")
+    return tabs
+
+
+def _noise_table(final: pd.DataFrame, cfg: ForkLabConfig) -> pd.DataFrame:
+    out = []
+    order = {a: i for i, a in enumerate(cfg.noise_arms)}
+    for (target, flip, arm), g in final.groupby(["target_r", "flip", "arm"]):
+        out.append({"target_r": target, "flip": flip, "arm": arm, **_ci(g["f1"], "f1"),
+                    **_ci(g["win_rate"], "win_rate"),
+                    **{c: float(g[c].mean()) for c in ("quality", "recall", "precision", "length", "wrong")},
+                    "judge_r_final": float(g["judge_r"].mean()), "n": len(g)})
+    t = pd.DataFrame(out)
+    return t.sort_values(["target_r", "arm"], key=lambda c: c.map(order) if c.name == "arm" else -c).reset_index(
+        drop=True)
+
+
+def _fmt_diff(d: pd.DataFrame, metric: str, other: str) -> str:
+    r = d[(d["metric"] == metric) & (d["diff"] == f"fork - {other}")]
+    if r.empty:
+        return "-"
+    r = r.iloc[0]
+    ci = "" if math.isnan(r["lo"]) else f" [{r['lo']:+.3f}, {r['hi']:+.3f}]"
+    return f"{r['mean']:+.3f}{ci}"
+
+
+def regime_texts(tabs: dict[str, Table], cfg: ForkLabConfig) -> dict[str, str]:
+    """The interpretations of :func:`regime_tables`."""
+    text: dict[str, str] = {}
+    if "fork_noise_calibration" in tabs:
+        g = tabs["fork_noise_gate"].frame
+        text["fork_noise_calibration"] = (
+            "A noisy judge flips each verdict (rubric met, unit matches rubric, unit correct) with probability p. "
+            "r is the Pearson correlation of its FORK F1 with the exact one on "
+            f"{int(tabs['fork_noise_calibration'].frame['responses'].iloc[0])} "
+            "responses of the initial policies (one noise draw, thresholded at each rate). Chosen rates: "
+            + "; ".join(f"r {t:g} -> p = {f:g} (measured r {r:.3f}, {gate})"
+                        for t, f, r, gate in zip(g["target_r"], g["flip"], g["measured_r"], g["gate"], strict=True))
+            + f". The paper's judge agreed with its reference at r = {PAPER_R}.")
+        text["fork_noise_gate"] = (
+            f"The gate passes where the measured r at the chosen rate is within {GATE_TOL} of its target; the arms "
+            "of the noise experiment train at these rates. "
+            + ("Every target passes." if (g["gate"] == "pass").all() else
+               "Some targets FAIL: the grid of flip rates (noise_flips) does not reach them; their runs are at the "
+               "closest rate, and their rows say which r they had."))
+    if "fork_noise" in tabs:
+        d = tabs["fork_noise_paired"].frame
+        parts = []
+        for (t, f), g in d.groupby(["target_r", "flip"], sort=False):
+            parts.append(f"r {t:g} (p = {f:g}): F1 fork - recall {_fmt_diff(g, 'f1', 'recall')}, fork - mean "
+                         f"{_fmt_diff(g, 'f1', 'mean')}; win rate fork - recall {_fmt_diff(g, 'win_rate', 'recall')}, "
+                         f"fork - mean {_fmt_diff(g, 'win_rate', 'mean')}")
+        text["fork_noise"] = (
+            "Each arm trains on the noisy judge's verdicts and is evaluated on the exact ones (F1 of true precision "
+            "and recall; win rate against the initial policy by true quality). judge_r_final: the noisy judge's r "
+            "on the final policy's own responses. Prediction: FORK's lead over recall-only and over the mean keeps "
+            f"its sign at r = {PAPER_R}. " + "; ".join(parts) + "." + small_run_note(cfg.noise_seeds))
+        text["fork_noise_paired"] = " ".join(read_diff(g, ["target_r", "metric"], what)
+                                             for what, g in d.groupby("diff", sort=False))
+    if "fork_winrate" in tabs:
+        w = tabs["fork_winrate"].frame.set_index("arm")
+        d = tabs["fork_winrate_paired"].frame
+        text["fork_winrate"] = (
+            "Win rate: the share of evaluation prompts on which the arm's response has a higher true quality than the "
+            "initial policy's response to the same prompt (ties count half; true quality = points of the facts stated "
+            f"correctly - {cfg.quality_wrong:g} per incorrect unit - {cfg.quality_pitfall:g} for a pitfall; padding "
+            "earns nothing). " + "; ".join(f"{a}: {r['win_rate']:.3f}" for a, r in w.iterrows())
+            + ". Prediction: FORK's win rate well above recall-only's." + small_run_note(cfg.noise_seeds))
+        text["fork_winrate_paired"] = read_diff(d, ["metric"], "fork - other")
+    if "fork_pitfalls" in tabs:
+        t = tabs["fork_pitfalls"].frame
+        parts = [f"absence rubric worth {w:g} points in the reward: " + ", ".join(
+            f"{r['arm']} {r['absence']:.3f} ({r['absence_change']:+.3f}, {r['sweep']:.2f} sweeps/response)"
+            for _, r in g.iterrows()) for w, g in t.groupby("pitfall_points", sort=False)]
+        text["fork_pitfalls"] = (
+            "World with pitfalls: a sweep on fact f ('it is A, B or C') always matches rubric f, is incorrect and "
+            "violates the prompt's absence rubric (0 points: the absence rubric is left out of the reward's rubric, "
+            "only the evaluation knows it). absence = share of responses satisfying it (change from the initial "
+            "policy, paired by seed). " + "; ".join(parts)
+            + ". Prediction: FORK raises absence satisfaction, recall-only lowers it."
+            + small_run_note(cfg.pitfall_seeds))
+        if "fork_pitfalls_paired" in tabs:
+            text["fork_pitfalls_paired"] = read_diff(tabs["fork_pitfalls_paired"].frame, ["pitfall_points", "metric"],
+                                                     "fork - other")
+    return text
+
+
+_COLORS = {"recall": "tab:red", "mean": "tab:blue", "fork": "tab:green", "f2": "tab:purple"}
+
+
+def _plot_noise(calib: pd.DataFrame, t: pd.DataFrame, cfg: ForkLabConfig, out: Path) -> Path:
+    fig, axes = new_figure(1, 3, figsize=(15, 4.2))
+    axes[0].plot(calib["flip"], calib["r"], "k.-", label="FORK F1")
+    axes[0].plot(calib["flip"], calib["r_recall"], ".--", color="tab:red", label="recall")
+    axes[0].plot(calib["flip"], calib["r_precision"], ".--", color="tab:blue", label="precision")
+    axes[0].axhline(PAPER_R, color="grey", lw=1, ls=":")
+    for f in sorted(set(t["flip"])):
+        axes[0].axvline(f, color="tab:green", lw=0.8, alpha=0.5)
+    axes[0].set(xlabel="flip rate p of each verdict", ylabel="r(noisy judge, exact)", title="calibration (initial "
+                "policies' responses)")
+    axes[0].legend(fontsize=8)
+    for ax, m, label in ((axes[1], "f1", "true F1 of final policy"), (axes[2], "win_rate", "win rate vs initial")):
+        for arm, g in t.groupby("arm", sort=False):
+            g = g.sort_values("target_r")
+            c = _COLORS.get(arm, "tab:olive")
+            ax.plot(g["target_r"], g[m], "o-", color=c, label=arm)
+            ax.fill_between(g["target_r"], g[f"{m}_lo"], g[f"{m}_hi"], color=c, alpha=0.15)
+        ax.axvline(PAPER_R, color="grey", lw=1, ls=":")
+        ax.set(xlabel="judge's r with the truth (target; 1 = exact)", ylabel=label, title=label)
+        ax.invert_xaxis()
+        ax.legend(fontsize=8)
+    fig.suptitle(f"fork lab: training on a noisy judge ({cfg.noise_seeds} seeds, {cfg.noise_updates} updates)")
+    return save(fig, out / "fork_noise.png")
+
+
+def _bars(ax, t: pd.DataFrame, m: str, title: str) -> None:
+    arms = list(t["arm"])
+    mean = t[m].to_numpy(float)
+    lo, hi = t[f"{m}_lo"].to_numpy(float), t[f"{m}_hi"].to_numpy(float)
+    err = [[0 if math.isnan(x) else v - x for v, x in zip(mean, lo, strict=True)],
+           [0 if math.isnan(x) else x - v for v, x in zip(mean, hi, strict=True)]]
+    ax.bar(arms, mean, yerr=err, capsize=4, color=[_COLORS.get(a, "tab:gray") for a in arms])
+    ax.set(title=title)
+    ax.tick_params(axis="x", labelsize=8)
+
+
+def _plot_winrate(t: pd.DataFrame, out: Path) -> Path:
+    fig, ax = new_figure(figsize=(6, 4))
+    _bars(ax, t, "win_rate", "win rate against the initial policy (true quality; ties half)")
+    ax.axhline(0.5, color="grey", lw=1, ls=":")
+    ax.set(ylim=(0, 1), ylabel="win rate")
+    return save(fig, out / "fork_winrate.png")
+
+
+def _plot_pitfalls(t: pd.DataFrame, out: Path) -> Path:
+    weights = list(dict.fromkeys(t["pitfall_points"]))
+    fig, axes = new_figure(len(weights), 2, figsize=(11, 3.6 * len(weights)), squeeze=False)
+    for i, w in enumerate(weights):
+        g = t[t["pitfall_points"] == w]
+        _bars(axes[i][0], g, "absence", f"absence-rubric satisfaction (absence rubric: {w:g} points in the reward)")
+        axes[i][0].set(ylim=(0, 1.05), ylabel="share of responses")
+        _bars(axes[i][1], g, "win_rate", f"win rate against the initial policy ({w:g} points)")
+        axes[i][1].axhline(0.5, color="grey", lw=1, ls=":")
+        axes[i][1].set(ylim=(0, 1), ylabel="win rate")
+    return save(fig, out / "fork_pitfalls.png")
