@@ -6,14 +6,19 @@ The teacher is a frozen copy of a policy that sees what the student does not: th
 :func:`teacher_contexts` builds the teacher's sequences around the student's own tokens,
 :func:`teacher_logits` scores them, and :func:`train_opsd` trains the student on its own rollouts
 with the token-level generalised JSD of :func:`creditlab.core.losses.opsd_loss` (no outcome reward).
-The correct episode of a task (:func:`correct_calls`, :func:`correct_actions`) is the noiseless
-scripted agent's.
+The correct episode of a task (:func:`correct_calls`, :func:`correct_actions`; :func:`episode_calls`
+for any task, multi-exchange ones included) is the noiseless scripted agent's.
+
+A teacher can use its privileged tokens only if its policy has seen them: :func:`privileged_demo`
+gives the supervised warm start (``BaseConfig.privileged``) demonstrations that carry them, in
+exactly the teacher's formats, with the demonstrator following the hint.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import random
 import time
 from typing import NamedTuple
 
@@ -21,14 +26,14 @@ import numpy as np
 import torch
 
 from creditlab.core.diagnostics import concentration
-from creditlab.envs.toolshop import PAD, TOK, TOOL_TABLE, Task, TurnRecord, make_task, run_scripted
+from creditlab.envs.toolshop import PAD, TOK, TOOL_TABLE, MultiTask, Task, TurnRecord, make_task, run_scripted
 from creditlab.errors import ConfigError, InputError
 from creditlab.train.common import adamw, generator
 from creditlab.train.toolshop_grpo import GRPOConfig, task_seeds
 from creditlab.train.toolshop_rollout import RolloutBatch, make_tasks, rollout
 
-__all__ = ["aligned_logits", "call_key", "correct_actions", "correct_calls", "teacher_contexts", "teacher_logits",
-           "train_opsd"]
+__all__ = ["aligned_logits", "call_key", "correct_actions", "correct_calls", "episode_calls", "privileged_demo",
+           "teacher_contexts", "teacher_logits", "train_opsd"]
 
 
 def call_key(rec: TurnRecord) -> tuple | None:
@@ -44,6 +49,59 @@ def correct_calls(seed: int, chain_length: int) -> tuple[tuple[tuple, tuple[int,
     """The correct episode of a task (the noiseless scripted agent): ``(call_key, action tokens)`` per call."""
     _, _, env = run_scripted(make_task(seed, chain_length), 0, noise=0.0, max_turns=chain_length)
     return tuple((call_key(r), r.action) for r in env.records)
+
+
+_MULTI_CALLS: dict[tuple, tuple] = {}
+
+
+def episode_calls(task: Task | MultiTask) -> tuple[tuple[tuple, tuple[int, ...]], ...]:
+    """:func:`correct_calls` of any task: for a :class:`~creditlab.envs.toolshop.MultiTask`, the
+    correct calls of its sub-tasks in order (the noiseless scripted agent's episode)."""
+    if not isinstance(task, MultiTask):
+        return correct_calls(task.seed, task.chain_length)
+    key = (task.seed, task.instruction)
+    if key not in _MULTI_CALLS:
+        if len(_MULTI_CALLS) > 4096:
+            _MULTI_CALLS.clear()
+        _, _, env = run_scripted(task, 0, noise=0.0, max_turns=task.chain_length)
+        _MULTI_CALLS[key] = tuple((call_key(r), r.action) for r in env.records)
+    return _MULTI_CALLS[key]
+
+
+def privileged_demo(task: Task, seed: int, noise: float, share: float) -> tuple[list[int], list[bool]]:
+    """One warm-start demonstration (token ids, policy mask) of ``task``: with probability ``share``
+    (seeded by ``seed``) it carries a teacher's privileged hint in the format of
+    :func:`teacher_contexts`, half of those the reference answer, half turn advice; else the noisy
+    scripted episode (noise ``noise``) of :func:`~creditlab.envs.toolshop.run_scripted`.
+
+    * reference answer: the noiseless episode, the final write's action (and ``EOA``) inserted
+      before the instruction's ``SEP``: with the answer in view, the demonstrator writes it;
+    * turn advice: the noisy episode up to a uniformly drawn turn ``t``, then the advice
+      ``SEP <next correct action> SEP`` and that action (the demonstrator follows it); the
+      demonstration ends there.
+
+    The hint tokens are not policy tokens (no loss on them), as in the teacher's contexts."""
+    if not 0.0 <= share <= 1.0:
+        raise ConfigError("base.privileged", f"must be in [0, 1], got {share}")
+    if isinstance(task, MultiTask):
+        raise InputError("privileged_demo: the teachers' hints are defined for single-exchange tasks only")
+    rng = random.Random(f"hint-{seed}")
+    u = rng.random()
+    if u >= share:
+        ids, mask, _ = run_scripted(task, seed=seed, noise=noise)
+        return ids, mask
+    if u < share / 2:  # reference answer
+        ids, mask, _ = run_scripted(task, seed=seed, noise=0.0)
+        P = len(task.prompt_ids)
+        write = [*correct_actions(task)[-1], TOK["EOA"]]
+        return ids[:P - 1] + write + ids[P - 1:], mask[:P - 1] + [False] * len(write) + mask[P - 1:]
+    ids, mask, env = run_scripted(task, seed=seed, noise=noise)  # turn advice
+    starts = [p for p in range(len(mask)) if mask[p] and not mask[p - 1]]  # first token of each action
+    t = rng.randrange(len(starts))
+    adv = _next_advice(task, env.records)[t]
+    s = starts[t]
+    act = [*adv[1:-1], TOK["EOA"]]
+    return ids[:s] + adv + act, mask[:s] + [False] * len(adv) + [True] * len(act)
 
 
 def correct_actions(task: Task) -> list[tuple[int, ...]]:

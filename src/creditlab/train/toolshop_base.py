@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from creditlab.envs.toolshop import PAD, VOCAB, run_scripted, vocab_size
+from creditlab.envs.toolshop import N_THOUGHTS, PAD, THOUGHT0, VOCAB, run_scripted, vocab_size
+from creditlab.errors import ConfigError
 from creditlab.models.tiny_lm import TinyLM, TinyLMConfig
 from creditlab.train.toolshop_rollout import make_tasks
 
@@ -69,6 +70,10 @@ class BaseConfig:
     """Share of the demonstrations that carry a self-distillation teacher's privileged hint, half the
     reference answer, half per-turn advice (:func:`creditlab.train.opsd.privileged_demo`), so a
     teacher built from this policy has seen its context; 0: none."""
+    init: str = ""
+    """The cache key of a base policy whose weights this one starts from (a longer context keeps its
+    position embeddings on the first positions, the rest drawn fresh), in the same cache directory;
+    empty: a fresh initialisation."""
 
     def model_config(self) -> TinyLMConfig:
         """The :class:`TinyLMConfig` of the policy: the toolshop vocabulary, and every field of this
@@ -85,7 +90,7 @@ class BaseConfig:
 
 
 #: Fields added to :class:`BaseConfig` after the cache format's version 2, with their defaults.
-_ADDED = {"thoughts": 0, "privileged": 0.0}
+_ADDED = {"thoughts": 0, "privileged": 0.0, "init": ""}
 
 
 def default_cache_dir(env_value: str | None = None) -> Path:
@@ -103,12 +108,16 @@ def default_cache_dir(env_value: str | None = None) -> Path:
 
 
 def train_base(cfg: BaseConfig, progress: Callable[[int, float], None] | None = None, *,
-               checkpoint: Callable[[int, TinyLM], None] | None = None, checkpoint_every: int = 0) -> TinyLM:
+               checkpoint: Callable[[int, TinyLM], None] | None = None, checkpoint_every: int = 0,
+               init: dict[str, torch.Tensor] | None = None) -> TinyLM:
     """Train the base policy from scratch (no cache). Cross-entropy on the demonstrator's tokens.
 
     ``progress(k, loss)`` is called after optimizer step ``k`` (0 to ``cfg.steps - 1``);
-    ``checkpoint(k, model)`` every ``checkpoint_every`` steps (e.g. to evaluate)."""
+    ``checkpoint(k, model)`` every ``checkpoint_every`` steps (e.g. to evaluate); ``init``: the
+    weights to start from (``cfg.init``'s, see :func:`base_policy`)."""
     model = TinyLM(cfg.model_config(), generator=torch.Generator().manual_seed(cfg.seed))
+    if init is not None:
+        _start_from(model, init)
     seqs, masks = [], []
     for j in range(cfg.n_demos):
         s = DEMO_SEED_OFFSET + cfg.seed * cfg.n_demos + j
@@ -141,7 +150,7 @@ def train_base(cfg: BaseConfig, progress: Callable[[int, float], None] | None = 
         logits = model(x)[:, :-1]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1),
                                                  reduction="none").view(x.size(0), -1)
-        loss = (loss * m[:, 1:]).sum() / m[:, 1:].sum()
+        loss = _imitation_loss(loss, m[:, 1:], x[:, 1:], cfg.thoughts)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -157,6 +166,46 @@ def train_base(cfg: BaseConfig, progress: Callable[[int, float], None] | None = 
     return model
 
 
+def _start_from(model: TinyLM, weights: dict[str, torch.Tensor]) -> None:
+    """Copy ``weights`` into ``model``: same shapes as they are, a longer position table on its first
+    rows; a weight the model lacks, or of another shape, is refused."""
+    own = model.state_dict()
+    with torch.no_grad():
+        for name, w in weights.items():
+            if name not in own:
+                raise ConfigError("base.init", f"the initial weights hold {name!r}, which this model lacks")
+            if own[name].shape == w.shape:
+                own[name].copy_(w)
+            elif name == "pos.weight" and w.shape[0] < own[name].shape[0] and w.shape[1:] == own[name].shape[1:]:
+                own[name][:w.shape[0]].copy_(w)
+            else:
+                raise ConfigError("base.init", f"{name}: shape {tuple(w.shape)} does not fit {tuple(own[name].shape)}")
+
+
+def _init_weights(cfg: BaseConfig, root: Path | None) -> dict[str, torch.Tensor] | None:
+    """The weights ``cfg.init`` names, from the cache directory ``root`` (None when ``cfg.init`` is empty)."""
+    if not cfg.init:
+        return None
+    from safetensors.torch import load_file
+
+    path = None if root is None else root / f"toolshop-base-{cfg.init}.safetensors"
+    if path is None or not path.exists():
+        raise ConfigError("base.init", f"no cached base policy {cfg.init!r} in {root} to start from; build it first")
+    return load_file(str(path))
+
+
+def _imitation_loss(token_loss: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, thoughts: int) -> torch.Tensor:
+    """Mean cross-entropy over the demonstrator's tokens. With thoughts, the mean over the thought
+    tokens plus the mean over the rest: the thoughts (most of the tokens, at an irreducible loss of
+    ln 16 each) would otherwise shrink the weight of the tool calls the policy has to learn by the
+    share of tokens they take (about 7x at 24 thoughts per action)."""
+    if not thoughts:
+        return (token_loss * mask).sum() / mask.sum()
+    th = mask & (targets >= THOUGHT0) & (targets < THOUGHT0 + N_THOUGHTS)
+    rest = mask & ~th
+    return (token_loss * th).sum() / th.sum().clamp(min=1) + (token_loss * rest).sum() / rest.sum().clamp(min=1)
+
+
 def base_policy(cfg: BaseConfig = BaseConfig(), *, cache_dir: str | os.PathLike[str] | None,
                 refresh: bool = False, progress: Callable[[int, float], None] | None = None) -> TinyLM:
     """The base policy for ``cfg``: loaded from ``cache_dir`` when it holds it, else trained (and
@@ -170,7 +219,7 @@ def base_policy(cfg: BaseConfig = BaseConfig(), *, cache_dir: str | os.PathLike[
     from safetensors.torch import load_model, save_model
 
     if cache_dir is None:
-        return train_base(cfg, progress)
+        return train_base(cfg, progress, init=_init_weights(cfg, None))
     root = Path(cache_dir)
     path = root / f"toolshop-base-{cfg.key()}.safetensors"
     if path.exists() and not refresh:
@@ -178,7 +227,7 @@ def base_policy(cfg: BaseConfig = BaseConfig(), *, cache_dir: str | os.PathLike[
         load_model(model, str(path))  # safetensors: no pickle; handles the tied head
         model.eval()
         return model
-    model = train_base(cfg, progress)
+    model = train_base(cfg, progress, init=_init_weights(cfg, root))
     root.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # concurrent builders never share one
     save_model(model, str(tmp), metadata={"config": json.dumps(asdict(cfg))})
