@@ -209,3 +209,15 @@ def test_the_lab_default_is_the_thought_regime():
         assert env.result()[0]
         tokens.append(sum(mask))
     assert 150 <= np.median(tokens) <= 400
+
+
+def test_imitation_loss_averages_thoughts_and_calls_separately():
+    from creditlab.train.toolshop_base import _imitation_loss
+
+    loss = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    targets = torch.tensor([[THOUGHT0, THOUGHT0 + 3, 7, THOUGHT0]])
+    assert float(_imitation_loss(loss, mask, targets, 0)) == pytest.approx(2.0)  # the plain mean, as before
+    assert float(_imitation_loss(loss, mask, targets, 2)) == pytest.approx(1.5 + 3.0)  # thoughts 1, 2; call 3
+    no_call = torch.tensor([[True, True, False, False]])
+    assert float(_imitation_loss(loss, no_call, targets, 2)) == pytest.approx(1.5)
