@@ -9,7 +9,9 @@ answers every request after a fixed latency (default 50 ms), like a remote model
    against the same server: wall time, requests per response (the budget is <= 5), throughput as a
    fraction of the ideal ``concurrency / latency``, client CPU per request, and the ratio of the
    SDK's wall time to creditlab's (> 1: creditlab is faster). The runs alternate, ``--repeat``
-   times each, so a change in the machine's load hits both;
+   times each, so a change in the machine's load hits both. ``transport-only`` sends the request
+   bodies of the first creditlab run again through the transport alone (no prompt building, reply
+   parsing or FORK work): the most the server and the machine allow any client;
 2. ``endpoints``: one endpoint against three (three server processes, ``--endpoint-concurrency``
    each), then three with one of them killed (SIGKILL) when half the items are done: every item is
    still scored, and the per-endpoint summary shows where the requests went;
@@ -188,21 +190,79 @@ def tensor_fork_math():
         fork_mod.unit_credit_one, fork_mod.fork_scores_one = saved
 
 
+@contextlib.contextmanager
+def recording_bodies(bodies: list[bytes]):
+    """Record the request bodies the asyncio transport sends (for the transport-only replay)."""
+    from creditlab.judge import _http
+
+    post = _http.LeanClient.post
+
+    async def recorded(self, body: bytes):
+        bodies.append(body)
+        return await post(self, body)
+
+    _http.LeanClient.post = recorded
+    try:
+        yield
+    finally:
+        _http.LeanClient.post = post
+
+
+async def replay(url: str, bodies: list[bytes], concurrency: int) -> None:
+    """The transport alone: the recorded bodies sent again, ``concurrency`` at a time, no FORK work."""
+    from creditlab.judge._http import LeanClient
+
+    client = LeanClient(url + "/chat/completions", {"Content-Type": "application/json"}, 10.0, concurrency)
+    todo = iter(bodies)
+
+    async def worker() -> None:
+        for body in todo:
+            resp = await client.post(body)
+            assert resp.status_code == 200, resp.status_code
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await client.aclose()
+
+
 def bench_clients(args, items: list[ForkItem]) -> None:
-    # "+tensor-math": the same asyncio client with the per-item FORK math on torch tensors (the reference)
-    clients = ["creditlab/asyncio", "creditlab/asyncio+tensor-math", "creditlab/httpx", "openai-sdk"]
+    # "+tensor-math": the same asyncio client with the per-item FORK math on torch tensors (the reference);
+    # "transport-only": the request bodies of the first creditlab/asyncio run sent again through the
+    # transport alone (no prompt building, parsing or FORK work): what this server and machine allow
+    clients = ["creditlab/asyncio", "creditlab/asyncio+tensor-math", "creditlab/httpx", "openai-sdk",
+               "transport-only"]
     walls: dict[str, list[float]] = {c: [] for c in clients}
+    fractions: dict[str, list[float]] = {c: [] for c in clients}
+    cpus: dict[str, list[float]] = {c: [] for c in clients}
+    bodies: list[bytes] = []
     print(f"\n== clients: {len(items)} items, concurrency {args.concurrency}, latency {args.latency * 1000:.0f} ms, "
           f"one server process")
     with serve_in_subprocess(latency=args.latency) as url:
         for rep in range(args.repeat):
             for client in clients:
+                if client == "transport-only":
+                    before, server_cpu = server_requests(url), server_stats(url)["cpu_seconds"]
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    asyncio.run(replay(url, bodies, args.concurrency))
+                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    n_req = server_requests(url) - before
+                    server_cpu = server_stats(url)["cpu_seconds"] - server_cpu
+                    ideal = n_req * args.latency / args.concurrency
+                    walls[client].append(wall)
+                    fractions[client].append(ideal / wall)
+                    cpus[client].append(cpu / n_req * 1000)
+                    print(f"[{client}] run {rep + 1}: {n_req} requests, wall {wall:.2f} s, ideal {ideal:.2f} s -> "
+                          f"fraction of ideal {ideal / wall:.2f} ({n_req / wall:.0f} req/s vs ideal "
+                          f"{args.concurrency / args.latency:.0f}); client CPU {cpu / n_req * 1000:.2f} ms/request, "
+                          f"server CPU {server_cpu / n_req * 1000:.2f} ms/request; {load()}")
+                    continue
                 if client == "openai-sdk":
                     judge = SDKJudge(url, "bench", concurrency=args.concurrency, timeout=10)
                 else:
                     judge = OpenAIJudge(url, "bench", concurrency=args.concurrency, timeout=10,
                                         transport=client.split("/")[1].split("+")[0])
                 math = tensor_fork_math() if client.endswith("+tensor-math") else contextlib.nullcontext()
+                if client == "creditlab/asyncio" and rep == 0:
+                    math = recording_bodies(bodies)
                 before, server_cpu = server_requests(url), server_stats(url)["cpu_seconds"]
                 t0, c0 = time.perf_counter(), time.process_time()
                 with math:
@@ -213,6 +273,8 @@ def bench_clients(args, items: list[ForkItem]) -> None:
                 errors = sum(r.error is not None for r in results)
                 ideal = n_req * args.latency / args.concurrency
                 walls[client].append(wall)
+                fractions[client].append(ideal / wall)
+                cpus[client].append(cpu / n_req * 1000)
                 print(f"[{client}] run {rep + 1}: requests/response {n_req / len(items):.2f}, errors {errors}, "
                       f"wall {wall:.2f} s, ideal {ideal:.2f} s -> fraction of ideal {ideal / wall:.2f} "
                       f"({n_req / wall:.0f} req/s vs ideal {args.concurrency / args.latency:.0f}); client CPU "
@@ -222,6 +284,13 @@ def bench_clients(args, items: list[ForkItem]) -> None:
     for c in clients[:3]:
         print(f"[ratio] openai-sdk wall / {c} wall: {best['openai-sdk'] / best[c]:.2f} (best of {args.repeat}; "
               f"> 1: creditlab faster)")
+    print(f"\n[summary] {args.repeat} run(s) each, alternating; {load()}")
+    print("| client | fraction of ideal (runs) | client CPU / request (runs) | SDK wall / its wall (best) |")
+    print("|---|---|---|---|")
+    for c in clients:
+        print(f"| {c} | {', '.join(f'{f:.2f}' for f in fractions[c])} | "
+              f"{', '.join(f'{x:.2f}' for x in cpus[c])} ms | "
+              f"{best['openai-sdk'] / best[c]:.2f} |")
 
 
 def profile_client(args, items: list[ForkItem]) -> None:

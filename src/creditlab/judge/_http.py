@@ -184,6 +184,17 @@ class _Connection(asyncio.Protocol):
             del buf[:end + 2 + size + 2]
 
 
+def _numeric_host(host: str) -> bool:
+    """Whether ``host`` is an IPv4 or IPv6 address (connected to as it is, without a lookup)."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except (OSError, ValueError):
+            continue
+        return True
+    return False
+
+
 def _expire(fut: asyncio.Future, timeout: float) -> None:
     if not fut.done():
         fut.set_exception(HTTPError(f"no reply within {timeout}s", timeout=True))
@@ -206,6 +217,9 @@ class LeanClient:
         self._idle: list[_Connection] = []
         self._slots = asyncio.Semaphore(max_connections)
         self._addrs: list[tuple[str, int]] | None = None  # resolved once (no thread-pool hop per connection)
+        self._resolving: asyncio.Future | None = None  # the one resolution the first connections wait for
+        if _numeric_host(self.host):
+            self._addrs = [(self.host, self.port)]  # an IP address: nothing to resolve
 
     async def post(self, body: bytes) -> LeanResponse:
         """One request: at most ``max(timeout, 10)`` seconds to connect, then ``timeout`` for the whole reply."""
@@ -249,10 +263,13 @@ class LeanClient:
     async def _open(self) -> _Connection:
         loop = asyncio.get_running_loop()
         if self._addrs is None:
-            infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
-            self._addrs = list(dict.fromkeys(info[4][:2] for info in infos))
-            if not self._addrs:
-                raise OSError(f"cannot resolve {self.host}")
+            # The first connections open together: one of them resolves the name, the others wait for it
+            # (one thread-pool hop instead of one per connection, each waiting for the busy loop).
+            if self._resolving is None or self._resolving.get_loop() is not loop:
+                self._resolving = asyncio.ensure_future(self._resolve())
+            addrs = await asyncio.shield(self._resolving)
+            if self._addrs is None:
+                self._addrs = addrs
         err: OSError | None = None
         for addr in list(self._addrs):  # like create_connection(host): each address in turn
             try:
@@ -267,6 +284,16 @@ class LeanClient:
             return conn
         assert err is not None
         raise err
+
+    async def _resolve(self) -> list[tuple[str, int]]:
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        finally:
+            self._resolving = None  # a failed resolution is tried again by the next connection
+        addrs = list(dict.fromkeys(info[4][:2] for info in infos))
+        if not addrs:
+            raise OSError(f"cannot resolve {self.host}")
+        return addrs
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()

@@ -42,6 +42,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
+from json.encoder import encode_basestring_ascii as _enc_ascii  # what json.dumps writes for a str
 from typing import Any
 
 import httpx
@@ -53,11 +54,11 @@ from creditlab.judge.cache import JudgeCache, cache_key
 from creditlab.judge.prompts import (
     PROMPT_VERSION,
     ReplyInvalid,
-    build_messages,
+    StageRequest,
     extract_json,
-    parse_reply,
-    payload_for,
+    parse_stage_reply,
     reply_schema,
+    stage_request,
 )
 
 __all__ = ["OpenAIJudge", "base_url_problem"]
@@ -66,6 +67,7 @@ _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 _SHARD = 8  # connections per httpx client (see OpenAIJudge._bind)
 _LATENCIES = 4096  # latencies kept per endpoint for the quantiles of endpoint_stats
 _SCHEMAS: dict[str, dict[str, Any]] = {}  # reply schema per stage (built once, never mutated)
+_SYSTEM_JSON: dict[str, str] = {}  # JSON of the system messages (a few fixed strings)
 
 
 class _Slots:
@@ -425,7 +427,7 @@ class OpenAIJudge:
 
     async def _alive(self, ep: _Endpoint) -> bool:
         """Whether ``ep`` sends any HTTP reply to a tiny stage request within ``timeout``."""
-        messages = build_messages("unitize", payload_for("unitize", prompt="Liveness check.", response="OK."))
+        messages = stage_request("unitize", prompt="Liveness check.", response="OK.").messages
         body = self._body("unitize", messages, _schema("unitize") if self.structured else None)
         headers = {"Content-Type": "application/json"}
         if self._key:
@@ -447,30 +449,34 @@ class OpenAIJudge:
 
     # -- stages ------------------------------------------------------------------------------------
     async def unitize(self, prompt: str, response: str) -> list[str]:
-        return await self._ask("unitize", payload_for("unitize", prompt=prompt, response=response))
+        return await self._ask(stage_request("unitize", prompt=prompt, response=response))
 
     async def coverage(self, prompt: str, response: str, rubrics: Sequence[str]) -> list[bool]:
+        chunks = self._chunks(rubrics)
+        if len(chunks) == 1:  # the usual case: one request, no task to gather
+            return await self._ask(stage_request("coverage", prompt=prompt, response=response, rubrics=chunks[0]))
         parts = await asyncio.gather(*(
-            self._ask("coverage", payload_for("coverage", prompt=prompt, response=response, rubrics=chunk))
-            for chunk in self._chunks(rubrics)))
+            self._ask(stage_request("coverage", prompt=prompt, response=response, rubrics=chunk))
+            for chunk in chunks))
         return [flag for part in parts for flag in part]
 
     async def match(self, prompt: str, rubrics: Sequence[str], units: Sequence[str]) -> list[list[bool]]:
         if not units:
             return [[] for _ in rubrics]
+        chunks = self._chunks(rubrics)
+        if len(chunks) == 1:
+            return await self._ask(stage_request("match", prompt=prompt, rubrics=chunks[0], units=units))
         parts = await asyncio.gather(*(
-            self._ask("match", payload_for("match", prompt=prompt, rubrics=chunk, units=units))
-            for chunk in self._chunks(rubrics)))
+            self._ask(stage_request("match", prompt=prompt, rubrics=chunk, units=units)) for chunk in chunks))
         return [row for part in parts for row in part]
 
     async def correctness(self, prompt: str, units: Sequence[str]) -> list[bool]:
         if not units:
             return []
-        return await self._ask("correctness", payload_for("correctness", prompt=prompt, units=units))
+        return await self._ask(stage_request("correctness", prompt=prompt, units=units))
 
     async def threshold(self, prompt: str, units: Sequence[str], credits: Sequence[float]) -> float:
-        return await self._ask("threshold", payload_for("threshold", prompt=prompt, units=units,
-                                                        credits=credits))
+        return await self._ask(stage_request("threshold", prompt=prompt, units=units, credits=credits))
 
     def _chunks(self, rubrics: Sequence[str]) -> list[Sequence[str]]:
         """Rubric chunks of at most ``max_rubrics_per_request`` (sent concurrently); none if no rubric."""
@@ -478,9 +484,9 @@ class OpenAIJudge:
         return [rubrics[i:i + k] for i in range(0, len(rubrics), k)]
 
     # -- one stage call: cache, in-flight sharing, re-asks -------------------------------------------
-    async def _ask(self, stage: str, payload: dict[str, Any]) -> Any:
+    async def _ask(self, req: StageRequest) -> Any:
         self._bind()
-        messages = build_messages(stage, payload)
+        stage, messages = req.stage, req.messages
         schema = _schema(stage) if self.structured else None
         usage = current_usage()
         key = None
@@ -490,7 +496,7 @@ class OpenAIJudge:
             data = self.cache.get(key)
             if data is not None:
                 try:
-                    result = parse_reply(stage, data, payload)
+                    result = parse_stage_reply(req, data)
                 except ReplyInvalid:
                     pass  # e.g. a cache written by an older validator: ask again
                 else:
@@ -499,17 +505,17 @@ class OpenAIJudge:
                     return result
         # Model, parameters and schema are the judge's own: the messages identify a request (no hash
         # of the whole request when there is no cache).
-        share = (stage, *(m["content"] for m in messages))
+        share = (stage, *[m["content"] for m in messages])
         pending = self._inflight.get(share)
         if pending is not None:
             if usage is not None:
                 usage.shared += 1
             data = await asyncio.shield(pending)
-            return parse_reply(stage, data, payload)
+            return parse_stage_reply(req, data)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._inflight[share] = fut
         try:
-            data, result = await self._ask_fresh(stage, messages, schema, payload)
+            data, result = await self._ask_fresh(req, schema)
         except BaseException as err:
             if isinstance(err, asyncio.CancelledError):
                 fut.cancel()
@@ -525,8 +531,8 @@ class OpenAIJudge:
         finally:
             self._inflight.pop(share, None)
 
-    async def _ask_fresh(self, stage: str, messages: list[dict[str, str]], schema: dict[str, Any] | None,
-                         payload: dict[str, Any]) -> tuple[Any, Any]:
+    async def _ask_fresh(self, req: StageRequest, schema: dict[str, Any] | None) -> tuple[Any, Any]:
+        stage, messages = req.stage, req.messages
         convo = list(messages)
         usage = current_usage()
         last = ""
@@ -536,7 +542,7 @@ class OpenAIJudge:
             text = await self._post(stage, convo, schema)
             try:
                 data = extract_json(text)
-                return data, parse_reply(stage, data, payload)
+                return data, parse_stage_reply(req, data)
             except ReplyInvalid as err:
                 last = str(err)
                 convo = [*messages, {"role": "assistant", "content": text[:4000]},
@@ -555,7 +561,7 @@ class OpenAIJudge:
                                              "json_schema": {"name": f"fork_{stage}", "schema": schema, "strict": True}}
             cached = ((self.model, params), json.dumps(fields)[:-1] + ', "messages": [')
             self._heads[(stage, schema is not None)] = cached
-        return (cached[1] + ", ".join(json.dumps(m) for m in messages) + "]}").encode()
+        return (cached[1] + ", ".join(_message_json(m) for m in messages) + "]}").encode()
 
     # -- one HTTP request with bounded retries, on the least loaded endpoint ------------------------------
     def _take(self, avoid: _Endpoint | None) -> tuple[_Endpoint, bool] | None:
@@ -619,7 +625,8 @@ class OpenAIJudge:
         for attempt in range(self.max_retries + 1):
             if attempt and usage is not None:
                 usage.retries += 1
-            ep, probe = await self._acquire(stage, avoid)
+            taken = self._take(avoid) if self.down is None else None  # a free slot: no coroutine to wait in
+            ep, probe = taken if taken is not None else await self._acquire(stage, avoid)
             t0 = time.monotonic()
             suspect: str | None = None
             try:
@@ -699,6 +706,24 @@ class OpenAIJudge:
         if not isinstance(content, str):
             raise _Transient("bad_envelope", "message content is not a string")
         return content
+
+
+def _message_json(m: dict[str, str]) -> str:
+    """``json.dumps(m)`` of a chat message; a ``{"role", "content"}`` pair of strings is written directly
+    (the system messages, the same few strings every time, are encoded once)."""
+    if type(m) is dict and len(m) == 2:
+        role, content = m.get("role"), m.get("content")
+        if type(role) is str and type(content) is str and next(iter(m)) == "role":
+            if role == "system":
+                enc = _SYSTEM_JSON.get(content)
+                if enc is None:
+                    if len(_SYSTEM_JSON) > 64:
+                        _SYSTEM_JSON.clear()
+                    enc = _SYSTEM_JSON[content] = _enc_ascii(content)
+            else:
+                enc = _enc_ascii(content)
+            return '{"role": ' + _enc_ascii(role) + ', "content": ' + enc + "}"
+    return json.dumps(m)
 
 
 def _schema(stage: str) -> dict[str, Any]:

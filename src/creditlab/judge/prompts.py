@@ -13,20 +13,25 @@ from __future__ import annotations
 import functools
 import json
 import math
+import operator
 import re
 from collections.abc import Sequence
-from typing import Any
+from json.encoder import encode_basestring as _enc  # what json.dumps(ensure_ascii=False) writes for a str
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 __all__ = [
     "PROMPT_VERSION",
     "ReplyInvalid",
+    "StageRequest",
     "build_messages",
     "extract_json",
     "parse_reply",
+    "parse_stage_reply",
     "payload_for",
     "reply_schema",
+    "stage_request",
 ]
 
 PROMPT_VERSION = "fork-judge-v1"
@@ -158,6 +163,87 @@ def payload_for(stage: str, *, prompt: str, response: str | None = None,
     return p
 
 
+class StageRequest(NamedTuple):
+    """One stage request as the judge client sends it: the messages of :func:`build_messages` and the
+    rubric and unit ids the reply must cover (what :func:`parse_stage_reply` checks it against)."""
+
+    stage: str
+    messages: list[dict[str, str]]
+    rubric_ids: tuple[str, ...]
+    unit_ids: tuple[str, ...]
+
+    def payload_ids(self) -> dict[str, Any]:
+        """The ids as :func:`payload_for` holds them (all :func:`parse_reply` reads of a payload)."""
+        return {"rubrics": [{"id": i} for i in self.rubric_ids], "units": [{"id": i} for i in self.unit_ids]}
+
+
+@functools.cache
+def _system(stage: str) -> str:
+    return (f"{_INSTRUCTIONS[stage]}\nReply with one JSON object and nothing else, of the form "
+            f"{_FORMAT[stage]}.")
+
+
+@functools.lru_cache(maxsize=512)
+def _id_tuple(prefix: str, n: int) -> tuple[str, ...]:
+    return tuple(_ids(prefix, n))
+
+
+@functools.lru_cache(maxsize=512)
+def _id_index(prefix: str, n: int) -> dict[str, int]:
+    return {i: k for k, i in enumerate(_id_tuple(prefix, n))}
+
+
+def _num(x: float) -> str:
+    """A float as ``json.dumps`` writes it."""
+    if x != x:
+        return "NaN"
+    if x in (math.inf, -math.inf):
+        return "Infinity" if x > 0 else "-Infinity"
+    return float.__repr__(x)
+
+
+def stage_request(stage: str, *, prompt: str, response: str | None = None, rubrics: Sequence[str] = (),
+                  units: Sequence[str] = (), credits: Sequence[float] = ()) -> StageRequest:
+    """``build_messages(stage, payload_for(stage, ...))`` and the ids, without the intermediate payload.
+
+    The user message is written field by field in the order ``json.dumps(..., sort_keys=True)``
+    writes it, so the messages are the same strings, character for character (a test compares them
+    on random text); arguments that are not plain strings take the reference path.
+    """
+    if stage not in _INSTRUCTIONS:
+        raise KeyError(stage)
+    nr = len(rubrics) if stage in ("coverage", "match") else 0
+    nu = len(units) if stage in ("match", "correctness", "threshold") else 0
+    plain = type(prompt) is str and (response is None or type(response) is str) and \
+        set(map(type, rubrics)) <= _STR and set(map(type, units)) <= _STR
+    if not plain or (stage == "threshold" and len(credits) != nu):
+        messages = build_messages(stage, payload_for(stage, prompt=prompt, response=response, rubrics=rubrics,
+                                                     units=units, credits=credits))
+        return StageRequest(stage, messages, _id_tuple("R", nr), _id_tuple("U", nu))
+    parts = []
+    if stage in ("unitize", "coverage"):
+        parts.append('"answer": ' + ("null" if response is None else _enc(response)))
+    parts.append('"question": ' + _enc(prompt))
+    if nr:
+        parts.append('"rubrics": [' + ", ".join(
+            f'{{"criterion": {_enc(r)}, "id": "R{k}"}}' for k, r in enumerate(rubrics, 1)) + "]")
+    elif stage in ("coverage", "match"):
+        parts.append('"rubrics": []')
+    parts.append(f'"task": "{stage}"')
+    if stage == "threshold":
+        parts.append('"units": [' + ", ".join(
+            f'{{"credit": {_num(round(float(c), 6))}, "id": "U{k}", "text": {_enc(u)}}}'
+            for k, (u, c) in enumerate(zip(units, credits, strict=True), 1)) + "]")
+    elif nu:
+        parts.append('"units": [' + ", ".join(f'{{"id": "U{k}", "text": {_enc(u)}}}' for k, u in enumerate(units, 1))
+                     + "]")
+    elif stage in ("match", "correctness"):
+        parts.append('"units": []')
+    messages = [{"role": "system", "content": _system(stage)},
+                {"role": "user", "content": "{" + ", ".join(parts) + "}"}]
+    return StageRequest(stage, messages, _id_tuple("R", nr), _id_tuple("U", nu))
+
+
 def _strict(schema: Any) -> Any:
     if isinstance(schema, dict):
         out = {k: _strict(v) for k, v in schema.items() if k != "title"}
@@ -186,8 +272,11 @@ _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
 def extract_json(text: str) -> Any:
     """Parse a JSON object out of plain text: the whole text, a fenced block, or the outermost braces."""
     text = text.strip()
-    candidates = [text]
-    candidates += [m.group(1) for m in _FENCE.finditer(text)]
+    try:  # the whole text first (the usual reply), before looking for fences and braces
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    candidates = [m.group(1) for m in _FENCE.finditer(text)]
     start, end = text.find("{"), text.rfind("}")
     if 0 <= start < end:
         candidates.append(text[start:end + 1])
@@ -251,3 +340,80 @@ def parse_reply(stage: str, data: Any, payload: dict[str, Any]) -> Any:
     if not math.isfinite(reply.tau) or reply.tau <= 0:
         raise ReplyInvalid(f"tau must be finite and > 0, got {reply.tau}")
     return float(reply.tau)
+
+
+def parse_stage_reply(req: StageRequest, data: Any) -> Any:
+    """:func:`parse_reply` for a :class:`StageRequest`: the same result, or the same :class:`ReplyInvalid`.
+
+    Replies made of exactly the JSON types the schema names (``str``, ``bool``, lists, a ``float``
+    tau), with the ids in the order they were asked, are checked here by hand; any other reply (ids
+    reordered, coercible types such as ``"true"``, anything wrong) goes through :func:`parse_reply`,
+    which coerces or says what is wrong. A test holds the two equal on random replies.
+    """
+    fast = _fast_reply(req, data)
+    if fast is not None:
+        return fast
+    return parse_reply(req.stage, data, req.payload_ids())
+
+
+def _fast_reply(req: StageRequest, data: Any) -> Any:
+    """The parsed reply when it is plainly valid, else None (then the reference path decides).
+
+    Checks run over whole lists in C (``map``, ``set`` of the element types) rather than element by
+    element: this runs for every reply of every request.
+    """
+    if type(data) is not dict:
+        return None
+    stage = req.stage
+    if stage == "threshold":
+        tau = data.get("tau")
+        if type(tau) is float and math.isfinite(tau) and tau > 0:
+            return tau
+        return None
+    rows = data.get("units" if stage in ("unitize", "correctness") else "rubrics")
+    if type(rows) is not list:
+        return None
+    want = req.rubric_ids if stage in ("coverage", "match") else req.unit_ids
+    if not rows:
+        return [] if stage == "unitize" or not want else None
+    if set(map(type, rows)) != _DICT:
+        return None
+    try:
+        ids = tuple(map(_GET_ID, rows))
+        if stage == "unitize":
+            texts = list(map(_GET_TEXT, rows))
+        else:
+            if ids != want:
+                return None
+            if stage == "match":
+                listed = list(map(_GET_UNITS, rows))
+            else:
+                flags = list(map(_GET_MET if stage == "coverage" else _GET_CORRECT, rows))
+    except KeyError:
+        return None
+    if stage == "unitize":
+        if set(map(type, ids)) != _STR or set(map(type, texts)) != _STR:
+            return None
+        texts = list(map(str.strip, texts))
+        return texts if all(texts) else None
+    if stage != "match":
+        return flags if set(map(type, flags)) == _BOOL else None
+    if set(map(type, listed)) != _LIST:
+        return None
+    index = _id_index("U", len(req.unit_ids))
+    n = len(req.unit_ids)
+    out = []
+    try:
+        for units in listed:
+            row = [False] * n
+            for u in units:
+                row[index[u]] = True  # KeyError: not a unit id asked about (or not a string)
+            out.append(row)
+    except (KeyError, TypeError):
+        return None
+    return out
+
+
+_DICT, _STR, _BOOL, _LIST = {dict}, {str}, {bool}, {list}
+_GET_ID, _GET_TEXT, _GET_UNITS = operator.itemgetter("id"), operator.itemgetter("text"), operator.itemgetter("units")
+_GET_MET, _GET_CORRECT = operator.itemgetter("met"), operator.itemgetter("correct")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import itertools
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -52,6 +53,9 @@ from creditlab.rewards.items import (
 )
 
 __all__ = ["BETA_MAX", "BETA_MIN", "FORKReward", "ForkResult"]
+
+#: Items :meth:`FORKReward.score` starts per event-loop pass.
+START_BATCH = 32
 
 #: Range of ``beta``: beyond it F-beta equals precision (or recall) to 6 decimals, and from about 1e19
 #: ``beta**2`` overflows float32 and rewards turn NaN.
@@ -144,8 +148,24 @@ class FORKReward:
 
     # -- async API -------------------------------------------------------------------------------------
     async def score(self, items: Sequence[ForkItem]) -> list[ForkResult]:
-        """Score every item concurrently (the judge bounds its own concurrency); results in input order."""
-        return list(await asyncio.gather(*(self.score_one(it) for it in items)))
+        """Score every item concurrently (the judge bounds its own concurrency); results in input order.
+
+        The items start :data:`START_BATCH` at a time, one event-loop pass apart: the replies to the
+        first requests are read while the later items prepare theirs (started all at once, a thousand
+        items would prepare two thousand requests before the loop reads the first reply, leaving the
+        judge's connections idle meanwhile).
+        """
+        tasks: list[asyncio.Future[ForkResult]] = []
+        try:
+            for k, it in enumerate(items, 1):
+                tasks.append(asyncio.ensure_future(self.score_one(it)))
+                if k % START_BATCH == 0:
+                    await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            for t in tasks:
+                t.cancel()
+            raise
+        return list(await asyncio.gather(*tasks))
 
     async def score_iter(self, items: Iterable[ForkItem], *, max_in_flight: int | None = None
                          ) -> AsyncIterator[ForkResult]:
@@ -253,8 +273,10 @@ class FORKReward:
         else:
             match, correct = [[] for _ in criteria], []
         _expect("match", "match rows", match, len(criteria), list)
-        for row in match:
-            _expect("match", "match entries in a row", row, len(units), bool)
+        if not match or set(map(len, match)) != {len(units)} or \
+                set(map(type, itertools.chain.from_iterable(match))) - {bool}:  # else every row is n bools
+            for row in match:
+                _expect("match", "match entries in a row", row, len(units), bool)
         _expect("correctness", "correctness flags", correct, len(units), bool)
 
         # one response: the math of core.precision.fork_scores on plain floats (fork_scores_one)
@@ -316,6 +338,9 @@ def _noted(res: ForkResult, item: ForkItem) -> ForkResult:
 
 
 def _expect(stage: str, what: str, value: Any, n: int | None, typ: type) -> None:
+    if isinstance(value, list) and (n is None or len(value) == n) and \
+            (not value or set(map(type, value)) == {typ}):  # exactly ``typ`` (the usual case), in C
+        return
     if not isinstance(value, list) or (n is not None and len(value) != n) or \
             not all(isinstance(v, typ) for v in value):
         got = len(value) if isinstance(value, list) else type(value).__name__
