@@ -68,4 +68,5 @@ def optim_knob(g: GRPOConfig) -> str:
 
 def seeds_knob(seeds: int) -> tuple[str, str, str]:
     """The ``seeds`` knob row."""
-    return ("seeds", str(seeds), "the minimum the issue asks for, for time; arms are paired seed by seed.")
+    return ("seeds", str(seeds),
+            "the fewest that give a 95% interval worth reading, for time; arms are paired seed by seed.")

@@ -1172,7 +1172,7 @@ def _new_tables(rows: dict[str, pd.DataFrame], cfg: GranularityConfig) -> dict[s
         t = gates[gates["gate"] == "teacher"].drop(columns=["gate", "cell_key"], errors="ignore")
         tabs["warm_teachers"] = Table(t.dropna(axis=1, how="all"), "Experiment warm: what the warm-started "
                                       "teachers know (before training)", ".3g")
-    pred = _predictions(tabs, cfg)
+    pred = _predictions(tabs, cfg, _gates_table(gates, cfg) if gates is not None else None)
     if len(pred):
         tabs["predictions"] = Table(pred, "The predictions written before the run, against this run", ".3g",
                                     console=True)
@@ -1235,11 +1235,11 @@ def _sweep_table(df: pd.DataFrame, turn_scores: dict[float, float], U: int) -> p
     return _ordered(pd.DataFrame(rows), ["arm", "repeat"])
 
 
-def _predictions(tabs: dict[str, Table], cfg: GranularityConfig) -> pd.DataFrame:
+def _predictions(tabs: dict[str, Table], cfg: GranularityConfig, gates: pd.DataFrame | None) -> pd.DataFrame:
     """Each prediction of the docs page (written before the run) with what this run measured and
     the verdict its falsification rule gives."""
     rows = []
-    gates = tabs["gates"].frame if "gates" in tabs else pd.DataFrame(columns=["gate", "measured"])
+    gates = pd.DataFrame(columns=["gate", "measured", "passes"]) if gates is None else gates
     mm = tabs["multi_mixing"].frame.set_index("type") if "multi_mixing" in tabs else None
     if mm is not None and "multi" in mm.index:
         mix = mm["base mixing"]
@@ -1290,7 +1290,7 @@ def _predictions(tabs: dict[str, Table], cfg: GranularityConfig) -> pd.DataFrame
         g = gates[gates["gate"].astype(str).str.contains("teacher")]
         gate_ok = bool(len(g)) and bool(g["passes"].all())
         rows.append({"prediction": "W1: the warm-started teachers beat their placebos by >= 1 nat",
-                     "measured": "; ".join(f"{r.gate.split(' teacher')[0]} {r.measured:+.2f}" for r in g.itertuples()),
+                     "measured": "; ".join(f"{r.gate.split(' teacher')[0]} {r.measured:+.3f}" for r in g.itertuples()),
                      "verdict": "holds" if gate_ok else "falsified"})
         wm = tabs["warm_means"].frame
         wm = wm[wm["type"] == "all"].set_index("arm")
@@ -1302,8 +1302,8 @@ def _predictions(tabs: dict[str, Table], cfg: GranularityConfig) -> pd.DataFrame
                          "measured": f"final success: advice-OPSD {adv:.2f}, GRPO {grpo:.2f}"
                                      + (f", ref-OPSD {wm.loc['opsd_ref', 'success']:.2f}" if "opsd_ref" in wm.index
                                         else ""),
-                         "verdict": ("falsified" if gate_ok and adv >= grpo - 0.02 else
-                                     "holds" if adv < grpo - 0.02 else "not judged (gate failed)")})
+                         "verdict": ("not judged (gate failed)" if not gate_ok else
+                                     "falsified" if adv >= grpo - 0.02 else "holds")})
         if {"opsd_ref", "opsd_advice"} <= set(wo.index):
             r, a = wo.loc["opsd_ref"], wo.loc["opsd_advice"]
             base = wm["gain"] if "gain" in wm else None
@@ -1404,7 +1404,7 @@ def _plot_sweep(sw: pd.DataFrame, out: Path) -> Path:
     fx = sw[sw["arm"] == "prm_fixed"]
     src = fx if len(fx) else sw
     axes[0].plot(src["repeat"], src["mean turn score"], "o-", color="tab:orange", label="mean turn score of the base")
-    axes[0].plot([0, 1], [0, 1], ":", color="gray", label="repeat = mean turn score")
+    axes[0].plot([0, 1], [0, 1], ":", color="gray", label="y = repeat (predicted hacked right of the crossing)")
     axes[0].set_xlabel("score of a repeated read (repeat)")
     axes[0].set_title("the prediction's threshold")
     axes[0].set_xlim(0, 1.05)
