@@ -221,3 +221,41 @@ def test_imitation_loss_averages_thoughts_and_calls_separately():
     assert float(_imitation_loss(loss, mask, targets, 2)) == pytest.approx(1.5 + 3.0)  # thoughts 1, 2; call 3
     no_call = torch.tensor([[True, True, False, False]])
     assert float(_imitation_loss(loss, no_call, targets, 2)) == pytest.approx(1.5)
+
+
+def _no_time(rows):
+    return [[{k: v for k, v in r.items() if not k.startswith("time/")} for r in model] for model in rows]
+
+
+def test_an_interrupted_stacked_run_resumes_from_its_checkpoint_to_the_same_rows(tmp_path, one_thread):
+    from dataclasses import replace
+
+    from creditlab.models.tiny_lm import StackedTinyLM
+    from creditlab.train.toolshop_base import base_policy
+    from creditlab.train.toolshop_grpo import GRPOConfig, train_grpo_stacked
+
+    base = base_policy(BaseConfig(n_demos=32, steps=10, batch_size=8, d_model=32, n_layer=1, max_len=64,
+                                  chain_lengths=(2,)), cache_dir=None)
+    g = GRPOConfig(updates=4, tasks_per_update=2, group_size=2, chain_lengths=(2,), max_len=48, eval_every=2,
+                   eval_tasks=4)
+    configs = [replace(g, rollout_precision="nvfp4", learner_precision="nvfp4", correction="interq"),
+               replace(g, rollout_precision="nvfp4", correction="none", seed=1)]
+    want = train_grpo_stacked(StackedTinyLM([base] * 2), configs)
+    ck = tmp_path / "ck.pt"
+
+    def stop(k, rows):
+        if k == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_grpo_stacked(StackedTinyLM([base] * 2), configs, checkpoint=ck, checkpoint_every=2, on_update=stop)
+    assert ck.exists()
+    seen = []
+    got = train_grpo_stacked(StackedTinyLM([base] * 2), configs, checkpoint=ck, checkpoint_every=2,
+                             on_update=lambda k, rows: seen.append(k))
+    assert seen == [2, 3]  # it continued from update 2
+    for g_rows, w_rows in zip(_no_time(got), _no_time(want), strict=True):  # bit for bit (NaN where NaN)
+        pd.testing.assert_frame_equal(pd.DataFrame(g_rows), pd.DataFrame(w_rows), check_exact=True)
+    with pytest.raises(ConfigError, match="checkpoint"):
+        train_grpo_stacked(StackedTinyLM([base] * 2), [replace(c, lr=1e-3) for c in configs], checkpoint=ck,
+                           checkpoint_every=2)

@@ -79,6 +79,10 @@ THOUGHTS = 24
 GATE_DRIFT = 0.5
 #: Rollback threshold of the predictions (best - final held-out success).
 ROLLBACK = 0.03
+#: A training cell saves its models, optimizer and rows every this many updates (in the cache
+#: directory's ``checkpoints/``, removed once the cell is stored), so an interrupted cell resumes where
+#: it stopped, with the rows of an uninterrupted one; a cell that dumps rollouts does not.
+CHECKPOINT_EVERY = 25
 UNIT, DIFF = (0.0, 1.0), (-1.0, 1.0)
 METRICS = ("final", "best", "rollback", "aulc")
 
@@ -198,7 +202,16 @@ def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_
         def on_rollouts(k, m, batch, rewards, old):
             dump_rollouts(batch, rewards, k, paths[m], logprobs=old)
 
-    rows = train_grpo_stacked(stack, configs, eval_precision="fp32", on_rollouts=on_rollouts)
+    ck = None
+    if on_rollouts is None:  # a resumed dump would miss the updates before the checkpoint
+        from creditlab.lab.runner import digest
+
+        key = digest({"dose": dose, "arms": arms, "seeds": seeds, "config": config})
+        ck = Path(cache_dir) / "checkpoints" / f"mismatch-{dose}-{key}.pt"
+    rows = train_grpo_stacked(stack, configs, eval_precision="fp32", on_rollouts=on_rollouts, checkpoint=ck,
+                              checkpoint_every=CHECKPOINT_EVERY)
+    if ck is not None:
+        ck.unlink(missing_ok=True)
     out = []
     for (a, s), model_rows in zip(members, rows, strict=True):
         out += [{"arm": a, "dose": dose, "seed": s, **r} for r in model_rows]
@@ -884,7 +897,8 @@ def _plot_phase_map(m: pd.DataFrame, out: Path) -> Path:
     fig, axes = new_figure(1, 1, figsize=(6.4, 4.4), squeeze=False)
     ax = axes[0][0]
     for arm, g in m.groupby("arm", sort=False):
-        err = np.vstack([(g["rollback"] - g["rollback_lo"]).clip(lower=0), (g["rollback_hi"] - g["rollback"]).clip(lower=0)])
+        err = np.vstack([(g["rollback"] - g["rollback_lo"]).clip(lower=0),
+                         (g["rollback_hi"] - g["rollback"]).clip(lower=0)])
         ax.errorbar(g["drift"], g["rollback"], yerr=err, fmt="o", color=COLORS[arm], label=LABELS[arm], capsize=3)
         for r in g.itertuples():
             ax.annotate(r.dose, (r.drift, r.rollback), textcoords="offset points", xytext=(4, 4), fontsize=7)
@@ -892,7 +906,7 @@ def _plot_phase_map(m: pd.DataFrame, out: Path) -> Path:
     if not math.isnan(fp):
         ax.axhline(fp, color="black", lw=1, ls="--", label="fp32 rollback (no mismatch)")
     ax.axhline(ROLLBACK, color="gray", lw=0.8, ls=":", label=f"rollback threshold {ROLLBACK:g}")
-    ax.set_xscale("symlog", linthresh=0.1)
+    ax.set_xlim(min(0.0, float(m["drift"].min())), max(1.0, 1.15 * float(m["drift"].max())))
     ax.set_xlabel("|prefix drift| entering the last turn, base policy (nats)")
     ax.set_ylabel("rollback = best - final (mean, 95% interval)")
     ax.legend(fontsize=8)

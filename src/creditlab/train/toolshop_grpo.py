@@ -20,9 +20,12 @@ execution-mismatch correction arms of :func:`make_weights`.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -450,7 +453,8 @@ def _eval_row(ev: dict[str, torch.Tensor], m: int) -> dict[str, float]:
 
 def train_grpo_stacked(stack: StackedTinyLM, configs: list[GRPOConfig], *, eval_precision: str | None = "fp32",
                        on_update: Callable[[int, list[dict[str, float]]], None] | None = None,
-                       on_rollouts: Callable[[int, int, RolloutBatch, torch.Tensor, torch.Tensor], None] | None = None
+                       on_rollouts: Callable[[int, int, RolloutBatch, torch.Tensor, torch.Tensor], None] | None = None,
+                       checkpoint: str | os.PathLike[str] | None = None, checkpoint_every: int = 0
                        ) -> list[list[dict[str, float]]]:
     """Train the ``M`` models of ``stack`` in place with multi-turn GRPO, model ``m`` under
     ``configs[m]``; returns one list of rows per model (the keys of :func:`train_grpo`).
@@ -473,29 +477,62 @@ def train_grpo_stacked(stack: StackedTinyLM, configs: list[GRPOConfig], *, eval_
     successful episodes) and ``eval/cap_exhaustion`` (share of failures that used the whole action
     budget). ``time/*`` splits the update into rollout, learner log-probs, weights and metrics, and
     the optimisation; ``time/decode_steps`` counts the engine's positions.
-    """
-    from creditlab.core.advantages import grpo_advantages
 
+    ``checkpoint`` (a file) with ``checkpoint_every = n``: every ``n`` updates the models, the
+    optimizer and the rows so far are saved there (atomically), and a call that finds the file
+    continues from it; every random draw is keyed by (seed, update), so an interrupted and resumed
+    run gives the rows of an uninterrupted one (tested). The file names the configs it was saved
+    with, and one saved with others is refused.
+    """
     M = stack.n_models
     cfg = _check_stacked(configs, M, eval_precision)
-    engines, learners = tuple(c.rollout_precision for c in configs), tuple(c.learner_precision for c in configs)
-    seeds = [c.seed for c in configs]
-    eval_engines = eval_precision or engines
-    opt = adamw(stack.parameters(), cfg.lr)
-    G, n_tasks = cfg.group_size, cfg.tasks_per_update
-    B = G * n_tasks
-    gids = (torch.arange(M)[:, None] * n_tasks + torch.arange(B)[None, :] // G).reshape(-1)  # groups never span models
+    run = _StackedRun(stack, configs, cfg, eval_precision)
     rows: list[list[dict[str, float]]] = [[] for _ in range(M)]
-    for k in range(cfg.updates):
+    start = 0
+    if checkpoint is not None and Path(checkpoint).exists():
+        start, rows = _load_checkpoint(checkpoint, stack, run.opt, configs)
+    for k in range(start, cfg.updates):
+        new = run.update(k, on_rollouts)
+        for m in range(M):
+            rows[m].append(new[m])
+        if on_update is not None:
+            on_update(k, new)
+        if checkpoint is not None and checkpoint_every and (k + 1) % checkpoint_every == 0 and k + 1 < cfg.updates:
+            _save_checkpoint(checkpoint, k + 1, rows, stack, run.opt, configs)
+    final = [{"update": float(cfg.updates)} for _ in range(M)]
+    _eval_into(final, stack, cfg, run.eval_engines)
+    return [r + [f] for r, f in zip(rows, final, strict=True)]
+
+
+class _StackedRun:
+    """What every update of :func:`train_grpo_stacked` shares: the stack, its configs, the optimizer."""
+
+    def __init__(self, stack: StackedTinyLM, configs: list[GRPOConfig], cfg: GRPOConfig, eval_precision: str | None):
+        self.stack, self.configs, self.cfg, self.M = stack, configs, cfg, stack.n_models
+        self.engines = tuple(c.rollout_precision for c in configs)
+        self.learners = tuple(c.learner_precision for c in configs)
+        self.seeds = [c.seed for c in configs]
+        self.eval_engines = eval_precision or self.engines
+        self.opt = adamw(stack.parameters(), cfg.lr)
+        G, n_tasks = cfg.group_size, cfg.tasks_per_update
+        self.B = G * n_tasks
+        # groups never span models
+        self.gids = (torch.arange(self.M)[:, None] * n_tasks + torch.arange(self.B)[None, :] // G).reshape(-1)
+
+    def update(self, k: int, on_rollouts) -> list[dict[str, float]]:
+        """Update ``k`` of every model: its rows (with the held-out evaluation when it is due)."""
+        from creditlab.core.advantages import grpo_advantages
+
+        stack, cfg, M, B, G = self.stack, self.cfg, self.M, self.B, self.cfg.group_size
         new = [{"update": float(k)} for _ in range(M)]
-        t_eval = _eval_into(new, stack, cfg, eval_engines) if cfg.eval_every and k % cfg.eval_every == 0 else 0.0
+        t_eval = _eval_into(new, stack, cfg, self.eval_engines) if cfg.eval_every and k % cfg.eval_every == 0 else 0.0
         t0 = time.perf_counter()
         # --- rollouts
-        batch = _stacked_rollouts(stack, cfg, seeds, k, engines)
+        batch = _stacked_rollouts(stack, cfg, self.seeds, k, self.engines)
         t1 = time.perf_counter()
         pm, vm, rlp = batch.policy_mask, batch.valid_mask, batch.rollout_logprobs
-        orders = _minibatch_orders(seeds, k, B, cfg)
-        old = _stacked_old_logprobs(stack, batch.tokens, orders, learners, cfg)
+        orders = _minibatch_orders(self.seeds, k, B, cfg)
+        old = _stacked_old_logprobs(stack, batch.tokens, orders, self.learners, cfg)
         t2 = time.perf_counter()
         # --- scores
         rewards = (batch.success if cfg.reward == "success" else batch.progress).float()
@@ -503,16 +540,16 @@ def train_grpo_stacked(stack: StackedTinyLM, configs: list[GRPOConfig], *, eval_
             for m in range(M):
                 on_rollouts(k, m, _model_batch(batch, m, G), rewards[m], old.all[m])
         # --- advantages
-        adv = grpo_advantages(rewards.reshape(-1), gids).view(M, B)
+        adv = grpo_advantages(rewards.reshape(-1), self.gids).view(M, B)
         # --- weights
         w = torch.ones_like(old.all)
         for m in range(M):  # one correction_weights call per model and batch
-            w[m], w_metrics = _correction(configs[m].correction, old.all[m], rlp[m], pm[m], vm[m])
+            w[m], w_metrics = _correction(self.configs[m].correction, old.all[m], rlp[m], pm[m], vm[m])
             new[m].update(w_metrics)
         t3 = time.perf_counter()
         # --- minibatch steps
         adv_tok = adv[:, :, None].expand_as(old.all)
-        steps = _stacked_steps(stack, opt, cfg, batch.tokens, orders, old, adv_tok, pm, w, learners)
+        steps = _stacked_steps(stack, self.opt, cfg, batch.tokens, orders, old, adv_tok, pm, w, self.learners)
         t4 = time.perf_counter()
         # --- metrics
         gn = torch.stack(steps.grad_norms).mean(0)
@@ -522,12 +559,29 @@ def train_grpo_stacked(stack: StackedTinyLM, configs: list[GRPOConfig], *, eval_
         for m in range(M):
             new[m].update({n: float(np.mean(v)) for n, v in steps.losses[m].items()})
             new[m].update({**_update_metrics(_model_batch(batch, m, G), adv_tok[m], float(gn[m])), **times})
-            rows[m].append(new[m])
-        if on_update is not None:
-            on_update(k, new)
-    final = [{"update": float(cfg.updates)} for _ in range(M)]
-    _eval_into(final, stack, cfg, eval_engines)
-    return [r + [f] for r, f in zip(rows, final, strict=True)]
+        return new
+
+
+def _configs_blob(configs: list[GRPOConfig]) -> str:
+    return json.dumps([asdict(c) for c in configs], sort_keys=True, default=str)
+
+
+def _save_checkpoint(path, k: int, rows, stack: StackedTinyLM, opt, configs: list[GRPOConfig]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    torch.save({"update": k, "rows": rows, "stack": stack.state_dict(), "opt": opt.state_dict(),
+                "configs": _configs_blob(configs)}, tmp)
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(path, stack: StackedTinyLM, opt, configs: list[GRPOConfig]):
+    state = torch.load(path, weights_only=True)
+    if state["configs"] != _configs_blob(configs):
+        raise ConfigError("checkpoint", f"{path} was saved by a run with other configs; remove it to start over")
+    stack.load_state_dict(state["stack"])
+    opt.load_state_dict(state["opt"])
+    return int(state["update"]), state["rows"]
 
 
 def _stacked_rollouts(stack: StackedTinyLM, cfg: GRPOConfig, seeds: list[int], update: int,
