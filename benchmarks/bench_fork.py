@@ -44,6 +44,7 @@ from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import NamedTuple
 
 from creditlab.judge import JudgeCache, OpenAIJudge, current_usage
 from creditlab.judge.prompts import build_messages, extract_json, parse_reply, payload_for, reply_schema
@@ -224,6 +225,26 @@ async def replay(url: str, bodies: list[bytes], concurrency: int) -> None:
     await client.aclose()
 
 
+
+class Run(NamedTuple):
+    """One timed run against the loopback server."""
+
+    wall: float
+    cpu: float
+    requests: int
+    server_cpu: float
+
+
+def timed(url: str, fn):
+    """``fn()``'s result and its :class:`Run`: wall and client CPU seconds, the requests the server
+    saw and the CPU seconds it spent on them."""
+    before, server_cpu = server_requests(url), server_stats(url)["cpu_seconds"]
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return out, Run(wall, cpu, server_requests(url) - before, server_stats(url)["cpu_seconds"] - server_cpu)
+
+
 def bench_clients(args, items: list[ForkItem]) -> None:
     # "+tensor-math": the same asyncio client with the per-item FORK math on torch tensors (the reference);
     # "transport-only": the request bodies of the first creditlab/asyncio run sent again through the
@@ -236,24 +257,25 @@ def bench_clients(args, items: list[ForkItem]) -> None:
     bodies: list[bytes] = []
     print(f"\n== clients: {len(items)} items, concurrency {args.concurrency}, latency {args.latency * 1000:.0f} ms, "
           f"one server process")
+    def record(client: str, run: Run) -> float:
+        """Store one run's wall, fraction of ideal and CPU per request; returns the ideal wall."""
+        ideal = run.requests * args.latency / args.concurrency
+        walls[client].append(run.wall)
+        fractions[client].append(ideal / run.wall)
+        cpus[client].append(run.cpu / run.requests * 1000)
+        return ideal
+
     with serve_in_subprocess(latency=args.latency) as url:
         for rep in range(args.repeat):
             for client in clients:
                 if client == "transport-only":
-                    before, server_cpu = server_requests(url), server_stats(url)["cpu_seconds"]
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    asyncio.run(replay(url, bodies, args.concurrency))
-                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-                    n_req = server_requests(url) - before
-                    server_cpu = server_stats(url)["cpu_seconds"] - server_cpu
-                    ideal = n_req * args.latency / args.concurrency
-                    walls[client].append(wall)
-                    fractions[client].append(ideal / wall)
-                    cpus[client].append(cpu / n_req * 1000)
-                    print(f"[{client}] run {rep + 1}: {n_req} requests, wall {wall:.2f} s, ideal {ideal:.2f} s -> "
-                          f"fraction of ideal {ideal / wall:.2f} ({n_req / wall:.0f} req/s vs ideal "
-                          f"{args.concurrency / args.latency:.0f}); client CPU {cpu / n_req * 1000:.2f} ms/request, "
-                          f"server CPU {server_cpu / n_req * 1000:.2f} ms/request; {load()}")
+                    _, run = timed(url, lambda: asyncio.run(replay(url, bodies, args.concurrency)))
+                    ideal = record(client, run)
+                    print(f"[{client}] run {rep + 1}: {run.requests} requests, wall {run.wall:.2f} s, ideal "
+                          f"{ideal:.2f} s -> fraction of ideal {ideal / run.wall:.2f} ({run.requests / run.wall:.0f} "
+                          f"req/s vs ideal {args.concurrency / args.latency:.0f}); client CPU "
+                          f"{run.cpu / run.requests * 1000:.2f} ms/request, server CPU "
+                          f"{run.server_cpu / run.requests * 1000:.2f} ms/request; {load()}")
                     continue
                 if client == "openai-sdk":
                     judge = SDKJudge(url, "bench", concurrency=args.concurrency, timeout=10)
@@ -263,23 +285,15 @@ def bench_clients(args, items: list[ForkItem]) -> None:
                 math = tensor_fork_math() if client.endswith("+tensor-math") else contextlib.nullcontext()
                 if client == "creditlab/asyncio" and rep == 0:
                     math = recording_bodies(bodies)
-                before, server_cpu = server_requests(url), server_stats(url)["cpu_seconds"]
-                t0, c0 = time.perf_counter(), time.process_time()
                 with math:
-                    results = asyncio.run(score_all(FORKReward(judge), items))
-                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-                n_req = server_requests(url) - before
-                server_cpu = server_stats(url)["cpu_seconds"] - server_cpu
+                    results, run = timed(url, lambda judge=judge: asyncio.run(score_all(FORKReward(judge), items)))
                 errors = sum(r.error is not None for r in results)
-                ideal = n_req * args.latency / args.concurrency
-                walls[client].append(wall)
-                fractions[client].append(ideal / wall)
-                cpus[client].append(cpu / n_req * 1000)
-                print(f"[{client}] run {rep + 1}: requests/response {n_req / len(items):.2f}, errors {errors}, "
-                      f"wall {wall:.2f} s, ideal {ideal:.2f} s -> fraction of ideal {ideal / wall:.2f} "
-                      f"({n_req / wall:.0f} req/s vs ideal {args.concurrency / args.latency:.0f}); client CPU "
-                      f"{cpu / n_req * 1000:.2f} ms/request, server CPU {server_cpu / n_req * 1000:.2f} ms/request; "
-                      f"{load()}")
+                ideal = record(client, run)
+                print(f"[{client}] run {rep + 1}: requests/response {run.requests / len(items):.2f}, errors {errors}, "
+                      f"wall {run.wall:.2f} s, ideal {ideal:.2f} s -> fraction of ideal {ideal / run.wall:.2f} "
+                      f"({run.requests / run.wall:.0f} req/s vs ideal {args.concurrency / args.latency:.0f}); client "
+                      f"CPU {run.cpu / run.requests * 1000:.2f} ms/request, server CPU "
+                      f"{run.server_cpu / run.requests * 1000:.2f} ms/request; {load()}")
     best = {c: min(w) for c, w in walls.items()}
     for c in clients[:3]:
         print(f"[ratio] openai-sdk wall / {c} wall: {best['openai-sdk'] / best[c]:.2f} (best of {args.repeat}; "
