@@ -29,6 +29,7 @@ from creditlab.envs.toolshop import (
     is_thought,
     make_task,
     run_scripted,
+    thought_mask,
     vocab_size,
 )
 from creditlab.errors import ConfigError
@@ -43,6 +44,9 @@ def test_thought_tokens_are_appended_and_move_no_id():
     assert vocab_size(0) == len(VOCAB) and vocab_size(8) == len(VOCAB) + N_THOUGHTS
     assert decode(encode(["think3", "get_order", "12"])) == ["think3", "get_order", "12"]
     assert is_thought(THOUGHT0) and not is_thought(THOUGHT0 - 1) and not is_thought(THOUGHT0 + N_THOUGHTS)
+    ids = torch.arange(THOUGHT0 + N_THOUGHTS + 3)
+    assert thought_mask(ids).tolist() == [is_thought(int(i)) for i in ids]
+    assert thought_mask(ids.numpy()).tolist() == thought_mask(ids).tolist()
 
 
 def test_default_cache_keys_are_those_of_the_configs_without_thoughts():

@@ -102,6 +102,7 @@ __all__ = [
     "ScriptedAgent",
     "run_scripted",
     "tool_chain",
+    "thought_mask",
     "trajectory_stats",
     "verify",
     "vocab_size",
@@ -268,6 +269,11 @@ def vocab_size(thoughts: int = 0) -> int:
 def is_thought(token_id: int) -> bool:
     """Whether ``token_id`` is a thought token (reward-neutral: :class:`ToolshopEnv` drops it)."""
     return THOUGHT0 <= token_id < THOUGHT0 + N_THOUGHTS
+
+
+def thought_mask(ids):
+    """Elementwise :func:`is_thought` of an array of ids (a torch tensor or a numpy array)."""
+    return (ids >= THOUGHT0) & (ids < THOUGHT0 + N_THOUGHTS)
 
 def encode(tokens: Sequence[str | int]) -> list[int]:
     """Token strings (ints are id numbers) to token ids; raises :class:`InputError` on unknowns."""

@@ -204,9 +204,11 @@ def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_
 
     ck = None
     if on_rollouts is None:  # a resumed dump would miss the updates before the checkpoint
+        from creditlab.lab.protocol import code_fingerprint
         from creditlab.lab.runner import digest
 
-        key = digest({"dose": dose, "arms": arms, "seeds": seeds, "config": config})
+        # the cell's arguments and the code: a checkpoint of other code is never resumed
+        key = digest({"dose": dose, "arms": arms, "seeds": seeds, "config": config, "code": code_fingerprint()})
         ck = Path(cache_dir) / "checkpoints" / f"mismatch-{dose}-{key}.pt"
     rows = train_grpo_stacked(stack, configs, eval_precision="fp32", on_rollouts=on_rollouts, checkpoint=ck,
                               checkpoint_every=CHECKPOINT_EVERY)
@@ -273,6 +275,8 @@ def gate_metrics(old, rollout_lp, policy_mask, turn_ids, tokens, entropy) -> dic
     """
     import torch
 
+    from creditlab.envs.toolshop import thought_mask
+
     pm = policy_mask.bool()
     delta = (old - rollout_lp).double().masked_fill(~pm, 0.0)
     k3 = (delta.exp() - 1 - delta).masked_fill(~pm, 0.0)
@@ -280,7 +284,7 @@ def gate_metrics(old, rollout_lp, policy_mask, turn_ids, tokens, entropy) -> dic
     last = tid.max(1, keepdim=True).values
     has = last[:, 0] >= 0
     drift = (delta * (pm & (turn_ids < last))).sum(1)
-    thought = pm & _thought_mask(tokens)
+    thought = pm & thought_mask(tokens)
     out = {"policy_tokens": float(pm.sum(1).double().mean()), "thought_tokens": float(thought.sum(1).double().mean()),
            "drift_last": float(drift[has].mean()) if bool(has.any()) else math.nan}
     n = max(int(pm.sum()), 1)
@@ -298,10 +302,6 @@ def gate_metrics(old, rollout_lp, policy_mask, turn_ids, tokens, entropy) -> dic
     return out
 
 
-def _thought_mask(tokens):
-    from creditlab.envs.toolshop import N_THOUGHTS, THOUGHT0
-
-    return (tokens >= THOUGHT0) & (tokens < THOUGHT0 + N_THOUGHTS)
 
 
 # --------------------------------------------------------------------------------------------

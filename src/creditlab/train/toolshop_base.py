@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from creditlab.envs.toolshop import N_THOUGHTS, PAD, THOUGHT0, VOCAB, run_scripted, vocab_size
+from creditlab.envs.toolshop import PAD, VOCAB, run_scripted, thought_mask, vocab_size
 from creditlab.errors import ConfigError
 from creditlab.models.tiny_lm import TinyLM, TinyLMConfig
 from creditlab.train.toolshop_rollout import make_tasks
@@ -201,7 +201,7 @@ def _imitation_loss(token_loss: torch.Tensor, mask: torch.Tensor, targets: torch
     share of tokens they take (about 7x at 24 thoughts per action)."""
     if not thoughts:
         return (token_loss * mask).sum() / mask.sum()
-    th = mask & (targets >= THOUGHT0) & (targets < THOUGHT0 + N_THOUGHTS)
+    th = mask & thought_mask(targets)
     rest = mask & ~th
     return (token_loss * th).sum() / th.sum().clamp(min=1) + (token_loss * rest).sum() / rest.sum().clamp(min=1)
 

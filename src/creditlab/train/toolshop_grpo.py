@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from creditlab.envs.toolshop import N_THOUGHTS, THOUGHT0
+from creditlab.envs.toolshop import thought_mask
 from creditlab.errors import ConfigError
 from creditlab.models.quant import check_precision
 from creditlab.models.tiny_lm import StackedTinyLM, TinyLM
@@ -391,7 +391,7 @@ def _entropy_metrics(batch: RolloutBatch) -> dict[str, float]:
         return {}
     pm, ent = batch.policy_mask, batch.entropy.float()
     out = {"policy/entropy": float(ent[pm].mean())}
-    th = pm & (batch.tokens >= THOUGHT0) & (batch.tokens < THOUGHT0 + N_THOUGHTS)
+    th = pm & thought_mask(batch.tokens)
     if bool(th.any()):
         out["policy/thought_entropy"] = float(ent[th].mean())
         out["policy/action_entropy"] = float(ent[pm & ~th].mean()) if bool((pm & ~th).any()) else float("nan")
