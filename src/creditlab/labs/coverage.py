@@ -600,12 +600,18 @@ def single_update_diffs(df: pd.DataFrame) -> pd.DataFrame:
     live = _live(df)
     pairs = [("per_turn", "shuffled"), ("per_turn", "uniform"), ("shuffled", "uniform"), ("discretized", "uniform"),
              ("binary", "uniform"), ("reward_to_go", "uniform")]
-    wide = live.pivot_table(index=["exposure", "C", "seed"], columns="arm", values="improvement")
+    return _paired_improvements(live, pairs, ["exposure", "C"])
+
+
+def _paired_improvements(df: pd.DataFrame, pairs: list[tuple[str, str]], by: list[str]) -> pd.DataFrame:
+    """:func:`paired_diff` of the improvement for each pair of arms within each group of ``by`` (rows
+    paired by seed), with ``pairs_positive``: the seeds where the first arm improved more."""
+    wide = df.pivot_table(index=[*by, "seed"], columns="arm", values="improvement")
     rows = []
     for a, b in pairs:
-        d = paired_diff(live, a, b, ["exposure", "C"], "improvement", bounds=(-2.0, 2.0))
-        d["pairs_positive"] = [int(((wide[a] - wide[b]).xs((e, C), level=("exposure", "C")) > 0).sum())
-                               for e, C in zip(d["exposure"], d["C"], strict=True)]
+        d = paired_diff(df, a, b, by, "improvement", bounds=(-2.0, 2.0))
+        d["pairs_positive"] = [int(((wide[a] - wide[b]).xs(key, level=tuple(by)) > 0).sum())
+                               for key in zip(*(d[c] for c in by), strict=True)]
         rows.append(d)
     return pd.concat(rows, ignore_index=True)
 
@@ -685,14 +691,7 @@ def capability_diffs(arms: pd.DataFrame) -> pd.DataFrame:
     where the first arm improved more."""
     pairs = [("per_turn", "shuffled"), ("per_turn", "uniform"), ("shuffled", "uniform"), ("binary", "uniform"),
              ("discretized", "uniform"), ("reward_to_go", "binary"), ("reward_to_go", "uniform")]
-    wide = arms.pivot_table(index=["C", "target", "seed"], columns="arm", values="improvement")
-    rows = []
-    for a, b in pairs:
-        d = paired_diff(arms, a, b, ["C", "target"], "improvement", bounds=(-2.0, 2.0))
-        d["pairs_positive"] = [int(((wide[a] - wide[b]).xs((C, t), level=("C", "target")) > 0).sum())
-                               for C, t in zip(d["C"], d["target"], strict=True)]
-        rows.append(d)
-    return pd.concat(rows, ignore_index=True)
+    return _paired_improvements(arms, pairs, ["C", "target"])
 
 
 def _point(r: pd.Series) -> str:
