@@ -26,14 +26,17 @@ import os
 import time
 from dataclasses import replace
 
-import numpy as np
-import torch
+# as the creditlab command runs (cli/_process.py): PyTorch reads it at its first large allocation
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from creditlab.labs.mismatch import ARMS, MismatchConfig, arm_triple
-from creditlab.models.tiny_lm import StackedTinyLM
-from creditlab.train.toolshop_base import base_policy, default_cache_dir
-from creditlab.train.toolshop_grpo import train_grpo_stacked
-from creditlab.train.toolshop_rollout import make_tasks, rollout_stacked, stacked_logprobs
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from creditlab.labs.mismatch import ARMS  # noqa: E402, MismatchConfig, arm_triple
+from creditlab.models.tiny_lm import StackedTinyLM  # noqa: E402
+from creditlab.train.toolshop_base import base_policy, default_cache_dir  # noqa: E402
+from creditlab.train.toolshop_grpo import train_grpo_stacked  # noqa: E402
+from creditlab.train.toolshop_rollout import make_tasks, rollout_stacked, stacked_logprobs  # noqa: E402
 
 FLOP_FORMULA = ("FLOPs = model matmuls only: 2 x (block linear + LM head weights) x tokens, plus attention scores "
                 "and values 2 x 2 x d_model x (causal key positions) per token and layer; backward = 2x forward; "
@@ -49,6 +52,23 @@ def matmul_peak(reps: int = 20) -> float:
         a @ b
         best = min(best, time.perf_counter() - t0)
     return 2 * 40320 * 64 * 64 / best
+
+
+def copy_bandwidth(reps: int = 10) -> float:
+    """Bytes/s of one copy of a 64 MiB fp32 tensor into a preallocated one (read + write), best of ``reps``:
+    the memory roofline of a pass that streams its operands."""
+    a, b = torch.randn(16 << 20), torch.empty(16 << 20)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best
+
+
+def kv_read_bytes(cfg, rows: int, pos: int) -> float:
+    """Bytes of keys and values one decode step at position ``pos`` reads from the KV cache (fp32)."""
+    return 2 * cfg.n_layer * rows * cfg.d_model * pos * 4
 
 
 def _matmul_params(cfg) -> int:
@@ -108,6 +128,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     peak = matmul_peak()
+    bandwidth = copy_bandwidth()
     cfg = MismatchConfig()
     tasks = args.batch_tasks or cfg.grpo.tasks_per_update
     base = base_policy(cfg.base, cache_dir=default_cache_dir(os.environ.get("CREDITLAB_CACHE")))
@@ -116,7 +137,9 @@ def main() -> None:
           f"1 thread; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     arms = [a for a in ARMS if a != "fp32"]
     mcfg = base.cfg
-    print(f"matmul peak of one thread (40320x64 @ 64x64, fp32): {peak / 1e9:.0f} GFLOP/s\n{FLOP_FORMULA}")
+    print(f"matmul peak of one thread (40320x64 @ 64x64, fp32): {peak / 1e9:.0f} GFLOP/s; copy bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s (read + write); THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}"
+          f"\n{FLOP_FORMULA}")
 
     # 1. one stack of the seven quantized arms
     wall, rows = _train(base, _configs(cfg, arms, args.dose, args.updates, tasks))
@@ -169,8 +192,10 @@ def main() -> None:
         base_fwd = base_fwd or (fwd, dec)
         f_fwd = len(arms) * forward_flops(mcfg, B, batch.tokens.size(-1))
         f_dec = len(arms) * (decode_flops(mcfg, B, 90) - decode_flops(mcfg, B, 80)) / 10
+        kv = len(arms) * kv_read_bytes(mcfg, B, 85)
         print(f"   {prec:6s} forward {fwd:6.2f} s ({fwd / base_fwd[0]:4.1f}x fp32, {pct(f_fwd, fwd, peak)})   "
-              f"decode step {1000 * dec:6.1f} ms ({dec / base_fwd[1]:4.1f}x fp32, {pct(f_dec, dec, peak)})")
+              f"decode step {1000 * dec:6.1f} ms ({dec / base_fwd[1]:4.1f}x fp32, {pct(f_dec, dec, peak)}; KV-cache "
+              f"reads {kv / 1e6:.0f} MB, {100 * kv / dec / bandwidth:4.1f}% of copy bandwidth)")
 
     # 3. one arm at a time
     if not args.skip_unstacked:

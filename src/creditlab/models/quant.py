@@ -52,7 +52,9 @@ __all__ = [
     "INT8_MAX",
     "PRECISIONS",
     "QUANTIZED",
+    "FUSE_MIN_NUMEL",
     "check_precision",
+    "fused_kernel",
     "fp4_e2m1_round",
     "fp8_e4m3_round",
     "quant_fp4_blockwise",
@@ -229,7 +231,7 @@ def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
     return x.reshape(*x.shape[:-1], -1, block), n
 
 
-def quant_fp4_blockwise(x: torch.Tensor, block: int = 16, scale: str = "e4m3") -> torch.Tensor:
+def quant_fp4_blockwise(x: torch.Tensor, block: int = 16, scale: str = "e4m3", *, _sync: bool = True) -> torch.Tensor:
     """FP4 E2M1 with one shared scale per ``block`` contiguous elements of the last dimension
     (an edge block may be shorter).
 
@@ -250,15 +252,15 @@ def quant_fp4_blockwise(x: torch.Tensor, block: int = 16, scale: str = "e4m3") -
     ok = s > 0
     if xb.dtype == torch.float32:
         q = _fp4_e2m1_round_(xb / torch.where(ok, s, 1.0)).mul_(s)
-        if not bool(ok.all()):  # a block of scale 0 (all zero, or below E4M3's range) is +0
+        if not _sync or not bool(ok.all()):  # a block of scale 0 (all zero, or below E4M3's range) is +0
             q = torch.where(ok, q, 0.0)
     else:
         q = torch.where(ok, fp4_e2m1_round(xb / torch.where(ok, s, 1.0)) * s, 0.0)
     return q.reshape(*q.shape[:-2], -1)[..., :n].to(x.dtype)
 
 
-def _fp4(x: torch.Tensor, precision: str) -> torch.Tensor:
-    return quant_fp4_blockwise(x, FP4_BLOCK[precision], "e4m3" if precision == "nvfp4" else "e8m0")
+def _fp4(x: torch.Tensor, precision: str, sync: bool = True) -> torch.Tensor:
+    return quant_fp4_blockwise(x, FP4_BLOCK[precision], "e4m3" if precision == "nvfp4" else "e8m0", _sync=sync)
 
 
 def quant_int8_per_row(x: torch.Tensor) -> torch.Tensor:
@@ -285,28 +287,106 @@ def quant_weight(w: torch.Tensor, precision: str, *, block: int = 32) -> torch.T
     raise AssertionError  # unreachable
 
 
-def quant_act(x: torch.Tensor, precision: str) -> torch.Tensor:
-    """A linear layer's input activation (per-token scales), straight-through gradient."""
+def quant_act(x: torch.Tensor, precision: str, *, fused: bool | None = None) -> torch.Tensor:
+    """A linear layer's input activation (per-token scales), straight-through gradient.
+
+    ``fused``: through the compiled kernel of :func:`fused_kernel` (True), eagerly (False), or by
+    size (None: fused from :data:`FUSE_MIN_NUMEL` elements on); the same values either way.
+    """
     if precision == "fp32":
         return x
     if precision == "bf16":
         return ste(x, quant_bf16(x))
+    if precision not in QUANTIZED:
+        check_precision(precision)
+    return ste(x, _dispatch("act", precision, x, fused))
+
+
+def _act_values(x: torch.Tensor, precision: str, sync: bool = True) -> torch.Tensor:
+    """The quantized values of an activation of a :data:`QUANTIZED` precision (detached)."""
     if precision == "fp8":
-        return ste(x, quant_fp8_per_row(x))
+        return quant_fp8_per_row(x)
     if precision == "int8":
-        return ste(x, quant_int8_per_row(x))
-    if precision in FP4_BLOCK:
-        return ste(x, _fp4(x, precision))
-    check_precision(precision)
-    raise AssertionError
+        return quant_int8_per_row(x)
+    return _fp4(x, precision, sync)
 
 
-def quant_kv(x: torch.Tensor, precision: str) -> torch.Tensor:
+def _kv_values(x: torch.Tensor, precision: str, sync: bool = True) -> torch.Tensor:  # noqa: ARG001
+    """The quantized values of a key/value tensor of an FP8-cache precision (detached)."""
+    return quant_fp8_per_row(x)
+
+
+#: Tensors of at least this many elements go through the compiled kernels when ``fused=None``
+#: (a learner's activations: ``M x B x L x width``, tens of millions); smaller ones (a decode step's
+#: ``M x B x width``, tests) stay eager, where a kernel's call overhead is not won back.
+FUSE_MIN_NUMEL = 1 << 20
+_KERNELS: dict[tuple[str, str], object] = {}
+_FUSE_BROKEN: list[str] = []  # why compiling failed on this machine (then every call runs eagerly)
+
+
+def fused_kernel(kind: str, precision: str):
+    """The compiled kernel (``torch.compile``, inductor) of the ``kind`` quantizer (``"act"`` or
+    ``"kv"``) of ``precision``, on rows ``(n, width)`` (every quantizer here is per row, so a tensor is
+    quantized as its rows; ``n`` is dynamic): one fused pass per tensor where the eager quantizer makes
+    ten or more (scale, clamp, exponent bits, round, rescale), on the same fp32 arithmetic, so the same
+    values bit for bit (tested on every representable value and midpoint, and on random tensors).
+    Compiled on first use per process and width (seconds; inductor keeps the generated code in its
+    on-disk cache, so a later process mostly loads it), kept for the process."""
+    key = (kind, "fp8" if kind == "kv" else precision)  # every FP8-cache precision stores keys alike
+    if key not in _KERNELS:
+        _KERNELS[key] = torch.compile(_KERNEL_BODIES[key], dynamic=True, fullgraph=True)
+    return _KERNELS[key]
+
+
+# One function per kernel: torch.compile caches compiled graphs per code object, so kernels sharing
+# one function would share (and exhaust) its recompilation limit.
+def _act_fp8(x: torch.Tensor) -> torch.Tensor:
+    return quant_fp8_per_row(x)
+
+
+def _act_int8(x: torch.Tensor) -> torch.Tensor:
+    return quant_int8_per_row(x)
+
+
+def _act_nvfp4(x: torch.Tensor) -> torch.Tensor:
+    return _fp4(x, "nvfp4", sync=False)
+
+
+def _act_mxfp4(x: torch.Tensor) -> torch.Tensor:
+    return _fp4(x, "mxfp4", sync=False)
+
+
+_KERNEL_BODIES = {("act", "fp8"): _act_fp8, ("act", "int8"): _act_int8, ("act", "nvfp4"): _act_nvfp4,
+                  ("act", "mxfp4"): _act_mxfp4, ("kv", "fp8"): _act_fp8}
+
+
+def _dispatch(kind: str, precision: str, x: torch.Tensor, fused: bool | None) -> torch.Tensor:
+    body = _act_values if kind == "act" else _kv_values
+    if fused is None:
+        fused = (x.numel() >= FUSE_MIN_NUMEL and x.dtype == torch.float32 and x.device.type == "cpu"
+                 and not _FUSE_BROKEN)
+    if not fused:
+        return body(x.detach(), precision)
+    try:
+        return fused_kernel(kind, precision)(x.detach().reshape(-1, x.shape[-1])).view(x.shape)
+    except Exception as err:  # no C++ compiler, or inductor refuses this machine: the eager kernel, said once
+        if fused is True and not _FUSE_BROKEN:
+            raise
+        if not _FUSE_BROKEN:
+            import warnings
+
+            _FUSE_BROKEN.append(f"{type(err).__name__}: {err}")
+            warnings.warn(f"creditlab: the compiled quantizers failed ({_FUSE_BROKEN[0][:200]}); running the "
+                          "eager ones (the same values, slower)", RuntimeWarning, stacklevel=3)
+        return body(x.detach(), precision)
+
+
+def quant_kv(x: torch.Tensor, precision: str, *, fused: bool | None = None) -> torch.Tensor:
     """A key/value tensor ``(B, H, L, head_dim)`` as the KV cache stores it: FP8 per token per head
     (KV8) for ``fp8`` and the FP4 engines (W4A4-KV8, as FP4 serving stacks keep an FP8 cache), bf16
-    for ``bf16``; ``int8`` (W8A8 only) and ``fp32`` keep it exact."""
+    for ``bf16``; ``int8`` (W8A8 only) and ``fp32`` keep it exact. ``fused``: as :func:`quant_act`."""
     if precision in ("fp8", "nvfp4", "mxfp4"):
-        return ste(x, quant_fp8_per_row(x))
+        return ste(x, _dispatch("kv", precision, x, fused))
     if precision == "bf16":
         return ste(x, quant_bf16(x))
     check_precision(precision)
