@@ -32,7 +32,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from creditlab.labs.mismatch import ARMS  # noqa: E402, MismatchConfig, arm_triple
+from creditlab.labs.mismatch import ARMS, MismatchConfig, arm_triple  # noqa: E402
 from creditlab.models.tiny_lm import StackedTinyLM  # noqa: E402
 from creditlab.train.toolshop_base import base_policy, default_cache_dir  # noqa: E402
 from creditlab.train.toolshop_grpo import train_grpo_stacked  # noqa: E402
@@ -44,12 +44,14 @@ FLOP_FORMULA = ("FLOPs = model matmuls only: 2 x (block linear + LM head weights
 
 
 def matmul_peak(reps: int = 20) -> float:
-    """FLOP/s of one fp32 matmul ``(40320, 64) @ (64, 64)`` on the current threads (best of ``reps``)."""
-    a, b = torch.randn(40320, 64), torch.randn(64, 64)
+    """FLOP/s of one fp32 matmul ``(40320, 64) @ (64, 64)`` on the current threads (best of ``reps``),
+    into a preallocated output: the arithmetic, not the page faults of a fresh 10 MB result (which
+    without huge pages cost more than the product itself)."""
+    a, b, c = torch.randn(40320, 64), torch.randn(64, 64), torch.empty(40320, 64)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        a @ b
+        torch.mm(a, b, out=c)
         best = min(best, time.perf_counter() - t0)
     return 2 * 40320 * 64 * 64 / best
 
@@ -145,6 +147,8 @@ def main() -> None:
     wall, rows = _train(base, _configs(cfg, arms, args.dose, args.updates, tasks))
     parts = {k: float(np.mean([r[f"time/{k}"] for r in rows]))
              for k in ("rollout_s", "old_logprobs_s", "weights_metrics_s", "optimize_s", "update_s")}
+    each = ", ".join(f"{r['time/update_s']:.2f}" for r in rows)
+    print(f"seconds per update, in order: {each} (the first pays for compiling the fused quantizers, once per process)")
     steps = float(np.mean([r["time/decode_steps"] for r in rows]))
     M, g = len(arms), cfg.grpo
     fl = {"rollout_s": 0.0, "old_logprobs_s": 0.0, "weights_metrics_s": 0.0, "optimize_s": 0.0}
@@ -172,9 +176,10 @@ def main() -> None:
     batch_tasks = [t for t in make_tasks(seeds, cfg.grpo.chain_lengths) for _ in range(cfg.grpo.group_size)]
     B = len(batch_tasks)
     u = torch.rand(len(arms), B, cfg.grpo.max_len, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    batch = rollout_stacked(stack, [batch_tasks] * len(arms), u, precision=args.dose, max_len=cfg.grpo.max_len)
+    batch = rollout_stacked(stack, [batch_tasks] * len(arms), u, precision=args.dose, max_len=cfg.grpo.max_len,
+                            max_turns=cfg.grpo.max_turns, max_action_len=cfg.grpo.max_action_len)  # the lab's horizon
     print(f"\n2. quantization: learner forward of {len(arms)} x {B} x {batch.tokens.size(-1)} tokens; one decode step "
-          f"of {len(arms)} x {B} rows at position 80")
+          f"of {len(arms)} x {B} rows at position 160; forward + backward of the same tokens")
     base_fwd = None
     for prec in ("fp32", "int8", "fp8", "nvfp4", "mxfp4"):
         with torch.no_grad():
@@ -183,19 +188,24 @@ def main() -> None:
             stacked_logprobs(stack, batch.tokens, prec)
             fwd = time.perf_counter() - t0
             cache = stack.init_cache(B, prec, cfg.grpo.max_len)
-            for t in range(80):
+            for t in range(160):
                 stack.step(batch.tokens[:, :, t], cache)
             t0 = time.perf_counter()
-            for t in range(80, 90):
+            for t in range(160, 170):
                 stack.step(batch.tokens[:, :, t], cache)
             dec = (time.perf_counter() - t0) / 10
-        base_fwd = base_fwd or (fwd, dec)
+        stack.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        stacked_logprobs(stack, batch.tokens, prec).sum().backward()
+        fb = time.perf_counter() - t0
+        base_fwd = base_fwd or (fwd, dec, fb)
         f_fwd = len(arms) * forward_flops(mcfg, B, batch.tokens.size(-1))
-        f_dec = len(arms) * (decode_flops(mcfg, B, 90) - decode_flops(mcfg, B, 80)) / 10
-        kv = len(arms) * kv_read_bytes(mcfg, B, 85)
+        f_dec = len(arms) * (decode_flops(mcfg, B, 170) - decode_flops(mcfg, B, 160)) / 10
+        kv = len(arms) * kv_read_bytes(mcfg, B, 165)
         print(f"   {prec:6s} forward {fwd:6.2f} s ({fwd / base_fwd[0]:4.1f}x fp32, {pct(f_fwd, fwd, peak)})   "
               f"decode step {1000 * dec:6.1f} ms ({dec / base_fwd[1]:4.1f}x fp32, {pct(f_dec, dec, peak)}; KV-cache "
-              f"reads {kv / 1e6:.0f} MB, {100 * kv / dec / bandwidth:4.1f}% of copy bandwidth)")
+              f"reads {kv / 1e6:.0f} MB, {100 * kv / dec / bandwidth:4.1f}% of copy bandwidth)   forward + backward "
+              f"{fb:6.2f} s ({fb / base_fwd[2]:4.1f}x fp32, {pct(3 * f_fwd, fb, peak)})")
 
     # 3. one arm at a time
     if not args.skip_unstacked:

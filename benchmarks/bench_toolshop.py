@@ -21,7 +21,10 @@ import argparse
 import os
 import time
 
-import torch
+# as the creditlab command runs (cli/_process.py): PyTorch reads it at its first large allocation
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import torch  # noqa: E402
 from bench_mismatch import FLOP_FORMULA, decode_flops, forward_flops, matmul_peak, pct
 
 from creditlab.envs.toolshop import VOCAB
