@@ -1295,6 +1295,10 @@ def _predictions(tabs: dict[str, Table], cfg: GranularityConfig, gates: pd.DataF
         wm = tabs["warm_means"].frame
         wm = wm[wm["type"] == "all"].set_index("arm")
         wo = tabs["warm_opsd"].frame.set_index("arm")
+        # W2 is about the advice teacher: its own gate decides whether W2 is judged (the reference
+        # teacher's gate is W1's business, not W2's)
+        ga = g[g["gate"].astype(str).str.startswith("turn-advice")]
+        advice_ok = bool(len(ga)) and bool(ga["passes"].all())
         if {"grpo", "opsd_advice"} <= set(wm.index):
             adv, grpo = wm.loc["opsd_advice", "success"], wm.loc["grpo", "success"]
             rows.append({"prediction": "W2: advice-OPSD collapses below GRPO (falsified if it matches or beats GRPO "
@@ -1302,7 +1306,7 @@ def _predictions(tabs: dict[str, Table], cfg: GranularityConfig, gates: pd.DataF
                          "measured": f"final success: advice-OPSD {adv:.2f}, GRPO {grpo:.2f}"
                                      + (f", ref-OPSD {wm.loc['opsd_ref', 'success']:.2f}" if "opsd_ref" in wm.index
                                         else ""),
-                         "verdict": ("not judged (gate failed)" if not gate_ok else
+                         "verdict": ("not judged (the advice teacher's gate failed)" if not advice_ok else
                                      "falsified" if adv >= grpo - 0.02 else "holds")})
         if {"opsd_ref", "opsd_advice"} <= set(wo.index):
             r, a = wo.loc["opsd_ref"], wo.loc["opsd_advice"]
