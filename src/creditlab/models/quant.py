@@ -299,76 +299,72 @@ def quant_act(x: torch.Tensor, precision: str, *, fused: bool | None = None) -> 
         return ste(x, quant_bf16(x))
     if precision not in QUANTIZED:
         check_precision(precision)
-    return ste(x, _dispatch("act", precision, x, fused))
+    return ste(x, _dispatch(precision, x, fused))
 
 
-def _act_values(x: torch.Tensor, precision: str, sync: bool = True) -> torch.Tensor:
-    """The quantized values of an activation of a :data:`QUANTIZED` precision (detached)."""
-    if precision == "fp8":
+def _values(x: torch.Tensor, fmt: str, sync: bool = True) -> torch.Tensor:
+    """The quantized values (detached) of a per-row quantizer of format ``fmt`` (a :data:`QUANTIZED`
+    precision; a KV cache of every FP8-cache precision is ``"fp8"``)."""
+    if fmt == "fp8":
         return quant_fp8_per_row(x)
-    if precision == "int8":
+    if fmt == "int8":
         return quant_int8_per_row(x)
-    return _fp4(x, precision, sync)
-
-
-def _kv_values(x: torch.Tensor, precision: str, sync: bool = True) -> torch.Tensor:  # noqa: ARG001
-    """The quantized values of a key/value tensor of an FP8-cache precision (detached)."""
-    return quant_fp8_per_row(x)
+    return _fp4(x, fmt, sync)
 
 
 #: Tensors of at least this many elements go through the compiled kernels when ``fused=None``
 #: (a learner's activations: ``M x B x L x width``, tens of millions); smaller ones (a decode step's
 #: ``M x B x width``, tests) stay eager, where a kernel's call overhead is not won back.
 FUSE_MIN_NUMEL = 1 << 20
-_KERNELS: dict[tuple[str, str], object] = {}
+_KERNELS: dict[str, object] = {}
 _FUSE_BROKEN: list[str] = []  # why compiling failed on this machine (then every call runs eagerly)
 
 
-def fused_kernel(kind: str, precision: str):
-    """The compiled kernel (``torch.compile``, inductor) of the ``kind`` quantizer (``"act"`` or
-    ``"kv"``) of ``precision``, on rows ``(n, width)`` (every quantizer here is per row, so a tensor is
-    quantized as its rows; ``n`` is dynamic): one fused pass per tensor where the eager quantizer makes
-    ten or more (scale, clamp, exponent bits, round, rescale), on the same fp32 arithmetic, so the same
-    values bit for bit (tested on every representable value and midpoint, and on random tensors).
-    Compiled on first use per process and width (seconds; inductor keeps the generated code in its
-    on-disk cache, so a later process mostly loads it), kept for the process."""
-    key = (kind, "fp8" if kind == "kv" else precision)  # every FP8-cache precision stores keys alike
-    if key not in _KERNELS:
-        _KERNELS[key] = torch.compile(_KERNEL_BODIES[key], dynamic=True, fullgraph=True)
-    return _KERNELS[key]
+def fused_kernel(fmt: str):
+    """The compiled kernel (``torch.compile``, inductor) of the per-row quantizer of format ``fmt``
+    (``fp8``, ``int8``, ``nvfp4``, ``mxfp4``; an FP8 KV cache is ``fp8``), on rows ``(n, width)``
+    (every quantizer here is per row, so a tensor is quantized as its rows; ``n`` is dynamic): one
+    fused pass per tensor where the eager quantizer makes ten or more (scale, clamp, exponent bits,
+    round, rescale), on the same fp32 arithmetic, so the same values bit for bit (tested on every
+    representable value and midpoint, and on random tensors). Compiled on first use per process and
+    width (seconds; inductor keeps the generated code in its on-disk cache, so a later process mostly
+    loads it), kept for the process."""
+    if fmt not in _KERNELS:
+        _KERNELS[fmt] = torch.compile(_KERNEL_BODIES[fmt], dynamic=True, fullgraph=True)
+    return _KERNELS[fmt]
 
 
 # One function per kernel: torch.compile caches compiled graphs per code object, so kernels sharing
-# one function would share (and exhaust) its recompilation limit.
-def _act_fp8(x: torch.Tensor) -> torch.Tensor:
+# one function would share (and exhaust) its recompilation limit. Compiled code reads nothing on the
+# host (sync=False: a zero block is masked unconditionally, the same values).
+def _fused_fp8(x: torch.Tensor) -> torch.Tensor:
     return quant_fp8_per_row(x)
 
 
-def _act_int8(x: torch.Tensor) -> torch.Tensor:
+def _fused_int8(x: torch.Tensor) -> torch.Tensor:
     return quant_int8_per_row(x)
 
 
-def _act_nvfp4(x: torch.Tensor) -> torch.Tensor:
+def _fused_nvfp4(x: torch.Tensor) -> torch.Tensor:
     return _fp4(x, "nvfp4", sync=False)
 
 
-def _act_mxfp4(x: torch.Tensor) -> torch.Tensor:
+def _fused_mxfp4(x: torch.Tensor) -> torch.Tensor:
     return _fp4(x, "mxfp4", sync=False)
 
 
-_KERNEL_BODIES = {("act", "fp8"): _act_fp8, ("act", "int8"): _act_int8, ("act", "nvfp4"): _act_nvfp4,
-                  ("act", "mxfp4"): _act_mxfp4, ("kv", "fp8"): _act_fp8}
+_KERNEL_BODIES = {"fp8": _fused_fp8, "int8": _fused_int8, "nvfp4": _fused_nvfp4, "mxfp4": _fused_mxfp4}
 
 
-def _dispatch(kind: str, precision: str, x: torch.Tensor, fused: bool | None) -> torch.Tensor:
-    body = _act_values if kind == "act" else _kv_values
+def _dispatch(fmt: str, x: torch.Tensor, fused: bool | None) -> torch.Tensor:
+    """``x``'s quantized values in format ``fmt``, through the compiled kernel or eagerly (``fused``)."""
     if fused is None:
         fused = (x.numel() >= FUSE_MIN_NUMEL and x.dtype == torch.float32 and x.device.type == "cpu"
                  and not _FUSE_BROKEN)
     if not fused:
-        return body(x.detach(), precision)
+        return _values(x.detach(), fmt)
     try:
-        return fused_kernel(kind, precision)(x.detach().reshape(-1, x.shape[-1])).view(x.shape)
+        return fused_kernel(fmt)(x.detach().reshape(-1, x.shape[-1])).view(x.shape)
     except Exception as err:  # no C++ compiler, or inductor refuses this machine: the eager kernel, said once
         if fused is True and not _FUSE_BROKEN:
             raise
@@ -378,7 +374,7 @@ def _dispatch(kind: str, precision: str, x: torch.Tensor, fused: bool | None) ->
             _FUSE_BROKEN.append(f"{type(err).__name__}: {err}")
             warnings.warn(f"creditlab: the compiled quantizers failed ({_FUSE_BROKEN[0][:200]}); running the "
                           "eager ones (the same values, slower)", RuntimeWarning, stacklevel=3)
-        return body(x.detach(), precision)
+        return _values(x.detach(), fmt)
 
 
 def quant_kv(x: torch.Tensor, precision: str, *, fused: bool | None = None) -> torch.Tensor:
@@ -386,7 +382,7 @@ def quant_kv(x: torch.Tensor, precision: str, *, fused: bool | None = None) -> t
     (KV8) for ``fp8`` and the FP4 engines (W4A4-KV8, as FP4 serving stacks keep an FP8 cache), bf16
     for ``bf16``; ``int8`` (W8A8 only) and ``fp32`` keep it exact. ``fused``: as :func:`quant_act`."""
     if precision in ("fp8", "nvfp4", "mxfp4"):
-        return ste(x, _dispatch("kv", precision, x, fused))
+        return ste(x, _dispatch("fp8", x, fused))  # W4A4-KV8 / W8A8-KV8: an FP8 cache
     if precision == "bf16":
         return ste(x, quant_bf16(x))
     check_precision(precision)
