@@ -1,7 +1,8 @@
 """FORK scoring throughput and fault tolerance against loopback chat-completions servers.
 
 Each server runs in its own process (so it does not compete with the client for the GIL) and
-answers every request after a fixed latency (default 50 ms), like a remote model. Measured:
+answers every request a fixed latency (default 50 ms) after reading it, its own work included, like a
+remote model. Measured:
 
 1. ``clients``: the same items through creditlab's client (``OpenAIJudge``, both transports) and
    through the official ``openai`` SDK (``AsyncOpenAI``, driven the way a user would write a judge

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from creditlab.errors import ConfigError
 from creditlab.judge import JudgeError, OpenAIJudge, _http
 from creditlab.judge.openai_compat import _message_json, _schema
 from creditlab.judge.prompts import (
@@ -325,14 +326,50 @@ def test_staggered_score_gives_score_one_results_in_input_order(n):
     assert started == [it.prompt for it in items if reward.unscorable(it) is None]  # in input order
 
 
+class _WindowReward(FORKReward):
+    """Counts the items in progress (inside ``score_one``) and their peak."""
+
+    in_flight = peak = 0
+
+    async def score_one(self, item):
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            return await super().score_one(item)
+        finally:
+            self.in_flight -= 1
+
+
+@pytest.mark.parametrize("window", [1, 3, 40])
+def test_score_keeps_at_most_max_in_flight_items_in_progress(window):
+    items = _items(120, seed=window)
+    reward = _WindowReward(_CountingJudge())
+    got = asyncio.run(reward.score(items, max_in_flight=window))
+    assert reward.peak == window and reward.in_flight == 0
+    assert [r.to_row() for r in got] == [asyncio.run(FORKReward(_CountingJudge()).score_one(it)).to_row()
+                                          for it in items]
+
+
+def test_score_default_window_is_twice_the_judges_slots_and_a_bad_window_is_named():
+    judge = _CountingJudge()
+    judge.concurrency = 4
+    reward = _WindowReward(judge)
+    asyncio.run(reward.score(_items(60, seed=1)))
+    assert reward.peak == 8
+    with pytest.raises(ConfigError, match="max_in_flight"):
+        asyncio.run(reward.score(_items(3), max_in_flight=0))
+
+
 def test_cancelling_score_while_items_start_cancels_every_started_item():
     items = _items(5 * fork_mod.START_BATCH)
 
     async def main():
         judge = _CountingJudge()
         task = asyncio.ensure_future(FORKReward(judge).score(items))
-        for _ in range(2):  # a few loop passes: some items started, not all
+        for _ in range(10):  # a few loop passes: some items started, not all
             await asyncio.sleep(0)
+            if judge.started:
+                break
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -248,3 +248,24 @@ def test_random_faults_every_item_ends_scored_or_with_an_explicit_error(tmp_path
             if not todo:
                 break
         assert not todo
+
+
+class _SlowToCompute(ChatServer):
+    """Spends ``work`` seconds of (blocking) work on every reply, like a model's own compute."""
+
+    work = 0.3
+
+    def _reply(self, req, payload, body, fault):
+        time.sleep(self.work)
+        return super()._reply(req, payload, body, fault)
+
+
+def test_the_test_servers_latency_counts_from_the_request_and_includes_its_own_work():
+    # A remote model's latency includes its work: the reply comes ``latency`` after the request, not
+    # ``latency`` plus the server's compute (0.4 s, not 0.7 s here), so the benchmark's "ideal" holds.
+    with _SlowToCompute(latency=0.4) as srv:
+        j = judge(srv.url, timeout=5.0)
+        t0 = time.perf_counter()
+        assert run(j.unitize("q", "One answer.")) == ["One answer."]
+        took = time.perf_counter() - t0
+    assert 0.4 <= took < 0.6

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import hashlib
 import json
 import re
@@ -50,6 +51,8 @@ _STOP = {"that", "this", "with", "from", "have", "should", "must", "mentions", "
 _GREETING = re.compile(r"^(sure|hello|hi|hey|great question|of course|certainly)\b[!,.]?\s*$", re.IGNORECASE)
 _SENT = re.compile(r"(?<=[.!?])\s+|\n+")
 _WORD = re.compile(r"[a-z0-9]+")
+# when the request being answered was read (each connection is served by its own task)
+_ARRIVED: contextvars.ContextVar[float | None] = contextvars.ContextVar("arrived", default=None)
 
 
 def _content(text: str) -> set[str]:
@@ -94,7 +97,8 @@ class ChatServer:
     """Loopback chat-completions server in a background thread (its own event loop).
 
     Args:
-        latency: seconds every request waits before it is answered (a remote model's latency).
+        latency: seconds from a request's arrival to its reply (a remote model's latency; the reply is
+            computed within it, so the server's own CPU does not add to it).
         fault_rate: probability of a random fault per request (0 disables).
         fault_kinds: which faults random injection draws from.
         seed: seed of the random faults.
@@ -203,27 +207,31 @@ class ChatServer:
 
     # -- HTTP ------------------------------------------------------------------------------------------
     async def _handle_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                line = await reader.readline()
-                if not line:
-                    break
-                method, path, _ = line.decode("latin-1").split(" ", 2)
-                headers: dict[str, str] = {}
-                while True:
-                    h = await reader.readline()
-                    if h in (b"\r\n", b"\n", b""):
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError as e:
+                    if not e.partial:
                         break
-                    k, _, v = h.decode("latin-1").partition(":")
+                    raise
+                request_line, *lines = head[:-4].decode("latin-1").split("\r\n")
+                method, path, _ = request_line.split(" ", 2)
+                headers: dict[str, str] = {}
+                for h in lines:
+                    k, _, v = h.partition(":")
                     headers[k.strip().lower()] = v.strip()
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
+                _ARRIVED.set(loop.time())
                 status, payload, extra = await self._route(method, path, headers, body)
-                head = [f"HTTP/1.1 {status} {'OK' if status == 200 else 'Error'}",
-                        "Content-Type: application/json", f"Content-Length: {len(payload)}",
-                        "Connection: keep-alive", *[f"{k}: {v}" for k, v in extra.items()]]
-                writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
+                head_out = [f"HTTP/1.1 {status} {'OK' if status == 200 else 'Error'}",
+                            "Content-Type: application/json", f"Content-Length: {len(payload)}",
+                            "Connection: keep-alive", *[f"{k}: {v}" for k, v in extra.items()]]
+                writer.write(("\r\n".join(head_out) + "\r\n\r\n").encode() + payload)
                 await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError, ValueError, asyncio.CancelledError):
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError,
+                asyncio.CancelledError):
             pass
         finally:
             try:
@@ -255,16 +263,31 @@ class ChatServer:
 
     async def _answer(self, req: dict[str, Any], payload: dict[str, Any], body: bytes,
                       fault: str | None) -> tuple[int, bytes, dict[str, str]]:
+        # The reply is computed first and sent ``latency`` seconds after the request arrived, like a
+        # remote model whose latency includes its own work: the server's CPU does not add to it
+        # (sleeping first made replies whose sleeps ended together wait for each other).
+        try:
+            reply: tuple[int, bytes, dict[str, str]] | BaseException = self._reply(req, payload, body, fault)
+        except Exception as e:  # noqa: BLE001  (raised after the latency, as a remote server would fail)
+            reply = e
         if self.latency:
-            await asyncio.sleep(self.latency)
+            arrived = _ARRIVED.get()
+            now = asyncio.get_running_loop().time()
+            await asyncio.sleep(self.latency if arrived is None else max(0.0, arrived + self.latency - now))
         if fault:
             self.stats[f"fault_{fault}"] += 1
+        if fault == "timeout":
+            await asyncio.sleep(self.hang)
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def _reply(self, req: dict[str, Any], payload: dict[str, Any], body: bytes,
+               fault: str | None) -> tuple[int, bytes, dict[str, str]]:
         if fault == "500":
             return 500, b'{"error": {"message": "internal error"}}', {}
         if fault == "429":
             return 429, b'{"error": {"message": "rate limited"}}', {"Retry-After": "0"}
-        if fault == "timeout":
-            await asyncio.sleep(self.hang)
         reply = answer_stage(payload)
         if fault == "wrong_ids":
             reply = _wrong_ids(reply)

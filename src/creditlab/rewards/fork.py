@@ -147,25 +147,41 @@ class FORKReward:
         self.last_results: list[ForkResult] = []
 
     # -- async API -------------------------------------------------------------------------------------
-    async def score(self, items: Sequence[ForkItem]) -> list[ForkResult]:
+    async def score(self, items: Sequence[ForkItem], *, max_in_flight: int | None = None) -> list[ForkResult]:
         """Score every item concurrently (the judge bounds its own concurrency); results in input order.
 
-        The items start :data:`START_BATCH` at a time, one event-loop pass apart: the replies to the
-        first requests are read while the later items prepare theirs (started all at once, a thousand
-        items would prepare two thousand requests before the loop reads the first reply, leaving the
-        judge's connections idle meanwhile).
+        At most ``max_in_flight`` items are in progress at once (default :meth:`default_in_flight`,
+        twice the judge's request slots, which keeps every slot busy): the next item starts when one
+        finishes. Items that cannot have a slot yet are not prepared yet, so the event loop reads the
+        replies instead of preparing requests that would wait (started all at once, a thousand items
+        delayed the first replies by half a second and the connections' opening by tens of
+        milliseconds). The first items start :data:`START_BATCH` at a time, one event-loop pass apart,
+        so the first connections open while the others prepare.
         """
-        tasks: list[asyncio.Future[ForkResult]] = []
+        if max_in_flight is None:
+            max_in_flight = self.default_in_flight()
+        if max_in_flight < 1:
+            raise ConfigError("max_in_flight", f"must be >= 1, got {max_in_flight}")
+        results: list[ForkResult | None] = [None] * len(items)
+        todo = iter(enumerate(items))
+
+        async def run() -> None:
+            for k, it in todo:
+                results[k] = await self.score_one(it)
+
+        workers: list[asyncio.Future[None]] = []
         try:
-            for k, it in enumerate(items, 1):
-                tasks.append(asyncio.ensure_future(self.score_one(it)))
-                if k % START_BATCH == 0:
+            for k in range(min(max_in_flight, len(items))):
+                workers.append(asyncio.ensure_future(run()))
+                if (k + 1) % START_BATCH == 0:
                     await asyncio.sleep(0)
-        except asyncio.CancelledError:
-            for t in tasks:
-                t.cancel()
+            await asyncio.gather(*workers)
+        except BaseException:
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
             raise
-        return list(await asyncio.gather(*tasks))
+        return results  # type: ignore[return-value]
 
     async def score_iter(self, items: Iterable[ForkItem], *, max_in_flight: int | None = None
                          ) -> AsyncIterator[ForkResult]:
