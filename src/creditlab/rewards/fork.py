@@ -158,10 +158,7 @@ class FORKReward:
         milliseconds). The first items start :data:`START_BATCH` at a time, one event-loop pass apart,
         so the first connections open while the others prepare.
         """
-        if max_in_flight is None:
-            max_in_flight = self.default_in_flight()
-        if max_in_flight < 1:
-            raise ConfigError("max_in_flight", f"must be >= 1, got {max_in_flight}")
+        max_in_flight = self._in_flight_bound(max_in_flight)
         results: list[ForkResult | None] = [None] * len(items)
         todo = iter(enumerate(items))
 
@@ -194,10 +191,7 @@ class FORKReward:
         to keep every slot busy: an item has one or two requests outstanding at a time. Closing the
         iterator (or cancelling its consumer) cancels the items in flight.
         """
-        if max_in_flight is None:
-            max_in_flight = self.default_in_flight()
-        if max_in_flight < 1:
-            raise ConfigError("max_in_flight", f"must be >= 1, got {max_in_flight}")
+        max_in_flight = self._in_flight_bound(max_in_flight)
         source = iter(items)
         pending: set[asyncio.Future[ForkResult]] = set()
         exhausted = False
@@ -219,6 +213,14 @@ class FORKReward:
                 t.cancel()
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
+
+    def _in_flight_bound(self, max_in_flight: int | None) -> int:
+        """``max_in_flight``, or :meth:`default_in_flight` when None; below 1 is an error naming it."""
+        if max_in_flight is None:
+            return self.default_in_flight()
+        if max_in_flight < 1:
+            raise ConfigError("max_in_flight", f"must be >= 1, got {max_in_flight}")
+        return max_in_flight
 
     def default_in_flight(self) -> int:
         """Items :meth:`score_iter` keeps in progress by default: twice the judge's request slots
