@@ -8,20 +8,27 @@ Prints, measured in one run:
     on the same reduced configuration, and the loop's extrapolated time for the full sweep.
 
 Usage: python benchmarks/bench_coverage.py [--workers 2] [--reduced-updates 10]
+       python benchmarks/bench_coverage.py --smoke    # the same measurements on tiny sizes, seconds
 Targets (DESIGN / issue): full sweep <= 5 s on 2 cores; >= 10x faster than the loop.
+
+``--smoke``: a sweep of 2 C values x 2 arms x 2 seeds x 20 updates (and the runner on it, with the
+given workers), the loop on 1 model x 3 updates, one torch thread: the code paths, not the speed (the
+targets' verdict is then not printed).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from _common import start  # noqa: E402
 
 from creditlab.lab.runner import run_cells  # noqa: E402
 from creditlab.lab.store import ResultStore  # noqa: E402
@@ -37,30 +44,40 @@ def specs(Cs, seeds) -> list[ModelSpec]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = start(__doc__)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--reduced-updates", type=int, default=10)
+    ap.add_argument("--reduced-updates", type=int, default=None, help="updates of the loop comparison (default 10; "
+                                                                         "--smoke: 3)")
     args = ap.parse_args()
+    smoke = args.smoke
+    if smoke:
+        torch.set_num_threads(1)  # tiny ops on two busy threads mostly wait
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads")
+    if smoke:
+        print("--smoke: tiny sizes, the figures below say nothing about speed")
 
-    cfg = ChainTrainConfig()
-    full = specs(CS, 16)
+    cfg = ChainTrainConfig(updates=20, eval_points=4) if smoke else ChainTrainConfig()
+    Cs, seeds = ((2, 4), 2) if smoke else (CS, 16)
+    full = specs(Cs, seeds)
     train_chain(full[:4], ChainTrainConfig(updates=2))  # warm-up
     t0 = time.perf_counter()
     out = train_chain(full, cfg)
     t_full = time.perf_counter() - t0
-    print(f"full C sweep, one batched program: {len(full)} models x {cfg.updates} updates: {t_full:.2f} s")
+    print(f"{'smoke' if smoke else 'full'} C sweep, one batched program: {len(full)} models x {cfg.updates} updates: "
+          f"{t_full:.2f} s")
 
     cov = CoverageConfig(experiments=("c_sweep",))
+    if smoke:
+        cov = replace(cov, Cs=Cs, seeds=seeds, train=cfg)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         run_cells(LAB.cells(cov), ResultStore(tmp), workers=args.workers, progress=False)
         t_runner = time.perf_counter() - t0
-    print(f"full C sweep through the runner ({len(CS)} cells, {args.workers} worker processes, "
+    print(f"the same C sweep through the runner ({len(Cs)} cells, {args.workers} worker processes, "
           f"including process start-up): {t_runner:.2f} s")
 
-    red_cfg = ChainTrainConfig(updates=args.reduced_updates)
-    reduced = specs((3, 8), 2)
+    red_cfg = ChainTrainConfig(updates=args.reduced_updates or (3 if smoke else 10), eval_points=1 if smoke else 20)
+    reduced = specs((3,), 1)[:1] if smoke else specs((3, 8), 2)
     t0 = time.perf_counter()
     train_chain(reduced, red_cfg)
     t_b = time.perf_counter() - t0
@@ -71,11 +88,12 @@ def main() -> None:
     loop_full = per_model_update * len(full) * cfg.updates
     print(f"reduced config ({len(reduced)} models x {red_cfg.updates} updates): batched {t_b:.3f} s, "
           f"loop {t_l:.2f} s -> batched is {t_l / t_b:.0f}x faster")
-    print(f"loop extrapolated to the full sweep: {loop_full:.0f} s -> full batched sweep is "
+    print(f"loop extrapolated to the {'smoke' if smoke else 'full'} sweep: {loop_full:.0f} s -> batched sweep is "
           f"{loop_full / t_full:.0f}x faster")
     print(f"sanity: mean final score uniform {out['final_score'][0::2].mean():.3f}")
-    ok = t_full <= 5.0 and loop_full / t_full >= 10
-    print(f"targets (full sweep <= 5 s, >= 10x vs loop): {'met' if ok else 'NOT met'}")
+    if not smoke:
+        ok = t_full <= 5.0 and loop_full / t_full >= 10
+        print(f"targets (full sweep <= 5 s, >= 10x vs loop): {'met' if ok else 'NOT met'}")
 
 
 if __name__ == "__main__":

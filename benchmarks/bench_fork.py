@@ -24,13 +24,17 @@ remote model. Measured:
     python benchmarks/bench_fork.py                       # 1000 responses x 20 rubrics x ~15 units
     python benchmarks/bench_fork.py --items 200 -s clients
     python benchmarks/bench_fork.py --profile             # where creditlab's client time goes (cProfile)
+    python benchmarks/bench_fork.py --smoke               # every section on 8 responses x 3 rubrics, seconds
+
+``--smoke`` runs every section (and its ratio lines) on 8 responses x 3 rubrics x ~4 units, one run per
+client, 10 ms latency, concurrency 4 (2 per endpoint), short fault timeouts: the code paths, not the
+speed. A size given on the command line wins over the smoke's.
 
 Figures move with the machine's load (printed with them): read them side by side within one run.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import cProfile
@@ -46,6 +50,8 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import NamedTuple
+
+from _common import start
 
 from creditlab.judge import JudgeCache, OpenAIJudge, current_usage
 from creditlab.judge.prompts import build_messages, extract_json, parse_reply, payload_for, reply_schema
@@ -407,13 +413,13 @@ def bench_cache(args, items: list[ForkItem], tmp: Path) -> None:
 
 def bench_faults(args, items: list[ForkItem], tmp: Path) -> None:
     print(f"\n== faults: {args.fault_rate:.0%} of requests faulted")
-    with serve_in_subprocess(latency=args.latency, fault_rate=args.fault_rate, seed=1, hang=2.0) as url:
+    with serve_in_subprocess(latency=args.latency, fault_rate=args.fault_rate, seed=1, hang=args.hang) as url:
         cache = JudgeCache(tmp / "faults.sqlite")
 
         def faulty_reward() -> FORKReward:
-            return FORKReward(OpenAIJudge(url, "bench", concurrency=args.concurrency, timeout=0.5, max_retries=2,
-                                          max_reasks=1, backoff_base=0.05, backoff_max=0.5, cache=cache, seed=0,
-                                          transport=args.transport))
+            return FORKReward(OpenAIJudge(url, "bench", concurrency=args.concurrency, timeout=args.hang / 4,
+                                          max_retries=2, max_reasks=1, backoff_base=0.05, backoff_max=0.5, cache=cache,
+                                          seed=0, transport=args.transport))
 
         t0 = time.perf_counter()
         results = asyncio.run(score_all(faulty_reward(), items))
@@ -435,25 +441,37 @@ def bench_faults(args, items: list[ForkItem], tmp: Path) -> None:
 
 
 SECTIONS = ("clients", "endpoints", "cache", "faults")
+#: the sizes of a full run and of --smoke (a flag given on the command line wins over both)
+FULL = {"items": 1000, "rubrics": 20, "units": 15, "latency": 0.05, "concurrency": 64, "endpoint_concurrency": 16,
+        "repeat": 2, "hang": 2.0}
+SMOKE = {"items": 8, "rubrics": 3, "units": 4, "latency": 0.01, "concurrency": 4, "endpoint_concurrency": 2,
+         "repeat": 1, "hang": 0.4}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--items", type=int, default=1000)
-    ap.add_argument("--rubrics", type=int, default=20)
-    ap.add_argument("--units", type=int, default=15)
-    ap.add_argument("--latency", type=float, default=0.05)
-    ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--endpoint-concurrency", type=int, default=16)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap = start(__doc__)
+    ap.add_argument("--items", type=int, help=f"responses (default {FULL['items']})")
+    ap.add_argument("--rubrics", type=int, help=f"rubrics per response (default {FULL['rubrics']})")
+    ap.add_argument("--units", type=int, help=f"units per response, about (default {FULL['units']})")
+    ap.add_argument("--latency", type=float, help=f"seconds the server takes per request (default {FULL['latency']})")
+    ap.add_argument("--concurrency", type=int, help=f"requests in flight (default {FULL['concurrency']})")
+    ap.add_argument("--endpoint-concurrency", type=int,
+                    help=f"requests in flight per endpoint (default {FULL['endpoint_concurrency']})")
+    ap.add_argument("--repeat", type=int, help=f"runs of each client (default {FULL['repeat']})")
+    ap.add_argument("--hang", type=float, help=f"seconds a hanging fault holds a request; the faults section's "
+                                               f"timeout is a quarter of it (default {FULL['hang']})")
     ap.add_argument("--fault-rate", type=float, default=0.2)
     ap.add_argument("--transport", default="asyncio", choices=["httpx", "asyncio"],
                     help="creditlab transport of the endpoints, cache, faults and profile sections")
     ap.add_argument("-s", "--section", action="append", choices=SECTIONS, help="run only these sections")
     ap.add_argument("--profile", action="store_true", help="profile creditlab's client instead")
     args = ap.parse_args(argv)
+    for k, v in (SMOKE if args.smoke else FULL).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     items = make_items(args.items, args.rubrics, args.units)
-    tmp = Path(tempfile.mkdtemp(prefix="bench_fork_"))
+    if args.smoke:
+        print("--smoke: tiny sizes, the figures below say nothing about speed")
     print(f"{args.items} responses x {args.rubrics} rubrics x ~{args.units} units; {os.cpu_count()} CPUs; {load()}")
     if args.profile:
         profile_client(args, items)
@@ -463,10 +481,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         bench_clients(args, items)
     if "endpoints" in sections:
         bench_endpoints(args, items)
-    if "cache" in sections:
-        bench_cache(args, items, tmp)
-    if "faults" in sections:
-        bench_faults(args, items, tmp)
+    with tempfile.TemporaryDirectory(prefix="bench_fork_") as tmp:  # the judge caches of 3. and 4.
+        if "cache" in sections:
+            bench_cache(args, items, Path(tmp))
+        if "faults" in sections:
+            bench_faults(args, items, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 Run (one torch thread, as each lab worker):
 
     python benchmarks/bench_mismatch.py [--dose nvfp4] [--updates 3] [--batch-tasks 8]
+    python benchmarks/bench_mismatch.py --smoke     # every section on tiny sizes, seconds
 
-Side by side in one run, from the lab's cached base policy (built on first use):
+Side by side in one run, from the lab's cached base policy (built on first use: it says so, then prints
+the build's steps with an ETA; the lab's base is 3000 steps, tens of minutes on 2 cores):
 
 1. a GRPO update of the seven quantized arms of one seed as one stack, split into rollout (the
    engine's decode steps), learner log-probs, correction weights and metrics, and optimisation;
@@ -17,13 +19,17 @@ Each phase is also given as achieved FLOP/s against the matmul peak of one threa
 same run (:func:`matmul_peak`), "x% of peak". FLOPs counted are the model's matmuls only
 (:data:`FLOP_FORMULA`); fake quantization, the environment and the optimizer count as time, not as
 FLOPs.
+
+``--smoke`` runs every section on tiny sizes in seconds (a base policy of a few steps and a one-layer
+model built in a temporary cache directory, 2 tasks x 2 rollouts, 96-token rollouts, 4 held-out tasks,
+decode steps at position 40, one update): the code paths, not the speed.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
+from contextlib import ExitStack
 from dataclasses import replace
 
 # as the creditlab command runs (cli/_process.py): PyTorch reads it at its first large allocation
@@ -31,10 +37,10 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _common import cache_dir, load_base, smoke_base, start  # noqa: E402
 
 from creditlab.labs.mismatch import ARMS, MismatchConfig, arm_triple  # noqa: E402
 from creditlab.models.tiny_lm import StackedTinyLM  # noqa: E402
-from creditlab.train.toolshop_base import base_policy, default_cache_dir  # noqa: E402
 from creditlab.train.toolshop_grpo import train_grpo_stacked  # noqa: E402
 from creditlab.train.toolshop_rollout import make_tasks, rollout_stacked, stacked_logprobs  # noqa: E402
 
@@ -121,21 +127,38 @@ def _train(base, configs) -> tuple[float, list[dict]]:
     return wall, rows
 
 
+#: --smoke: rollouts this long, decode steps timed from this position
+SMOKE_LEN, SMOKE_POS = 96, 40
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = start(__doc__)
     ap.add_argument("--dose", default="nvfp4")
-    ap.add_argument("--updates", type=int, default=3)
+    ap.add_argument("--updates", type=int, default=None, help="updates per timing (default 3; --smoke: 1)")
     ap.add_argument("--batch-tasks", type=int, default=None, help="tasks per update (default: the lab's)")
     ap.add_argument("--skip-unstacked", action="store_true", help="skip 3. (the arms one at a time)")
     args = ap.parse_args()
+    with ExitStack() as stack:
+        run(args, cache_dir(args.smoke, stack))
+
+
+def run(args, cache: str) -> None:
     torch.set_num_threads(1)
-    peak = matmul_peak()
-    bandwidth = copy_bandwidth()
+    smoke = args.smoke
+    updates = args.updates or (1 if smoke else 3)
+    peak = matmul_peak(3 if smoke else 20)
+    bandwidth = copy_bandwidth(2 if smoke else 10)
     cfg = MismatchConfig()
+    pos = 160
+    if smoke:
+        print("--smoke: tiny sizes, the figures below say nothing about speed")
+        cfg = replace(cfg, base=smoke_base(cfg.base),
+                      grpo=replace(cfg.grpo, max_len=SMOKE_LEN, tasks_per_update=2, group_size=2, eval_tasks=4))
+        pos = SMOKE_POS
     tasks = args.batch_tasks or cfg.grpo.tasks_per_update
-    base = base_policy(cfg.base, cache_dir=default_cache_dir(os.environ.get("CREDITLAB_CACHE")))
+    base = load_base(cfg.base, cache, "mismatch base policy")
     load = os.getloadavg()
-    print(f"dose {args.dose}, {tasks} tasks x {cfg.grpo.group_size} rollouts per update, {args.updates} updates, "
+    print(f"dose {args.dose}, {tasks} tasks x {cfg.grpo.group_size} rollouts per update, {updates} updates, "
           f"1 thread; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     arms = [a for a in ARMS if a != "fp32"]
     mcfg = base.cfg
@@ -144,7 +167,7 @@ def main() -> None:
           f"\n{FLOP_FORMULA}")
 
     # 1. one stack of the seven quantized arms
-    wall, rows = _train(base, _configs(cfg, arms, args.dose, args.updates, tasks))
+    wall, rows = _train(base, _configs(cfg, arms, args.dose, updates, tasks))
     parts = {k: float(np.mean([r[f"time/{k}"] for r in rows]))
              for k in ("rollout_s", "old_logprobs_s", "weights_metrics_s", "optimize_s", "update_s")}
     each = ", ".join(f"{r['time/update_s']:.2f}" for r in rows)
@@ -179,7 +202,8 @@ def main() -> None:
     batch = rollout_stacked(stack, [batch_tasks] * len(arms), u, precision=args.dose, max_len=cfg.grpo.max_len,
                             max_turns=cfg.grpo.max_turns, max_action_len=cfg.grpo.max_action_len)  # the lab's horizon
     print(f"\n2. quantization: learner forward of {len(arms)} x {B} x {batch.tokens.size(-1)} tokens; one decode step "
-          f"of {len(arms)} x {B} rows at position 160; forward + backward of the same tokens")
+          f"of {len(arms)} x {B} rows at position {pos}; forward + backward of the same tokens")
+    last = batch.tokens.size(-1) - 1  # (a smoke's short rollouts: its last token again)
     base_fwd = None
     for prec in ("fp32", "int8", "fp8", "nvfp4", "mxfp4"):
         with torch.no_grad():
@@ -187,12 +211,12 @@ def main() -> None:
             t0 = time.perf_counter()
             stacked_logprobs(stack, batch.tokens, prec)
             fwd = time.perf_counter() - t0
-            cache = stack.init_cache(B, prec, cfg.grpo.max_len)
-            for t in range(160):
-                stack.step(batch.tokens[:, :, t], cache)
+            kv = stack.init_cache(B, prec, max(cfg.grpo.max_len, pos + 10))
+            for t in range(pos):
+                stack.step(batch.tokens[:, :, min(t, last)], kv)
             t0 = time.perf_counter()
-            for t in range(160, 170):
-                stack.step(batch.tokens[:, :, t], cache)
+            for t in range(pos, pos + 10):
+                stack.step(batch.tokens[:, :, min(t, last)], kv)
             dec = (time.perf_counter() - t0) / 10
         stack.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
@@ -200,20 +224,21 @@ def main() -> None:
         fb = time.perf_counter() - t0
         base_fwd = base_fwd or (fwd, dec, fb)
         f_fwd = len(arms) * forward_flops(mcfg, B, batch.tokens.size(-1))
-        f_dec = len(arms) * (decode_flops(mcfg, B, 170) - decode_flops(mcfg, B, 160)) / 10
-        kv = len(arms) * kv_read_bytes(mcfg, B, 165)
+        f_dec = len(arms) * (decode_flops(mcfg, B, pos + 10) - decode_flops(mcfg, B, pos)) / 10
+        kv_bytes = len(arms) * kv_read_bytes(mcfg, B, pos + 5)
         print(f"   {prec:6s} forward {fwd:6.2f} s ({fwd / base_fwd[0]:4.1f}x fp32, {pct(f_fwd, fwd, peak)})   "
               f"decode step {1000 * dec:6.1f} ms ({dec / base_fwd[1]:4.1f}x fp32, {pct(f_dec, dec, peak)}; KV-cache "
-              f"reads {kv / 1e6:.0f} MB, {100 * kv / dec / bandwidth:4.1f}% of copy bandwidth)   forward + backward "
+              f"reads {kv_bytes / 1e6:.0f} MB, {100 * kv_bytes / dec / bandwidth:4.1f}% of copy bandwidth)   "
+              f"forward + backward "
               f"{fb:6.2f} s ({fb / base_fwd[2]:4.1f}x fp32, {pct(3 * f_fwd, fb, peak)})")
 
     # 3. one arm at a time
     if not args.skip_unstacked:
         t_one = 0.0
         for a in arms:
-            w, _ = _train(base, _configs(cfg, [a], args.dose, args.updates, tasks))
+            w, _ = _train(base, _configs(cfg, [a], args.dose, updates, tasks))
             t_one += w
-        print(f"\n3. the same {args.updates} updates one arm at a time: {t_one:.1f} s, as one stack: {wall:.1f} s; "
+        print(f"\n3. the same {updates} updates one arm at a time: {t_one:.1f} s, as one stack: {wall:.1f} s; "
               f"stacking is {t_one / wall:.2f}x faster")
 
     # 4. the full lab at one dose: training updates only (held-out evaluation comes on top)
