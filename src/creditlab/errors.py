@@ -19,4 +19,10 @@ class ConfigError(CreditlabError, ValueError):
 
     def __init__(self, parameter: str, message: str):
         self.parameter = parameter
+        self.message = message
         super().__init__(f"{parameter}: {message}")
+
+    def __reduce__(self):
+        # rebuilt from both arguments when pickled: raised in a Ray worker (a trainer's loss), it reaches
+        # the driver as itself
+        return type(self), (self.parameter, self.message)

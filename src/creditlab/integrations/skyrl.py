@@ -1,13 +1,20 @@
-"""creditlab inside SkyRL (tested with SkyRL 0.3.0): policy losses with the rollout correction arms,
-advantage estimators, FORK reward environment, rollout dumps.
+"""creditlab inside SkyRL (tested with SkyRL 0.3.0 and 0.4.0): policy losses with the rollout correction
+arms, advantage estimators, FORK reward environment, rollout dumps.
 
 Import this module in the driver script before ``initialize_ray(cfg)`` (SkyRL's own custom-algorithm
 pattern): importing it registers everything in SkyRL's registries
-(``skyrl.backends.skyrl_train.utils.ppo_utils.PolicyLossRegistry`` / ``AdvantageEstimatorRegistry``),
-and SkyRL's ``initialize_ray`` calls ``sync_registries()``, which hands the registered functions to
-its named Ray actor, from which every worker's ``PolicyLossRegistry.get`` fetches them (by
-reference: the workers import creditlab). Importing it again, or calling :func:`install`, changes
-nothing; :func:`install` syncs with the Ray actor itself when Ray is already initialised.
+(``skyrl.backends.skyrl_train.utils.ppo_utils.PolicyLossRegistry`` / ``AdvantageEstimatorRegistry``).
+SkyRL's ``initialize_ray`` calls ``sync_registries()``, which serialises every registered function
+with cloudpickle for SkyRL's named registry Ray actors; a worker's ``PolicyLossRegistry.get`` loads
+from there the names it lacks. creditlab's entries are :class:`SkyRLFunction` objects that pickle
+by reference, as a module-level function of this module and three strings (no code, closure or
+module state): loading one in a worker imports ``creditlab.integrations.skyrl`` there, which
+registers everything in that process, so creditlab must be installed where the workers run. An arm or
+geometry registered outside creditlab travels as the name of the module that registered it, which
+the worker imports; one registered in the driver script itself cannot be imported there, and calling
+its loss in a worker raises a :class:`ConfigError` that says so. Importing this module again, or
+calling :func:`install`, changes nothing; :func:`install` syncs with SkyRL's actors itself when Ray is
+already initialised.
 
 * **Policy losses** ``trainer.algorithm.policy_loss_type: creditlab_<arm>`` for every arm of
   :data:`creditlab.core.correction.CORRECTIONS` (``creditlab_interq``, ``creditlab_prefix``,
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import importlib
 import os
 import sys
 import threading
@@ -60,7 +68,7 @@ from creditlab.errors import ConfigError, CreditlabError, InputError
 from creditlab.integrations._common import CreditSettings, fork_reward, group_ids, token_reward_advantages
 
 #: SkyRL versions this module was tested against (``CREDITLAB_ALLOW_UNTESTED_SKYRL=1`` lets another through).
-TESTED_SKYRL_VERSIONS = ("0.3.0",)
+TESTED_SKYRL_VERSIONS = ("0.3.0", "0.4.0")
 #: Registered names start with this: ``creditlab_<arm>`` (losses), ``creditlab_<geometry>`` (estimators).
 PREFIX = "creditlab_"
 #: The loss of creditlab's method, InterQ-RL.
@@ -108,16 +116,19 @@ from skyrl_gym.envs import registration as _gym_registration  # noqa: E402
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput  # noqa: E402
 
 __all__ = [
+    "ADVANTAGE_ESTIMATOR",
     "DEFAULT_POLICY_LOSS",
     "ESTIMATORS",  # noqa: F822  (module __getattr__: live views of the registries)
     "FORK_ENV",
     "POLICY_LOSSES",  # noqa: F822
+    "POLICY_LOSS",
     "PREFIX",
     "TESTED_SKYRL_VERSIONS",
     "CreditlabAlgorithmConfig",
     "CreditlabSkyRLConfig",
     "CreditlabTrainerMixin",
     "ForkEnv",
+    "SkyRLFunction",
     "check_version",
     "dump_batch",
     "fork_score",
@@ -251,36 +262,138 @@ def _loss_fn(arm: str):
 # advantage estimators
 
 
-def _estimator(geometry: str):
-    def estimator(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None,
-                  config: Any = None, loss_mask: torch.Tensor | None = None, **kwargs: Any
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        settings = _settings(config)
-        if _get(config, "grpo_norm_by_std", True) is False or kwargs.get("grpo_norm_by_std", True) is False:
-            raise ConfigError("trainer.algorithm.grpo_norm_by_std",
-                              "creditlab estimators always normalise by the group std; set it to true")
-        dims: dict[str, int] = {}
-        check_tensor("response_mask", response_mask, shape=("B", "L"), dims=dims)
-        check_tensor("token_level_rewards", token_level_rewards, shape=("B", "L"), floating=True, finite=True,
-                     dims=dims)
-        policy = loss_mask if loss_mask is not None else _POLICY_MASK.get()
-        if policy is None or tuple(policy.shape) != tuple(response_mask.shape):
-            policy = response_mask
-        adv = token_reward_advantages(geometry, token_level_rewards, (policy > 0) & (response_mask > 0),
-                                      group_ids(index, "SkyRL's uids"), step=_STEP[0], settings=settings)
-        return adv, adv.clone()
+def _advantages(geometry: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None,
+                config: Any = None, loss_mask: torch.Tensor | None = None, **kwargs: Any
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SkyRL advantage estimator ``creditlab_<geometry>``: per-turn credit geometry ``geometry``
+    broadcast to the tokens of each turn (see the module docstring)."""
+    settings = _settings(config)
+    if _get(config, "grpo_norm_by_std", True) is False or kwargs.get("grpo_norm_by_std", True) is False:
+        raise ConfigError("trainer.algorithm.grpo_norm_by_std",
+                          "creditlab estimators always normalise by the group std; set it to true")
+    dims: dict[str, int] = {}
+    check_tensor("response_mask", response_mask, shape=("B", "L"), dims=dims)
+    check_tensor("token_level_rewards", token_level_rewards, shape=("B", "L"), floating=True, finite=True,
+                 dims=dims)
+    policy = loss_mask if loss_mask is not None else _POLICY_MASK.get()
+    if policy is None or tuple(policy.shape) != tuple(response_mask.shape):
+        policy = response_mask
+    adv = token_reward_advantages(geometry, token_level_rewards, (policy > 0) & (response_mask > 0),
+                                  group_ids(index, "SkyRL's uids"), step=_STEP[0], settings=settings)
+    return adv, adv.clone()
 
-    estimator.__name__ = estimator.__qualname__ = f"compute_creditlab_{geometry}_advantage"
-    estimator.__doc__ = (f"SkyRL advantage estimator ``{PREFIX}{geometry}``: per-turn credit geometry "
-                         f"``{geometry}`` broadcast to the tokens of each turn (see the module docstring).")
-    return estimator
+
+# --------------------------------------------------------------------------------------------
+# what SkyRL's registries hold
+#
+# SkyRL serialises its registered functions with cloudpickle: sync_registries() (initialize_ray calls
+# it) and register() once Ray is up send them to its registry actor, and every process that looks a
+# name up loads what it lacks from there. cloudpickle pickles a function by value unless
+# ``module.qualname`` resolves to it, and by value a function drags along the globals it reads (a
+# closure over this module reached the ContextVar above, which no pickler takes). So SkyRL's
+# registries get SkyRLFunction objects, which pickle as a call of the module-level _lookup (by
+# reference) with three strings.
+
+#: ``SkyRLFunction.kind`` of the policy losses and of the advantage estimators.
+POLICY_LOSS, ADVANTAGE_ESTIMATOR = "policy loss", "advantage estimator"
+_FIELDS = {POLICY_LOSS: "trainer.algorithm.policy_loss_type",
+           ADVANTAGE_ESTIMATOR: "trainer.algorithm.advantage_estimator"}
+
+_LOSS_FNS: dict[str, SkyRLFunction] = {}
+_ESTIMATOR_FNS: dict[str, SkyRLFunction] = {}
+
+
+def _table(kind: str) -> dict[str, SkyRLFunction]:
+    if kind == POLICY_LOSS:
+        return _LOSS_FNS
+    if kind == ADVANTAGE_ESTIMATOR:
+        return _ESTIMATOR_FNS
+    raise ConfigError("kind", f"must be {POLICY_LOSS!r} or {ADVANTAGE_ESTIMATOR!r}, got {kind!r}")
+
+
+def _family(kind: str) -> Any:
+    return correction.CORRECTIONS if kind == POLICY_LOSS else credit.GEOMETRIES
+
+
+class SkyRLFunction:
+    """A creditlab policy loss (``kind`` :data:`POLICY_LOSS`, ``key`` an arm of
+    :data:`~creditlab.core.correction.CORRECTIONS`) or advantage estimator (:data:`ADVANTAGE_ESTIMATOR`,
+    a geometry of :data:`~creditlab.core.credit.GEOMETRIES`) as it sits in SkyRL's registry under
+    ``creditlab_<key>``; called as SkyRL calls that registry's functions.
+
+    It pickles by reference: as ``_lookup(kind, key, origin)``, a module-level function of this
+    module. Loading it in another process (a Ray worker that looks the name up) imports
+    ``creditlab.integrations.skyrl``, which registers every creditlab loss and estimator there; for an
+    arm or geometry registered outside creditlab it also imports ``origin``, the module that
+    registered it; then it returns that process's own object for the name. No function, closure or
+    module state travels.
+    """
+
+    def __init__(self, kind: str, key: str, origin: str | None = None) -> None:
+        _table(kind)  # checks kind
+        self.kind, self.key, self.origin = kind, key, origin
+        self.__name__ = self.__qualname__ = PREFIX + key
+        self.__doc__ = (f"SkyRL policy loss ``{PREFIX}{key}``: creditlab's clipped surrogate times the ``{key}`` "
+                        "correction weights (see creditlab.integrations.skyrl)." if kind == POLICY_LOSS else
+                        f"SkyRL advantage estimator ``{PREFIX}{key}``: per-turn credit geometry ``{key}`` "
+                        "broadcast to the tokens of each turn (see creditlab.integrations.skyrl).")
+        self.origin_error: str | None = None  # why importing ``origin`` failed, for the call's error
+        self._loss: Any = None  # _loss_fn(key), built at the first call (the arm may not exist before)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.key not in _family(self.kind):
+            why = f" (importing {self.origin} failed: {self.origin_error})" if self.origin_error else ""
+            raise ConfigError(_FIELDS[self.kind], (
+                f"{self.__name__!r}: {_family(self.kind).family} {self.key!r} is not registered in this process "
+                f"(pid {os.getpid()}){why}; register it when an importable module (not the driver script) is "
+                "imported, then call creditlab.integrations.skyrl.install(): the processes that load "
+                f"{self.__name__!r} from SkyRL's registry import that module"))
+        if self.kind == ADVANTAGE_ESTIMATOR:
+            return _advantages(self.key, *args, **kwargs)
+        if self._loss is None:
+            self._loss = _loss_fn(self.key)
+        return self._loss(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str, str | None]]:
+        return _lookup, (self.kind, self.key, self.origin)
+
+    def __repr__(self) -> str:
+        return f"<creditlab SkyRL {self.kind} {self.__name__!r}>"
+
+
+def _origin(kind: str, key: str) -> str | None:
+    """The module to import for ``key`` in another process: the one that registered it, unless it is
+    creditlab's own (importing this module registers those) or the driver script (not importable)."""
+    module = getattr(_family(kind).get(key, None), "__module__", None)
+    if not module or module == "__main__" or module == "creditlab" or module.startswith("creditlab."):
+        return None
+    return module
+
+
+def _lookup(kind: str, key: str, origin: str | None = None) -> SkyRLFunction:
+    """The :class:`SkyRLFunction` of ``kind`` for ``key`` in this process (what one unpickles to). Never
+    raises for a missing arm or geometry: SkyRL loads every name of its registry actor at a lookup,
+    and one failure would fail them all; calling the function raises instead."""
+    error = None
+    if PREFIX + key not in _table(kind) and origin is not None and key not in _family(kind):
+        try:
+            importlib.import_module(origin)
+        except Exception as err:  # reported by the call
+            error = f"{type(err).__name__}: {err}"
+    fn = _function(kind, key, origin)
+    fn.origin_error = fn.origin_error or error
+    return fn
+
+
+def _function(kind: str, key: str, origin: str | None) -> SkyRLFunction:
+    table = _table(kind)
+    if PREFIX + key not in table:
+        table[PREFIX + key] = SkyRLFunction(kind, key, origin)
+    return table[PREFIX + key]
 
 
 # --------------------------------------------------------------------------------------------
 # registration
-
-_LOSS_FNS: dict[str, Any] = {}
-_ESTIMATOR_FNS: dict[str, Any] = {}
 
 
 def _register(registry: Any, name: str, fn: Any) -> bool:
@@ -302,12 +415,10 @@ def install() -> None:
     after registering one), and sync with SkyRL's registry actor when Ray is initialised."""
     import ray
 
-    for arm in correction.CORRECTIONS:
-        fn = _LOSS_FNS.setdefault(PREFIX + arm, _loss_fn(arm))
-        _register(ppo_utils.PolicyLossRegistry, PREFIX + arm, fn)
-    for geometry in credit.GEOMETRIES:
-        fn = _ESTIMATOR_FNS.setdefault(PREFIX + geometry, _estimator(geometry))
-        _register(ppo_utils.AdvantageEstimatorRegistry, PREFIX + geometry, fn)
+    for kind, registry, keys in ((POLICY_LOSS, ppo_utils.PolicyLossRegistry, correction.CORRECTIONS),
+                                 (ADVANTAGE_ESTIMATOR, ppo_utils.AdvantageEstimatorRegistry, credit.GEOMETRIES)):
+        for key in list(keys):
+            _register(registry, PREFIX + key, _function(kind, key, _origin(kind, key)))
     _install_fork_env()
     if ray.is_initialized():
         ppo_utils.sync_registries()
