@@ -190,3 +190,17 @@ def test_gate_cells_run_first_and_their_table_is_shown_before_the_others(tmp_pat
     assert seen["stored"] == n_dose  # only the gate's cells had run
     assert said[0].startswith("Gate: test") and "| dose cells | pass |" in said[0]
     assert len(said) == 2 and "cell(s) computed" in said[1]
+
+
+def test_intervals_use_the_exact_student_t_quantile():
+    """Hand-computed: two values 0 and 1 (sd 0.7071, 1 degree of freedom, t = 12.7062) give a half width
+    of 12.7062 * 0.7071 / sqrt(2) = 6.3531; three values 0, 1, 2 (sd 1, t = 4.3027) give 4.3027 / sqrt(3)
+    = 2.4841; five values 0..4 (sd 1.5811, t = 2.7764) give 1.9632. A normal approximation (1.96) or a
+    series in 1/df misses the first two by 40% or more, which flips "interval excludes 0" verdicts."""
+    import pytest
+
+    from creditlab.lab.report import mean_ci
+
+    for values, half in (([0.0, 1.0], 6.35310), ([0.0, 1.0, 2.0], 2.48414), ([0.0, 1.0, 2.0, 3.0, 4.0], 1.96324)):
+        m, lo, hi = mean_ci(values)
+        assert (hi - m, m - lo) == (pytest.approx(half, abs=1e-4), pytest.approx(half, abs=1e-4)), values

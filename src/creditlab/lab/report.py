@@ -3,6 +3,7 @@ differences between arms (same seeds, same evaluation batch)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -17,14 +18,13 @@ __all__ = ["ci_columns", "group_means", "knobs_table", "mean_ci", "paired_diff",
            "to_markdown", "write_table"]
 
 
+@functools.lru_cache(maxsize=64)
 def _t975(df: int) -> float:
-    try:
-        from scipy.stats import t
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (scipy: exact, not approximated;
+    12.706 at 1, 4.303 at 2, 2.776 at 4)."""
+    from scipy.stats import t  # imported on first use: scipy.stats costs a few hundred ms to import
 
-        return float(t.ppf(0.975, df))
-    except ImportError:  # scipy is optional at run time; Cornish-Fisher style approximation
-        z = 1.959964
-        return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+    return float(t.ppf(0.975, df))
 
 
 def mean_ci(values, bounds: tuple[float, float] | None = None) -> tuple[float, float, float]:
