@@ -1,9 +1,11 @@
 """Speed and memory of the InterQ-RL correction, measured side by side in one run.
 
     python benchmarks/bench_correction.py            # B=64, L=8192, ~32 segments per row
-    python benchmarks/bench_correction.py --quick    # smaller, for a smoke run
+    python benchmarks/bench_correction.py --quick    # B=8, L=2048: a smaller measurement
+    python benchmarks/bench_correction.py --smoke    # tiny sizes, seconds: runs every figure's code (its
+                                                     # numbers say nothing about speed)
 
-Prints five figures:
+Prints six figures:
 
 1. vectorised ``interq_weights`` vs the loop reference of ``tests/reference`` (target >= 50x);
    the loop runs on the whole batch unless ``--loop-rows`` limits it (then its time is scaled
@@ -18,6 +20,13 @@ Prints five figures:
 5. what a trainer integration pays per batch for an arm and its diagnostics: ``correction_weights``
    (one InterQ pass shared with ``mismatch_metrics``) vs ``interq_weights`` then ``mismatch_metrics``
    (two passes, what the integrations did before); target: ratio < 1.
+6. ``interq_weights`` against verl's token TIS (``rollout_corr_helper.compute_rollout_correction_weights``
+   of the installed verl, ``rollout_is="token"``, on ``old - rollout``, the log ratio computed inside the
+   timed call as verl does; the ratios are against verl with a float32 ``response_mask``, its fastest:
+   verl's own int64 mask is timed beside it), interleaved in one run, with creditlab's
+   input checks on (the default) and off (``check=False``), and creditlab's ``tis_weights`` beside them;
+   target: InterQ with the checks on <= 1.0x verl's token TIS. Then the same with fewer policy tokens
+   (blocks of actions turned into tool outputs): InterQ packs the policy tokens, verl's TIS works on all.
 """
 
 from __future__ import annotations
@@ -35,7 +44,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from creditlab.core.correction import correction_weights, interq_weights, mismatch_metrics  # noqa: E402
+from creditlab.core.correction import (  # noqa: E402
+    correction_weights,
+    interq_weights,
+    mismatch_metrics,
+    tis_weights,
+)
 from creditlab.core.losses import policy_loss  # noqa: E402
 from reference.ref_correction import ref_interq  # noqa: E402
 
@@ -57,7 +71,11 @@ def tune_malloc() -> str:
 
 
 def make_batch(B: int, L: int, n_segments: int, seed: int = 0):
-    """Agent rollouts: a prompt, then ~n_segments actions separated by tool outputs, then padding."""
+    """Agent rollouts: a prompt, then ~n_segments actions separated by tool outputs, then padding.
+
+    Both log-probs are valid (<= 0): the learner's are uniform in [-3, 0], the engine's differ by a
+    small noise plus rare larger jumps, and are capped at 0 (a log-prob above 0 is refused by the
+    input checks)."""
     g = torch.Generator().manual_seed(seed)
     pm = torch.zeros(B, L, dtype=torch.bool)
     vm = torch.zeros(B, L, dtype=torch.bool)
@@ -70,7 +88,7 @@ def make_batch(B: int, L: int, n_segments: int, seed: int = 0):
             pm[b, int(cuts[k]):int(cuts[k + 1])] = True
     old = -torch.rand(B, L, generator=g) * 3.0
     delta = torch.randn(B, L, generator=g) * 0.02 + (torch.rand(B, L, generator=g) < 0.01) * 0.3
-    rollout = old - delta
+    rollout = (old - delta).clamp(max=0.0)
     return old, rollout, pm, vm
 
 
@@ -143,12 +161,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1 keeps timings stable on a shared machine)")
     parser.add_argument("--no-malloc-tune", action="store_true", help="measure with the default glibc malloc")
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="B=8, L=2048, best of 3")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes (B=4, L=256), seconds: runs every figure's code; its numbers mean nothing")
     args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)
     torch.set_num_threads(args.threads)
     malloc = "default glibc malloc" if args.no_malloc_tune else tune_malloc()
     if args.quick:
         args.B, args.L, args.repeat = 8, 2048, 3
+    if args.smoke:
+        args.B, args.L, args.segments, args.repeat = 4, 256, 4, 1
     B, L = args.B, args.L
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device cpu, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {malloc}; "
@@ -196,7 +219,7 @@ def main() -> None:
           f"weights + weighted loss fwd+bwd {t['both'] * 1e3:.1f} ms")
 
     # 3. linear scaling in L
-    lengths = [512, 1024, 2048] if args.quick else [2048, 4096, 8192, 16384]
+    lengths = [64, 128, 256] if args.smoke else [512, 1024, 2048] if args.quick else [2048, 4096, 8192, 16384]
     per_token = []
     for Lk in lengths:
         o, ro, p, v = make_batch(B, Lk, max(1, args.segments * Lk // L), seed=2)
@@ -221,6 +244,45 @@ def main() -> None:
                repeat=args.repeat)
     print(f"[5] correction_weights (one InterQ pass) {t['shared'] * 1e3:8.1f} ms | interq_weights + mismatch_metrics "
           f"{t['separate'] * 1e3:8.1f} ms | ratio {t['shared'] / t['separate']:.2f} (target < 1)")
+
+    # 6. against verl's token TIS, side by side, with creditlab's input checks on and off
+    verl_tis = _verl_token_tis()
+    if verl_tis is None:
+        print("[6] verl is not installed (pip install 'creditlab[verl]'): no comparison with verl's token TIS")
+        return
+    rm_float, rm_int = eff.to(torch.float32), eff.to(torch.int64)
+    t = timeit({"verl": lambda: verl_tis(old - rollout, rm_float, rollout_is="token", rollout_is_threshold=2.0),
+                "verl_int": lambda: verl_tis(old - rollout, rm_int, rollout_is="token", rollout_is_threshold=2.0),
+                "on": lambda: interq_weights(old, rollout, pm, vm),
+                "off": lambda: interq_weights(old, rollout, pm, vm, check=False),
+                "tis": lambda: tis_weights(old, rollout, pm, vm)}, repeat=args.repeat)
+    v = t["verl"]
+    print(f"[6] verl token TIS {v * 1e3:8.1f} ms (float32 response_mask; {t['verl_int'] * 1e3:.1f} ms with verl's "
+          f"int64 one) | interq_weights checks on {t['on'] * 1e3:8.1f} ms = {t['on'] / v:.2f}x (target <= 1.0) | "
+          f"checks off {t['off'] * 1e3:8.1f} ms = {t['off'] / v:.2f}x | creditlab tis_weights {t['tis'] * 1e3:8.1f} ms "
+          f"= {t['tis'] / v:.2f}x")
+    # InterQ's time follows the policy tokens (it packs them); verl's TIS works on every token. The same
+    # batch with whole blocks of L/32 action tokens turned into tool tokens:
+    g = torch.Generator().manual_seed(3)
+    block = max(1, L // 32)
+    for keep in (0.5, 0.25):
+        blocks = torch.rand(B, -(-L // block), generator=g) < keep
+        p2 = pm & blocks.repeat_interleave(block, 1)[:, :L]
+        rm2 = (p2 & vm).to(torch.float32)
+        t = timeit({"verl": lambda rm2=rm2: verl_tis(old - rollout, rm2, rollout_is="token", rollout_is_threshold=2.0),
+                    "on": lambda p2=p2: interq_weights(old, rollout, p2, vm)}, repeat=args.repeat)
+        print(f"[6] with {float(rm2.mean()) * 100:.0f}% policy tokens: verl token TIS {t['verl'] * 1e3:8.1f} ms | "
+              f"interq_weights checks on {t['on'] * 1e3:8.1f} ms = {t['on'] / t['verl']:.2f}x")
+
+
+def _verl_token_tis():
+    """verl's own ``compute_rollout_correction_weights`` (unwrapped if creditlab's verl integration is
+    loaded), or None without verl."""
+    try:
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+    except ImportError:
+        return None
+    return getattr(compute_rollout_correction_weights, "__creditlab_original__", compute_rollout_correction_weights)
 
 
 if __name__ == "__main__":

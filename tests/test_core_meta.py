@@ -49,6 +49,10 @@ RUNS = {
     "masks.segment_sum": lambda: mk.segment_sum(f(B, L), i(B, L), S),
     "masks.segments_from_bounds": lambda: mk.segments_from_bounds(  # S known: bounds built by hand
         mk.SegmentBounds(b(B, L), b(B, L), i(S), i(S), i(S), i(S), i(B), S)),
+    # a trainer's hot path: every built-in arm with its diagnostics, no host read (metrics left unread)
+    "correction.correction_weights[sync=False]": lambda: [
+        correction.correction_weights(a, f(B, L), f(B, L), b(B, L), b(B, L), check=False, sync=False)[0]
+        for a in ("interq", "prefix", "global", "tis", "mis", "seq_is", "geo", "none")],
     "correction.allocate_budget": lambda: (correction.allocate_budget(f(S), f(S), 0.5),
                                            correction.allocate_budget(f(S), f(S), 0.5, iters=8)),
     "credit.uniform": lambda: (credit.uniform(f(B), b(B, T)), credit.uniform(f(B), b(B, T), conserve=False)),
@@ -109,7 +113,8 @@ DATA_DEPENDENT = {
     "correction.interq_weights": "segments (S from nonzero); metrics as Python floats, once per step",
     "correction.interq_terms": "segments (S from nonzero)",
     "correction.mismatch_metrics": "segments (S from nonzero); which turns exist is read to name the metrics",
-    "correction.correction_weights": "the arm's (segments for interq / prefix / global) and mismatch_metrics'",
+    "correction.correction_weights": "with sync=True (the default) the arm's segments and mismatch_metrics' "
+                                     "(sync=False runs on meta: RUNS)",
     "advantages.group_stats": "the group count comes from torch.unique",
     "advantages.grpo_advantages": "group_stats: torch.unique",
     "advantages.prm_mixed_advantages": "group counts from torch.unique",
@@ -141,7 +146,7 @@ def test_runs_on_meta(name):
 
 @pytest.mark.parametrize("name", sorted(HOST_READ_BY_DESIGN))
 def test_host_reading_functions_fail_only_at_the_read(name):
-    with pytest.raises(RuntimeError, match="cannot be called on meta tensors"):
+    with pytest.raises(RuntimeError, match="cannot be called on meta tensors|Cannot copy out of meta tensor"):
         HOST_READ_BY_DESIGN[name]()
 
 

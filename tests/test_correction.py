@@ -676,3 +676,169 @@ def test_probabilities_or_positive_numbers_instead_of_log_probs_are_named(fn):
     call(old, junk)
     call(old, torch.where(pm & vm, torch.full_like(ro, 5e-5), ro))
     assert corr.logprob_tolerance(torch.bfloat16) > corr.logprob_tolerance(torch.float32) == 1e-4
+
+
+# --------------------------------------------------------------------------------------------
+# the input checks: one pass and one host read; check=False; sync=False (no host read at all)
+
+ARMS = ("interq", "prefix", "global", "tis", "mis", "seq_is", "geo", "none")
+CHECKED = {
+    **{f"arm {a}": (lambda kw, check, a=a: get_correction(a)(**kw, check=check)) for a in ARMS},
+    **{f"correction_weights {a}": (lambda kw, check, a=a: correction_weights(a, **kw, check=check)) for a in ARMS},
+    "mismatch_metrics": lambda kw, check: mismatch_metrics(**kw, check=check),
+    "interq_terms": lambda kw, check: interq_terms(**kw, check=check),
+}
+
+
+def _kw(seed=5, B=4, L=48, dtype=torch.float32, **batch):
+    old, ro, pm, vm = _batch(seed, B=B, L=L, dtype=dtype, **batch)
+    return {"old_logprobs": old, "rollout_logprobs": ro, "policy_mask": pm, "valid_mask": vm}
+
+
+def _assert_identical(a, b):
+    """Bit-identical results: tensors equal, metric dicts equal (``b`` may add nonfinite_tokens = 0)."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        b = dict(b)
+        assert b.pop("correction/nonfinite_tokens", 0.0) == 0.0
+        assert a == b
+    elif isinstance(a, tuple):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_identical(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("junk", [False, True])
+@pytest.mark.parametrize("name", sorted(CHECKED))
+def test_the_checks_cost_at_most_one_host_read_and_turning_them_off_changes_no_number(name, junk):
+    """The InterQ pass reads the extremes of both log-probs with the packed width; only when they show
+    junk (NaN / positive values off the policy tokens, allowed) do the checks read again."""
+    from host_syncs import HostSyncs
+
+    kw = _kw()
+    if junk:
+        off_policy = ~(kw["policy_mask"] & kw["valid_mask"])
+        kw["old_logprobs"] = kw["old_logprobs"].masked_fill(off_policy, float("nan"))
+        kw["rollout_logprobs"] = kw["rollout_logprobs"].masked_fill(off_policy, 3.0)
+    with HostSyncs() as on:
+        checked = CHECKED[name](kw, True)
+    with HostSyncs() as off:
+        unchecked = CHECKED[name](kw, False)
+    extra = len(on.records) - len(off.records)
+    assert extra in (0, 1), (on.records, off.records)
+    assert extra == 1 or not junk and (name.startswith("interq") or name.startswith("mismatch") or
+                                       any(a in name for a in correction.INTERQ_MODES))
+    assert not [r for r in on.records if "scalar" in r.what]  # one transfer each, no item() / bool()
+    _assert_identical(checked, unchecked)
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_check_false_counts_nonfinite_tokens_instead_of_raising(arm):
+    kw = _kw(6, dtype=F64)
+    pm = kw["policy_mask"] & kw["valid_mask"]
+    (b0, t0), (b1, t1) = pm.nonzero()[[0, -1]].tolist()
+    old, ro = kw["old_logprobs"].clone(), kw["rollout_logprobs"].clone()
+    old[b0, t0], ro[b1, t1] = float("nan"), float("-inf")
+    old[~pm] = float("nan")  # junk off the policy tokens is not counted
+    bad = {**kw, "old_logprobs": old, "rollout_logprobs": ro}
+    fn = get_correction(arm)
+    with pytest.raises(InputError, match="old_logprobs: contains NaN or inf"):
+        fn(**bad)
+    with pytest.raises(InputError, match="old_logprobs: contains NaN or inf"):
+        correction_weights(arm, **bad, check=True)
+    w, m = fn(**bad, check=False)
+    assert m.pop("correction/nonfinite_tokens") == 2.0
+    # those two tokens count as tokens without mismatch
+    fixed = {**kw, "old_logprobs": kw["old_logprobs"].clone(), "rollout_logprobs": kw["rollout_logprobs"].clone()}
+    for b, t in ((b0, t0), (b1, t1)):
+        fixed["old_logprobs"][b, t] = fixed["rollout_logprobs"][b, t] = -1.0
+    w_ref, m_ref = fn(**fixed)
+    assert torch.equal(w, w_ref) and bool(torch.isfinite(w).all())
+    _assert_identical(m_ref, m)
+    _, mm = correction_weights(arm, **bad, check=False)
+    assert mm["correction/nonfinite_tokens"] == 2.0
+
+
+def test_check_false_still_checks_shapes_dtypes_and_its_own_type():
+    kw = _kw()
+    with pytest.raises(InputError, match="policy_mask"):
+        interq_weights(**{**kw, "policy_mask": kw["policy_mask"].float()}, check=False)
+    with pytest.raises(InputError, match="rollout_logprobs: dimension 1"):
+        tis_weights(**{**kw, "rollout_logprobs": kw["rollout_logprobs"][:, :5]}, check=False)
+    with pytest.raises(ConfigError, match="check: must be True or False"):
+        interq_weights(**kw, check="no")
+    with pytest.raises(ConfigError, match="check: .*pass check=False with sync=False"):
+        correction_weights("interq", **kw, sync=False)
+    assert "check" not in correction_params("tis") and "check" not in correction_params("interq")
+
+
+@pytest.mark.parametrize("arm", ARMS)
+@pytest.mark.parametrize("diagnostics", [True, False])
+@pytest.mark.parametrize("shape", [(4, 48), (3, 7), (2, 1)])
+def test_sync_false_reads_nothing_then_once_and_gives_the_same_numbers(arm, diagnostics, shape):
+    from host_syncs import HostSyncs
+
+    B, L = shape
+    kw = _kw(7, B=B, L=L, scale=0.08)
+    with HostSyncs() as syncs:
+        w, m = correction_weights(arm, **kw, diagnostics=diagnostics, check=False, sync=False)
+    assert syncs.records == []
+    assert isinstance(m, correction.DeviceMetrics)
+    with HostSyncs() as syncs:
+        got = dict(m)
+    assert [r.what for r in syncs.records] == ["tolist"]
+    w_ref, want = correction_weights(arm, **kw, diagnostics=diagnostics, check=False)
+    assert torch.equal(w, w_ref)
+    assert got.keys() == want.keys()  # the same turns and quantiles present
+    for key, value in want.items():  # sums of float32 terms in another order: float32 rounding apart
+        assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+def test_sync_false_without_segments_drops_the_segment_metrics():
+    kw = _kw(8)
+    kw["policy_mask"] = torch.zeros_like(kw["policy_mask"])
+    w, m = correction_weights("interq", **kw, check=False, sync=False)
+    _, want = correction_weights("interq", **kw)
+    assert bool((w == 1).all()) and dict(m).keys() - {"correction/nonfinite_tokens"} == want.keys()
+    assert not any(k.startswith(("mismatch/turn", "correction/rho_q", "correction/C_mean")) for k in m)
+    assert m["correction/segments"] == 0.0
+
+
+def test_device_metrics_read_once_keep_what_exists_and_pickle():
+    import pickle
+
+    from host_syncs import HostSyncs
+
+    m = correction.DeviceMetrics({"a": torch.tensor(1.5), "b": 2.0},
+                                 present={"a": torch.tensor(True)})
+    m.add(correction.DeviceMetrics({"c": torch.tensor(3.0), "gone": torch.tensor(9.0)},
+                                   present={"gone": torch.tensor(False)}), prefix="x/")
+    assert "not read yet" in repr(m)
+    with HostSyncs() as syncs:
+        assert m["x/c"] == 3.0 and "x/gone" not in m and len(m) == 3
+        assert dict(m) == {"a": 1.5, "b": 2.0, "x/c": 3.0}
+    assert [r.what for r in syncs.records] == ["tolist"]
+    back = pickle.loads(pickle.dumps(m))
+    assert isinstance(back, correction.DeviceMetrics) and back == {"a": 1.5, "b": 2.0, "x/c": 3.0}
+
+
+def test_the_host_sync_counter_sees_every_kind_of_read():
+    """The counter the hot-path tests rely on is not blind: the synced paths are seen reading."""
+    from host_syncs import HostSyncs
+
+    kw = _kw()
+    x = kw["old_logprobs"]
+    with HostSyncs() as syncs:
+        x.sum().item()
+        bool(x.sum() < 0)
+        x[kw["policy_mask"]]
+        x.nonzero()
+        x.tolist()
+        x.numpy()
+    assert len(syncs.records) == 6, syncs.records
+    with HostSyncs() as syncs:
+        correction_weights("interq", **kw, check=False)  # sync=True: the segment count and the floats
+    assert [r.what for r in syncs.records if "nonzero" in r.what] and syncs.creditlab == syncs.records

@@ -40,7 +40,8 @@ def check_tensor(
     dict shared across the checks of a function enforces consistent shapes between arguments.
     ``finite_where`` restricts the finiteness check to positions where the mask is True (masked
     positions may hold junk). ``device``: the device ``x`` must be on (e.g. the first argument's).
-    ``finite=True`` reads one boolean on the host (none on ``meta`` tensors).
+    ``finite=True`` costs one pass (the extremes of the checked values) and reads one boolean on the
+    host (none on ``meta`` tensors, nor for an empty tensor).
     """
     if not isinstance(x, torch.Tensor):
         raise InputError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -73,11 +74,14 @@ def check_tensor(
         raise InputError(f"{name}: expected an integer tensor, got dtype {x.dtype}")
     if device is not None and x.device != device:
         raise InputError(f"{name}: is on device {x.device} but the other inputs are on {device}")
-    if finite and x.is_floating_point():
-        bad = ~torch.isfinite(x)
-        if finite_where is not None:
-            bad = bad & finite_where
-        if any_true(bad):
+    if finite and x.is_floating_point() and x.numel() and x.device.type != "meta":
+        # one pass and one read: the extremes of the checked values (NaN propagates to both)
+        checked = x if finite_where is None else torch.where(finite_where, x, 0)
+        lo, hi = torch.aminmax(checked)
+        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            bad = ~torch.isfinite(x)
+            if finite_where is not None:
+                bad = bad & finite_where
             idx = tuple(int(i) for i in bad.nonzero()[0].tolist())
             raise InputError(f"{name}: contains NaN or inf (first at index {idx})")
     return x

@@ -40,10 +40,18 @@ call time (:func:`get_correction`, :func:`correction_params`), so an arm added w
 computes an arm's weights together with :func:`mismatch_metrics`, with one InterQ pass per batch.
 
 Everything runs on the device of the inputs, with no Python loop over tokens or segments, using
-only dense passes over ``(B, L)`` (arithmetic with the mask as 0/1 numbers, row-wise cumulative
-sums, a gather) and ``(S,)``-sized work per segment. Prefix sums and segment sums accumulate in
-float64; per-token arithmetic runs in float32 for float32/bfloat16/float16 inputs and in float64
-for float64 inputs; the returned weights are float32 (float64 for float64 inputs) and detached.
+only dense passes (arithmetic with the mask as 0/1 numbers, row-wise cumulative sums, gathers) and
+``(S,)``-sized work per segment. The InterQ pass runs on the policy tokens packed to the front of
+their rows (``(B, Pmax)``, ``Pmax`` the most policy tokens of a row; the same bits as on ``(B, L)``:
+the other tokens have ``delta = 0``), so its cost follows the policy tokens, not the padding and tool
+outputs around them. Prefix sums and segment sums accumulate in float64; per-token arithmetic runs
+in float32 for float32/bfloat16/float16 inputs and in float64 for float64 inputs; the returned
+weights are float32 (float64 for float64 inputs) and detached.
+
+Input checks (``check=True``, the default everywhere): one fused pass and one host read per call;
+``check=False`` counts NaN/inf tokens instead (``correction/nonfinite_tokens``), with the same numbers.
+:func:`correction_weights` with ``sync=False`` reads nothing on the host (a trainer's hot path, once
+per micro-batch) and returns its metrics as a :class:`DeviceMetrics`, read once when looked at.
 """
 
 from __future__ import annotations
@@ -63,7 +71,6 @@ from creditlab.core.masks import (
     SegmentBounds,
     Segments,
     effective_policy_mask,
-    segment_bounds,
     segments_from_bounds,
 )
 from creditlab.core.registry import Registry
@@ -74,6 +81,7 @@ __all__ = [
     "INTERQ",
     "INTERQ_MODES",
     "CorrectionFn",
+    "DeviceMetrics",
     "InterQParams",
     "InterQTerms",
     "allocate_budget",
@@ -112,10 +120,14 @@ CORRECTIONS: Registry[CorrectionFn] = Registry("correction", validate=lambda fn:
 _F = TypeVar("_F", bound=Callable[..., Any])
 _NAME = re.compile(r"^[A-Za-z0-9_]+$")
 _POSITIONAL = 4  # old_logprobs, rollout_logprobs, policy_mask, valid_mask
+#: Keyword an arm may declare that is not one of its parameters: ``check`` (the input checks,
+#: :func:`correction_weights` passes it on). Trainer configs cannot set it.
+_RESERVED = ("check",)
 
 
 def _arm_parameters(fn: Callable[..., Any], where: str) -> tuple[str, ...]:
-    """Names of the keyword parameters of an arm; :class:`ConfigError` if its signature is not an arm's."""
+    """Names of the keyword parameters of an arm (``check`` left out: it is not a parameter of the
+    correction); :class:`ConfigError` if its signature is not an arm's."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -132,7 +144,7 @@ def _arm_parameters(fn: Callable[..., Any], where: str) -> tuple[str, ...]:
     missing = [p.name for p in rest if p.default is p.empty]
     if missing:
         raise ConfigError(where, f"{fn.__name__}: parameter(s) {missing} need a default")
-    return tuple(p.name for p in rest)
+    return tuple(p.name for p in rest if p.name not in _RESERVED)
 
 
 def register_correction(name: str) -> Callable[[_F], _F]:
@@ -226,31 +238,49 @@ def logprob_tolerance(dtype: torch.dtype) -> float:
     return max(1e-4, 16 * torch.finfo(dtype).eps)
 
 
-def _check_finite(name: str, x: torch.Tensor, pm: torch.Tensor) -> None:
-    """NaN/inf or a positive value (beyond :func:`logprob_tolerance`) at a policy token raises;
-    junk elsewhere is allowed.
+class _Inputs(NamedTuple):
+    """The checked inputs of a batch (:func:`_inputs`)."""
 
-    Fast path: one host read of two reductions over the policy tokens, their sum (finite when no
-    NaN/inf is there) and their largest value; only when one is off are the positions inspected.
+    policy: torch.Tensor  # (B, L) bool effective policy mask
+    delta: torch.Tensor  # (B, L) old - rollout on policy tokens, exactly 0 elsewhere, working dtype
+    m: torch.Tensor  # (B, L) 0/1 policy mask in the working dtype
+    nonfinite: torch.Tensor | None  # 0-dim int64 count of policy tokens with old - rollout NaN/inf (check=False)
+
+
+def _check_flag(check: object) -> bool:
+    if not isinstance(check, bool):
+        raise ConfigError("check", f"must be True or False, got {check!r}")
+    return check
+
+
+def _inputs(old_logprobs, rollout_logprobs, policy_mask, valid_mask, check: bool) -> _Inputs:
+    """Check the four standard inputs; the effective policy mask, ``delta`` and the 0/1 mask.
+
+    Shapes, dtypes and devices are always checked (no tensor value is read). ``check=True``: so are the
+    values at policy tokens: NaN/inf, or a log-prob above 0 (beyond :func:`logprob_tolerance`), raises
+    :class:`InputError` naming the argument; junk elsewhere is allowed. One fused pass: the two
+    log-probs with every non-policy position zeroed (which ``delta`` is then computed from, so junk,
+    even NaN, never reaches it) and their extremes, read on the host in one read (none on ``meta``
+    tensors, which have no values). ``check=False``: nothing is read; the policy tokens where
+    ``old - rollout`` is NaN/inf are counted (``nonfinite``) and get ``delta = 0`` (weight 1).
     """
-    if x.device.type == "meta":
-        return
-    on = torch.where(pm, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    total, top = torch.stack([on.sum(), on.max() if on.numel() else on.new_zeros(())]).tolist()
-    if total != total or abs(total) == float("inf"):
-        check_tensor(name, x, finite=True, finite_where=pm)
-    if top > logprob_tolerance(x.dtype):
-        bad = (x > logprob_tolerance(x.dtype)) & pm
-        idx = tuple(int(i) for i in bad.nonzero()[0].tolist())
-        probs = bool(((on >= 0) & (on <= 1) | ~pm).all())
-        hint = ("they look like probabilities: pass their log (torch.log)" if probs else
-                "pass log-probs of the sampled tokens (log_softmax(logits).gather(...))")
-        raise InputError(f"{name}: log-probs are <= 0, got {x[idx].item():.4g} at index {idx} (a policy token); "
-                         f"{hint}")
+    pm = _effective_mask(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
+    wd = _work_dtype(old_logprobs)
+    m = pm.view(torch.uint8).to(wd)
+    if _check_flag(check):
+        old = torch.where(pm, old_logprobs, 0.0)
+        rollout = torch.where(pm, rollout_logprobs, 0.0)
+        _check_values(old, rollout, old_logprobs, rollout_logprobs, pm)
+        return _Inputs(pm, old.to(wd).sub_(rollout.to(wd)), m, None)
+    delta = old_logprobs.to(wd) - rollout_logprobs.to(wd)
+    nonfinite = (torch.mul(delta, 0.0) != 0.0).logical_and_(pm).sum()  # x * 0 is NaN exactly for NaN/inf x
+    delta = torch.nan_to_num_(delta, nan=0.0, posinf=0.0, neginf=0.0).mul_(m)
+    return _Inputs(pm, delta, m, nonfinite)
 
 
-def _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask) -> torch.Tensor:
-    """Check the four standard inputs; return the effective policy mask ``(B, L)``."""
+def _effective_mask(old_logprobs, rollout_logprobs, policy_mask, valid_mask) -> torch.Tensor:
+    """The shape, dtype and device checks of the four standard inputs (no value read); the effective
+    policy mask."""
     dims: dict[str, int] = {}
     check_tensor("policy_mask", policy_mask, shape=("B", "L"), boolean=True, dims=dims)
     if valid_mask is not None:
@@ -261,37 +291,127 @@ def _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask) -> torch.T
     for name, x in (("old_logprobs", old_logprobs), ("rollout_logprobs", rollout_logprobs)):
         if x.device != pm.device:
             raise InputError(f"{name}: is on device {x.device} but policy_mask is on {pm.device}")
-        _check_finite(name, x, pm)
     return pm
+
+
+def _check_values(old, rollout, old_logprobs, rollout_logprobs, pm) -> None:
+    """Raise on NaN/inf or a log-prob above 0 at a policy token, from the extremes of ``old`` /
+    ``rollout`` (the inputs with every non-policy position at 0), read in one host read; only when one
+    is off are the positions inspected (to name the first)."""
+    if pm.device.type == "meta" or pm.numel() == 0:
+        return
+    stats = torch.stack([v.to(_F64) for v in (*torch.aminmax(old), *torch.aminmax(rollout))]).tolist()
+    for (name, x, on), (lo, hi) in zip((("old_logprobs", old_logprobs, old), ("rollout_logprobs", rollout_logprobs,
+                                                                               rollout)),
+                                       (stats[:2], stats[2:]), strict=True):
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            check_tensor(name, x, finite=True, finite_where=pm)  # raises, naming the first position
+        tol = logprob_tolerance(x.dtype)
+        if hi > tol:
+            idx = tuple(int(i) for i in (on > tol).nonzero()[0].tolist())
+            probs = bool(((on >= 0) & (on <= 1)).all())  # 0 off policy
+            hint = ("they look like probabilities: pass their log (torch.log)" if probs else
+                    "pass log-probs of the sampled tokens (log_softmax(logits).gather(...))")
+            raise InputError(f"{name}: log-probs are <= 0, got {x[idx].item():.4g} at index {idx} (a policy "
+                             f"token); {hint}")
 
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:
     return _F64 if x.dtype == _F64 else torch.float32
 
 
-def _prepare(old_logprobs, rollout_logprobs, pm) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(delta, m)``: ``old - rollout`` on policy tokens and exactly 0 elsewhere, and the 0/1 mask.
-
-    Junk (even NaN/inf) at non-policy positions is zeroed by ``nan_to_num`` and the 0/1 mask,
-    without boolean ``where`` passes.
-    """
-    wd = _work_dtype(old_logprobs)
-    m = pm.view(torch.uint8).to(wd)
-    delta = old_logprobs.to(wd) - rollout_logprobs.to(wd)
-    delta = torch.nan_to_num_(delta, nan=0.0, posinf=0.0, neginf=0.0).mul_(m)
-    return delta, m
-
-
 def _safe_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return total.to(_F64) / count.to(_F64).clamp_min(1)
 
 
-def _to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
-    """One host synchronisation for all metrics."""
-    if not metrics:
-        return {}
-    values = torch.stack([v.detach().to(_F64).reshape(()) for v in metrics.values()]).tolist()
-    return dict(zip(metrics.keys(), values, strict=True))
+# --------------------------------------------------------------------------------------------
+# metrics read once
+
+
+class DeviceMetrics(Mapping[str, float]):
+    """Metrics computed on the inputs' device and read on the host in one transfer, when first looked at.
+
+    What :func:`correction_weights` returns with ``sync=False`` (a trainer's hot path, once per
+    micro-batch): computing the metrics reads nothing, and the one read happens where the trainer reads
+    them (``m["correction/clip_rate"]``, ``dict(m)``, iterating), for all of them at once. Keys whose
+    presence depends on the data (``mismatch/turn{k}/...`` of a turn no row reaches, the segment
+    quantiles of a batch without segments) are settled at that read. Afterwards it holds plain floats
+    (the tensors are released) and pickles as them. :meth:`add` merges more metrics in (tensors or
+    floats), still without reading.
+
+    >>> m = DeviceMetrics({"a": torch.tensor(1.5), "b": 2.0})
+    >>> m.add({"c": torch.tensor(3)}, prefix="x/")["x/c"], dict(m)
+    (3.0, {'a': 1.5, 'b': 2.0, 'x/c': 3.0})
+    """
+
+    __slots__ = ("_present", "_values")
+
+    def __init__(self, values: Mapping[str, torch.Tensor | float] | None = None, *,
+                 present: Mapping[str, torch.Tensor] | None = None):
+        self._values: dict[str, torch.Tensor | float] = dict(values or {})
+        #: key -> 0-dim tensor: the key is kept at the read only where it is nonzero
+        self._present: dict[str, torch.Tensor] = dict(present or {})
+
+    def add(self, metrics: Mapping[str, torch.Tensor | float], prefix: str = "") -> DeviceMetrics:
+        """Add ``metrics`` (a dict or another :class:`DeviceMetrics`, its keys prefixed with ``prefix``),
+        replacing entries of the same name; returns ``self``. Nothing is read."""
+        if isinstance(metrics, DeviceMetrics):
+            values, present = metrics._values, metrics._present
+        else:
+            values, present = metrics, {}
+        for k, v in values.items():
+            self._values[prefix + k] = v
+            self._present.pop(prefix + k, None)
+        self._present.update({prefix + k: v for k, v in present.items()})
+        return self
+
+    def _read(self) -> dict[str, float]:
+        keys = [k for k, v in self._values.items() if isinstance(v, torch.Tensor)]
+        flags = list(self._present)
+        if keys or flags:
+            parts = [self._values[k] for k in keys] + [self._present[k] for k in flags]
+            by_device: dict[torch.device, list[int]] = {}
+            for i, t in enumerate(parts):
+                by_device.setdefault(t.device, []).append(i)
+            numbers = [0.0] * len(parts)
+            for idx in by_device.values():  # one read (per device: one in practice)
+                got = torch.stack([parts[i].detach().reshape(()).to(_F64) for i in idx]).tolist()
+                for i, x in zip(idx, got, strict=True):
+                    numbers[i] = x
+            for k, x in zip(keys, numbers, strict=False):
+                self._values[k] = x
+            for k, ok in zip(flags, numbers[len(keys):], strict=True):
+                if not ok:
+                    self._values.pop(k, None)
+            self._present = {}
+        return self._values  # type: ignore[return-value]
+
+    def __getitem__(self, key: str) -> float:
+        return self._read()[key]
+
+    def __iter__(self):
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._read()
+
+    def __reduce__(self):
+        return (DeviceMetrics, (dict(self._read()),))
+
+    def __repr__(self) -> str:
+        pending = sum(isinstance(v, torch.Tensor) for v in self._values.values()) + len(self._present)
+        if pending:
+            return f"DeviceMetrics({len(self._values)} metrics, not read yet)"
+        return f"DeviceMetrics({self._values!r})"
+
+
+def _to_floats(metrics: Mapping[str, torch.Tensor | float], present: Mapping[str, torch.Tensor] | None = None
+               ) -> dict[str, float]:
+    """One host read for all metrics (the keys of ``present`` kept where their flag is nonzero)."""
+    return dict(DeviceMetrics(metrics, present=present))
 
 
 def _token_metrics(delta: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -303,25 +423,31 @@ def _token_metrics(delta: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tens
     }
 
 
-def _weight_metrics(w: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Mean/min/max of ``w`` over policy tokens (``w`` is exactly 1 elsewhere; 1 when none).
+def _first_policy_token(pm: torch.Tensor) -> torch.Tensor:
+    """``(1,)`` int64 flat index of the first policy token (0 when there is none), without a host read."""
+    return torch.argmax(pm.reshape(-1).view(torch.uint8)).reshape(1)
 
-    ``w - 1`` is 0 off policy, so its extremes over the batch are the policy extremes whenever
-    they straddle 0 (the usual case); only otherwise is a masked pass needed.
+
+def _weight_metrics(w: torch.Tensor, pm: torch.Tensor, n: torch.Tensor, first: torch.Tensor | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """Mean/min/max of ``w`` over policy tokens (``w`` is exactly 1 elsewhere; 1 when none), no host read.
+
+    The extremes come from one pass over ``w - 1`` with the non-policy positions set to the value at a
+    policy token (``first``: its flat index, found here when not given), so they never count.
     """
+    one = w.new_ones((), dtype=_F64)
     if w.numel() == 0:
-        one = w.new_ones((), dtype=_F64)
         return {"correction/weight_mean": one, "correction/weight_min": one, "correction/weight_max": one}
     dev = torch.sub(w, 1.0)
-    lo, hi = torch.aminmax(dev)
-    if bool(lo >= 0) or bool(hi <= 0):  # masked extremes by arithmetic, no boolean where over (B, L)
-        big = (1.0 - m).mul_(1e30)
-        lo = torch.where(lo < 0, lo, torch.add(dev, big).amin())
-        hi = torch.where(hi > 0, hi, torch.sub(dev, big).amax())
+    if first is None:
+        first = _first_policy_token(pm)
+    fill = dev.reshape(-1).index_select(0, first).reshape(())
+    lo, hi = torch.aminmax(torch.where(pm, dev, fill))
+    some = n > 0
     return {
         "correction/weight_mean": 1.0 + _safe_mean(dev.sum(), n),
-        "correction/weight_min": 1.0 + torch.where(lo < 1e29, lo.to(_F64), 0.0),
-        "correction/weight_max": 1.0 + torch.where(hi > -1e29, hi.to(_F64), 0.0),
+        "correction/weight_min": torch.where(some, 1.0 + lo.to(_F64), one),
+        "correction/weight_max": torch.where(some, 1.0 + hi.to(_F64), one),
     }
 
 
@@ -479,17 +605,102 @@ def _check_mode(mode: str) -> None:
         raise ConfigError("mode", f"unknown mode {mode!r}; valid: {', '.join(INTERQ_MODES)}")
 
 
-def _segment_sums(x: torch.Tensor, b: SegmentBounds) -> torch.Tensor:
-    """Per-segment sums ``(S,)`` float64 of ``(B, L)`` ``x`` (0 off policy) by row-wise cumsums.
+class _Bounds(NamedTuple):
+    """The segments of a batch for one InterQ pass (:func:`_bounds`).
+
+    With a host read (``sync=True``): the :class:`SegmentBounds` arrays, ``size = S`` read from
+    ``nonzero``. Without (``sync=False``): the same arrays padded to the most segments the batch can
+    hold, ``size = B * ceil(L / 2)``, the ``S`` real segments first (``valid``), the padding with
+    zero sums (so ``C = rho = 0``) and never gathered back onto a token.
+    """
+
+    segments: SegmentBounds | None  # the synced bounds (InterQTerms, mismatch_metrics(terms=)); None if padded
+    policy: torch.Tensor  # (B, L) bool
+    starts: torch.Tensor  # (B, L) bool, first token of each segment
+    start: torch.Tensor  # (size,) int64 flat index of the first token
+    end: torch.Tensor  # (size,) int64 flat index of the last token
+    turn: torch.Tensor  # (size,) int64 turn of the segment in its row
+    run: torch.Tensor  # (B * L,) int64 segments started so far: the segment of a policy token is run - 1
+    size: int
+    count: torch.Tensor  # 0-dim float64 S
+    valid: torch.Tensor | None  # (size,) bool real segments; None when size == S
+
+
+def _bounds(pm: torch.Tensor, sync: bool) -> _Bounds:
+    """The segments of the effective policy mask ``pm``: one host read (``nonzero``) or none."""
+    B, L = pm.shape
+    if sync:
+        b = _segment_bounds(pm)
+        run = torch.cumsum(b.starts.view(torch.uint8).reshape(-1), 0)
+        count = torch.tensor(float(b.num_segments), dtype=_F64, device=pm.device)
+        return _Bounds(b, pm, b.starts, b.start, b.end, b.turn, run, b.num_segments, count, None)
+    starts, ends = _starts_ends(pm)
+    size = B * ((L + 1) // 2)  # segments are separated by at least one token
+    run = torch.cumsum(starts.view(torch.uint8).reshape(-1), 0)
+    dev = pm.device
+    if size == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        return _Bounds(None, pm, starts, empty, empty, empty, run, 0, torch.zeros((), dtype=_F64, device=dev),
+                       torch.zeros(0, dtype=torch.bool, device=dev))
+    flat = torch.arange(B * L, device=dev)
+    seg = run - 1
+    spare = torch.full_like(seg, size)  # non-start (non-end) tokens go to a spare slot, dropped
+
+    def place(flags: torch.Tensor) -> torch.Tensor:
+        slot = torch.where(flags.reshape(-1), seg, spare)
+        return torch.zeros(size + 1, dtype=torch.int64, device=dev).index_add_(0, slot, flat)[:size]
+
+    start, end = place(starts), place(ends)
+    count = run[-1]
+    valid = torch.arange(size, device=dev) < count
+    row = torch.div(start, L, rounding_mode="floor")
+    n_segments = starts.sum(dim=1)
+    offsets = torch.cumsum(n_segments, 0) - n_segments
+    turn = torch.where(valid, torch.arange(size, device=dev) - offsets[row], size)
+    return _Bounds(None, pm, starts, start, end, turn, run, size, count.to(_F64), valid)
+
+
+def _starts_ends(pm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, L)`` bool first and last tokens of the segments (boolean passes only)."""
+    starts, ends = pm.clone(), pm.clone()
+    if pm.shape[1] > 1:
+        starts[:, 1:] &= ~pm[:, :-1]
+        ends[:, :-1] &= ~pm[:, 1:]
+    return starts, ends
+
+
+def _segment_bounds(pm: torch.Tensor) -> SegmentBounds:
+    """:func:`creditlab.core.masks.segment_bounds` of an already-effective mask (same arrays); the
+    per-row counts from the segment rows (``(S,)`` work) instead of a ``(B, L)`` sum."""
+    B, L = pm.shape
+    starts, ends = _starts_ends(pm)
+    code = (starts.view(torch.uint8) + ends.view(torch.uint8) * 2).reshape(-1)
+    pos = code.nonzero().squeeze(1)
+    kind = code[pos]
+    start = pos[(kind & 1) > 0]
+    end = pos[kind >= 2]
+    S = start.numel()
+    row = torch.div(start, max(L, 1), rounding_mode="floor")
+    n_segments = torch.zeros(B, dtype=torch.int64, device=pm.device).index_add_(0, row, torch.ones_like(row))
+    offsets = torch.cumsum(n_segments, 0) - n_segments
+    turn = torch.arange(S, device=pm.device) - offsets[row]
+    return SegmentBounds(pm, starts, start, end, row, turn, n_segments, S)
+
+
+def _segment_sums(x: torch.Tensor, b: _Bounds) -> torch.Tensor:
+    """Per-segment sums ``(size,)`` float64 of ``(B, L)`` ``x`` (0 off policy) by row-wise cumsums.
 
     Segments never cross rows, so a segment's sum is the row's running sum at its last token
     minus the running sum just before its first (zero at the row start). Accumulated in float64;
-    the absolute rounding error is ~1e-16 times the row's running total.
+    the absolute rounding error is ~1e-16 times the row's running total. Padding slots get 0.
     """
     B, L = x.shape
-    run = torch.cumsum(x, 1, dtype=_F64).view(-1)
+    if b.size == 0:
+        return torch.zeros(0, dtype=_F64, device=x.device)
+    run = torch.cumsum(x.to(_F64), 1).view(-1)
     before = torch.where(b.start % L == 0, 0.0, run[(b.start - 1).clamp_min(0)])
-    return run[b.end] - before
+    out = run[b.end] - before
+    return out if b.valid is None else torch.where(b.valid, out, 0.0)
 
 
 class _InterQ(NamedTuple):
@@ -498,22 +709,33 @@ class _InterQ(NamedTuple):
     weights: torch.Tensor  # (B, L) W_t, 1 off policy, working dtype
     displacement: torch.Tensor  # (B, L) d_t = W~_t - 1, 0 off policy
     clip: torch.Tensor  # (B, L) +1 / -1 where the prefix was clipped high / low, 0 elsewhere
-    C: torch.Tensor  # (S,) float64
-    rho: torch.Tensor  # (S,) float64
-    alpha: torch.Tensor  # (S,) float64, as the mode chose it
+    C: torch.Tensor  # (size,) float64
+    rho: torch.Tensor  # (size,) float64
+    alpha: torch.Tensor  # (size,) float64, as the mode chose it
 
 
-def _interq(delta, m, b: SegmentBounds, p: InterQParams, mode: str) -> _InterQ:
-    """Core of InterQ-RL on ``delta`` / ``m`` from :func:`_prepare` (neither is modified)."""
+def _envelope(pm: torch.Tensor, p: InterQParams, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(-eps_low sqrt(n_t), eps_high sqrt(n_t))`` ``(B, L)`` in ``dtype``, ``n_t`` the policy tokens of the
+    row so far: gathered from two ``(L + 1,)`` tables by the integer count (no per-token square root;
+    the same values: the table entries are the same float operations on the same integers)."""
+    B, L = pm.shape
+    n_t = torch.cumsum(pm.view(torch.uint8), 1).view(-1)  # int64
+    root = torch.arange(L + 1, dtype=dtype, device=pm.device).sqrt_()
+    hi = (root * p.eps_high).index_select(0, n_t).view(B, L)
+    lo = root.mul_(-p.eps_low).index_select(0, n_t).view(B, L)
+    return lo, hi
+
+
+def _interq(delta, m, b: _Bounds, p: InterQParams, mode: str,
+            envelope: tuple[torch.Tensor, torch.Tensor] | None = None) -> _InterQ:
+    """Core of InterQ-RL on ``delta`` / ``m`` (neither is modified), in the batch's layout or the packed
+    one (:func:`_packed_inputs`, whose ``envelope`` is given: column ``j`` has ``n_t = j + 1``)."""
     wd = delta.dtype
     B, L = delta.shape
-    E = torch.cumsum(delta, 1, dtype=_F64)  # (B, L) prefix log ratio, carried over tool tokens
-    del delta
+    E = torch.cumsum(delta.to(_F64), 1)  # (B, L) prefix log ratio, carried over tool tokens
     if wd != _F64:
         E = E.to(wd)
-    bound = torch.cumsum(m, 1).sqrt_()  # (B, L) sqrt(n_t)
-    hi = bound * p.eps_high
-    lo = bound.mul_(-p.eps_low)
+    lo, hi = _envelope(b.policy, p, wd) if envelope is None else envelope
     logw = torch.clamp(E, min=lo, max=hi)
     del hi, lo
     clip = E.sub_(logw).sign_().mul_(m)
@@ -530,9 +752,8 @@ def _interq(delta, m, b: SegmentBounds, p: InterQParams, mode: str) -> _InterQ:
 
     if mode == "interq":
         alpha = _allocate(C, rho, p.alpha_g, p.iters)
-        run = torch.cumsum(b.starts.view(torch.uint8).reshape(-1), 0)  # (B*L,) segments started so far
         alpha_pad = torch.cat([alpha.new_zeros(1), alpha]).to(wd)
-        weights = alpha_pad.index_select(0, run).view(B, L).mul_(d).add_(1.0)
+        weights = alpha_pad.index_select(0, b.run).view(B, L).mul_(d).add_(1.0)
     else:
         a = 1.0 if mode == "prefix" else p.alpha_g
         alpha = torch.full_like(C, a)
@@ -540,38 +761,152 @@ def _interq(delta, m, b: SegmentBounds, p: InterQParams, mode: str) -> _InterQ:
     return _InterQ(weights, d, clip, C, rho, alpha)
 
 
+class _Packing(NamedTuple):
+    """Where the packed layout's values go in the batch (:func:`_packed_inputs`)."""
+
+    target: torch.Tensor  # (B * Pmax,) flat (B, L) index of each packed position; B * L (a spare slot) on padding
+    shape: tuple[int, int]  # (B, L)
+
+    def unpack(self, packed: torch.Tensor, fill: float) -> torch.Tensor:
+        """The ``(B, L)`` tensor with ``packed``'s values at the policy tokens and ``fill`` elsewhere."""
+        B, L = self.shape
+        out = torch.full((B * L + 1,), fill, dtype=packed.dtype, device=packed.device)
+        return out.scatter_(0, self.target, packed.reshape(-1))[:B * L].view(B, L)
+
+
+def _packed_inputs(old_logprobs, rollout_logprobs, policy_mask, valid_mask, check: bool
+                   ) -> tuple[_Inputs, _Bounds, _Packing]:
+    """The inputs of an InterQ pass with host reads, packed: each row's policy tokens moved to its front,
+    in order, ``(B, Pmax)`` with ``Pmax`` the most policy tokens of a row, zero after them.
+
+    Every InterQ quantity of a policy token depends only on the policy tokens before it in its row (the
+    others have ``delta = 0``): the row-wise running sums add the same numbers in the same order, so the
+    packed pass gives the same bits at every policy token, on about as many elements as there are
+    policy tokens. Host reads: the segment bounds' ``nonzero``, then ``Pmax`` read with the extremes
+    of both log-probs over all tokens; only when those show NaN/inf or a positive value somewhere (junk
+    off the policy tokens is allowed) do the checks read the policy tokens' own, as :func:`_inputs`
+    (so the checks cost at most one host read).
+    """
+    pm = _effective_mask(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
+    check = _check_flag(check)
+    B, L = pm.shape
+    dev, wd = pm.device, _work_dtype(old_logprobs)
+    seg = _segment_bounds(pm)
+    S = seg.num_segments
+    length = seg.end - seg.start + 1
+    counts = torch.zeros(B, dtype=torch.int64, device=dev).index_add_(0, seg.row, length)  # policy tokens per row
+    # one read: the widest row and, for the checks, the extremes of both log-probs over every token
+    stats = [counts.max().to(_F64)] if S else []
+    if check and pm.numel():
+        stats += [v.to(_F64) for v in (*torch.aminmax(old_logprobs), *torch.aminmax(rollout_logprobs))]
+    stats = torch.stack(stats).tolist() if stats else []
+    width = int(stats[0]) if S else 0
+    clean = not check or not pm.numel() or (all(math.isfinite(v) for v in stats[-4:])
+                                            and stats[-3] <= logprob_tolerance(old_logprobs.dtype)
+                                            and stats[-1] <= logprob_tolerance(rollout_logprobs.dtype))
+    # delta over the batch, flat, and a spare slot at the end (0) where the packing's padding points
+    delta = torch.empty(B * L + 1, dtype=wd, device=dev)
+    if clean:  # no junk anywhere (or no check): from the log-probs as they are
+        old, rollout = old_logprobs, rollout_logprobs
+    else:  # NaN/inf or a positive value somewhere: check the policy tokens only (one more read)
+        old, rollout = torch.where(pm, old_logprobs, 0.0), torch.where(pm, rollout_logprobs, 0.0)
+        _check_values(old, rollout, old_logprobs, rollout_logprobs, pm)  # raises, naming argument and position
+    torch.sub(old.reshape(-1).to(wd), rollout.reshape(-1).to(wd), out=delta[:B * L])
+    delta[B * L] = 0.0
+    # each segment's first token in the packed layout: its row, after the row's earlier segments
+    earlier = torch.cumsum(length, 0) - length - (torch.cumsum(counts, 0) - counts).index_select(0, seg.row)
+    start = seg.row * width + earlier
+    end = start + length - 1
+    starts = torch.zeros(B * width, dtype=torch.bool, device=dev).index_fill_(0, start, True)
+    run = torch.cumsum(starts.view(torch.uint8), 0)  # segments started so far, flat (B, Pmax)
+    policy = torch.arange(width, device=dev) < counts[:, None]
+    target = _packing_target(seg, start, counts, width, B * L, policy)
+    delta = delta.index_select(0, target).view(B, width)  # padding: 0 from the spare slot
+    m = policy.view(torch.uint8).to(wd)
+    nonfinite = None
+    if not check:
+        nonfinite = (torch.mul(delta, 0.0) != 0.0).sum()  # x * 0 is NaN for NaN/inf x; the padding is 0
+        delta = torch.nan_to_num_(delta, nan=0.0, posinf=0.0, neginf=0.0)
+    count = torch.tensor(float(S), dtype=_F64, device=dev)
+    b = _Bounds(seg, policy, starts.view(B, width), start, end, seg.turn, run, S, count, None)
+    return _Inputs(policy, delta, m, nonfinite), b, _Packing(target, (B, L))
+
+
+def _packing_target(seg: SegmentBounds, start: torch.Tensor, counts: torch.Tensor, width: int, spare: int,
+                    policy: torch.Tensor) -> torch.Tensor:
+    """``(B * width,)`` flat batch index of each packed position (``spare`` on the padding), by one
+    running sum: +1 from token to token of a segment, 0 along the padding, and at each segment's first
+    position (and each row's first padding position) the jump from the value before it."""
+    B = counts.shape[0]
+    dev = counts.device
+    n = B * width
+    rows = torch.arange(B, device=dev)
+    # anchors: the segments' first positions and the rows' first padding positions (a full row has none:
+    # its anchor goes to the spare slot n, past every real one)
+    pad = torch.where(counts < width, rows * width + counts, n)
+    at = torch.cat([start, pad])
+    value = torch.cat([seg.start, torch.full_like(pad, spare)])  # the target at the anchor
+    last = torch.cat([seg.end, torch.full_like(pad, spare)])  # the target at the end of its stretch
+    order = torch.argsort(at, stable=True)
+    at, value, last = at[order], value[order], last[order]
+    jump = value - torch.cat([last.new_zeros(1), last[:-1]])
+    step = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    step[:n] = policy.view(-1)
+    step.scatter_(0, at, jump)  # only the spare slot n can be written twice
+    return torch.cumsum(step[:n], 0)
+
+
+def _packed_envelope(width: int, p: InterQParams, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_envelope` of the packed layout: column ``j`` holds a row's ``(j + 1)``-th policy token."""
+    root = torch.arange(1, width + 1, dtype=dtype, device=device).sqrt_()
+    hi = (root * p.eps_high)[None, :]
+    return root.mul_(-p.eps_low)[None, :], hi
+
+
 class _Pass(NamedTuple):
-    """The checked inputs of a batch and its InterQ pass (:func:`_interq_pass`)."""
+    """The checked inputs of a batch and its InterQ pass (:func:`_interq_pass`), in the packed layout
+    (``packing`` set) or the batch's own."""
 
-    policy: torch.Tensor  # (B, L) bool effective policy mask
-    bounds: SegmentBounds
-    delta: torch.Tensor  # (B, L) from _prepare, unconsumed
-    m: torch.Tensor  # (B, L) 0/1 policy mask in the working dtype
+    inputs: _Inputs
+    bounds: _Bounds
     interq: _InterQ
+    packing: _Packing | None
+
+    def full(self, t: torch.Tensor, fill: float) -> torch.Tensor:
+        """``t`` (a ``(B, L)``-layout quantity of the pass) in the batch's layout."""
+        return t if self.packing is None else self.packing.unpack(t, fill)
 
 
-def _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p: InterQParams, mode: str) -> _Pass:
-    """Checks, segment bounds, ``delta`` and one InterQ pass.
-
-    ``delta`` is returned unconsumed (the pass works on a copy only where it must: it never writes
-    into ``delta``)."""
+def _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p: InterQParams, mode: str, *,
+                 check: bool = True, sync: bool = True) -> _Pass:
+    """Checks, segment bounds, ``delta`` and one InterQ pass (``delta`` is left unconsumed): packed
+    (:func:`_packed_inputs`) with host reads, in the batch's layout without (``sync=False``)."""
     _check_mode(mode)
-    pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
-    b = segment_bounds(pm)
-    delta, m = _prepare(old_logprobs, rollout_logprobs, pm)
-    return _Pass(pm, b, delta, m, _interq(delta, m, b, p, mode))
+    if sync:
+        x, b, packing = _packed_inputs(old_logprobs, rollout_logprobs, policy_mask, valid_mask, check)
+        envelope = _packed_envelope(x.delta.shape[1], p, x.delta.dtype, x.delta.device)
+        return _Pass(x, b, _interq(x.delta, x.m, b, p, mode, envelope), packing)
+    x = _inputs(old_logprobs, rollout_logprobs, policy_mask, valid_mask, check)
+    b = _bounds(x.policy, False)
+    return _Pass(x, b, _interq(x.delta, x.m, b, p, mode), None)
+
+
+def _masked_sum(v: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    return v.sum() if valid is None else torch.where(valid, v, 0.0).sum()
 
 
 def _interq_metrics(run: _Pass) -> dict[str, torch.Tensor]:
-    """The metrics of :func:`interq_weights` from one pass (tensors; see :func:`_to_floats`)."""
-    q, m, n = run.interq, run.m, run.policy.sum()
-    metrics = _token_metrics(run.delta, n)
-    S = torch.tensor(float(run.bounds.num_segments), dtype=_F64, device=m.device)
+    """The metrics of :func:`interq_weights` from one pass (tensors, nothing read)."""
+    q, x, b = run.interq, run.inputs, run.bounds
+    n = x.policy.sum()
+    metrics = _token_metrics(x.delta, n)
     metrics["correction/clip_rate"] = _safe_mean(q.clip.abs().sum(), n)
-    metrics["correction/rho_mean"] = _safe_mean(q.rho.sum(), S)
-    metrics["correction/alpha_mean"] = _safe_mean(q.alpha.sum(), S)
-    metrics.update(_weight_metrics(q.weights, m, n))
-    metrics["correction/segments"] = S
+    metrics["correction/rho_mean"] = _safe_mean(q.rho.sum(), b.count)
+    metrics["correction/alpha_mean"] = _safe_mean(_masked_sum(q.alpha, b.valid), b.count)
+    metrics.update(_weight_metrics(q.weights, x.policy, n, b.start[:1] if b.size else None))
+    metrics["correction/segments"] = b.count
+    if x.nonfinite is not None:
+        metrics["correction/nonfinite_tokens"] = x.nonfinite
     return metrics
 
 
@@ -587,18 +922,20 @@ def interq_terms(
     rho_eps: float = INTERQ.rho_eps,
     iters: int | None = INTERQ.iters,
     mode: str = "interq",
+    check: bool = True,
 ) -> InterQTerms:
     """All intermediate quantities of :func:`interq_weights` (for diagnostics, labs and tests).
 
     Pass them to :func:`mismatch_metrics` (``terms=``) to get the mismatch fingerprints of the same
-    batch without a second InterQ pass.
+    batch without a second InterQ pass. ``check``: as in :func:`interq_weights`.
     """
     p = InterQParams(eps_low, eps_high, alpha_g, rho_eps, iters)
     with torch.no_grad():
-        run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, mode)
-    q, b = run.interq, run.bounds
-    return InterQTerms(q.weights, q.displacement, q.clip > 0, q.clip < 0, q.C, q.rho, q.alpha,
-                       segments_from_bounds(b), b)
+        run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, mode, check=check)
+        q, b = run.interq, run.bounds.segments
+        clip = run.full(q.clip, 0.0)
+        return InterQTerms(run.full(q.weights, 1.0), run.full(q.displacement, 0.0), clip > 0, clip < 0, q.C,
+                           q.rho, q.alpha, segments_from_bounds(b), b)
 
 
 def interq_weights(
@@ -613,6 +950,7 @@ def interq_weights(
     rho_eps: float = INTERQ.rho_eps,
     iters: int | None = INTERQ.iters,
     mode: str = "interq",
+    check: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """InterQ-RL execution-prefix weights ``W`` ``(B, L)`` (detached) and metrics.
 
@@ -630,13 +968,18 @@ def interq_weights(
         mode: ``interq`` (support allocation), ``prefix`` (alpha = 1: the clipped prefix weight
             itself) or ``global`` (alpha = alpha_g for every segment). Each mode is also a registered
             arm of the same name (:data:`CORRECTIONS`).
+        check: True (default): NaN/inf or a positive log-prob at a policy token raises
+            :class:`InputError` naming the argument (one fused pass, one host read). False: no
+            value check; such tokens get weight 1 and are counted in ``correction/nonfinite_tokens``
+            (a trainer's hot path, as ``policy_loss(check_finite=False)``). The weights and the
+            other metrics are the same either way.
 
     Returns:
         ``weights`` ``(B, L)`` float32 (float64 for float64 inputs), 1 off policy tokens, exactly
         1 everywhere when ``old_logprobs == rollout_logprobs``; and metrics ``correction/…``
         (``clip_rate``, ``rho_mean``, ``alpha_mean``, ``weight_mean/min/max`` over policy tokens,
-        ``segments``),
-        ``mismatch/k3`` and ``mismatch/mean_abs_delta``.
+        ``segments``, and ``nonfinite_tokens`` with ``check=False``), ``mismatch/k3`` and
+        ``mismatch/mean_abs_delta``, read on the host in one read.
 
     >>> old = torch.tensor([[-1.0, -1.0, 0.0, -1.0]]); pm = torch.tensor([[True, True, False, True]])
     >>> w, m = interq_weights(old, old - 0.01, pm, mode="prefix")
@@ -645,9 +988,10 @@ def interq_weights(
     """
     p = InterQParams(eps_low, eps_high, alpha_g, rho_eps, iters)
     with torch.no_grad():
-        run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, mode)
+        run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, mode, check=check)
         metrics = _interq_metrics(run)
-    return run.interq.weights, _to_floats(metrics)
+        weights = run.full(run.interq.weights, 1.0)
+    return weights, _to_floats(metrics)
 
 
 def _mode_arm(mode: str) -> CorrectionFn:
@@ -656,9 +1000,10 @@ def _mode_arm(mode: str) -> CorrectionFn:
 
     def arm(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, eps_low: float = INTERQ.eps_low,
             eps_high: float = INTERQ.eps_high, alpha_g: float = INTERQ.alpha_g, rho_eps: float = INTERQ.rho_eps,
-            iters: int | None = INTERQ.iters):
+            iters: int | None = INTERQ.iters, check: bool = True):
         return interq_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask, eps_low=eps_low,
-                              eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps, iters=iters, mode=mode)
+                              eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps, iters=iters, mode=mode,
+                              check=check)
 
     arm.__name__ = arm.__qualname__ = f"_{mode}_arm"
     arm.__doc__ = (f"Registered arm ``{mode}``: :func:`interq_weights` with ``mode=\"{mode}\"`` (same "
@@ -675,45 +1020,39 @@ _interq_arm, _prefix_arm, _global_arm = _ARM_MODES
 # --------------------------------------------------------------------------------------------
 # baselines
 
+#: ``weigh(delta, m) -> (w, clipped 0/1)`` of a baseline, from its parameters.
+_Weigh = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
-def _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh):
-    """Shared body of the baselines: ``weigh(delta, m) -> (w, clipped 0/1)``; metrics included."""
-    pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
+
+def _baseline(x: _Inputs, weigh: _Weigh) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Shared body of the baselines: weights and metrics (tensors, nothing read)."""
     with torch.no_grad():
-        delta, m = _prepare(old_logprobs, rollout_logprobs, pm)
-        n = pm.sum()
-        w, clipped = weigh(delta, m)
-        metrics = _token_metrics(delta, n)
-        metrics["correction/clip_rate"] = _safe_mean((clipped * m).sum(), n)
-        metrics.update(_weight_metrics(w, m, n))
+        n = x.policy.sum()
+        w, clipped = weigh(x.delta, x.m)
+        metrics = _token_metrics(x.delta, n)
+        metrics["correction/clip_rate"] = _safe_mean((clipped * x.m).sum(), n)
+        metrics.update(_weight_metrics(w, x.policy, n))
+        if x.nonfinite is not None:
+            metrics["correction/nonfinite_tokens"] = x.nonfinite
+    return w, metrics
+
+
+def _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh: _Weigh, check: bool):
+    w, metrics = _baseline(_inputs(old_logprobs, rollout_logprobs, policy_mask, valid_mask, check), weigh)
     return w, _to_floats(metrics)
 
 
-@register_correction("tis")
-def tis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, cap: float = 2.0):
-    """Truncated token IS: ``min(exp(delta_t), cap)`` on policy tokens, 1 elsewhere.
-
-    Token-level truncated importance sampling (Ionides 2008; used against rollout/learner
-    mismatch by Yao et al., 2025, and as verl's token ``rollout_is``). ``(B, L)`` in and out;
-    ``clip_rate`` is the share of policy tokens truncated.
-    """
+def _tis(cap: float = 2.0) -> _Weigh:
     check_scalar("cap", cap, low=0.0, low_open=True)
     log_cap = math.log(cap)
 
     def weigh(delta, m):
         return torch.exp(delta.clamp(max=log_cap)), (delta > log_cap).to(delta.dtype)
 
-    return _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh)
+    return weigh
 
 
-@register_correction("mis")
-def mis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, lo: float = 0.5,
-                hi: float = 2.0):
-    """Masked token IS: ``r_t = exp(delta_t)`` if ``lo <= r_t <= hi`` else 0 (1 off policy tokens).
-
-    Tokens whose ratio leaves ``[lo, hi]`` drop out of the loss instead of being truncated
-    (IcePop-style masking). ``(B, L)`` in and out; ``clip_rate`` is the share masked.
-    """
+def _mis(lo: float = 0.5, hi: float = 2.0) -> _Weigh:
     check_scalar("lo", lo, low=0.0, low_open=True)
     check_scalar("hi", hi, low=lo)
 
@@ -722,16 +1061,10 @@ def mis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *,
         outside = ((r < lo) | (r > hi)).to(delta.dtype).mul_(m)
         return r * (1.0 - outside) + (1.0 - m) * outside, outside  # off policy r = 1 exactly
 
-    return _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh)
+    return weigh
 
 
-@register_correction("seq_is")
-def seq_is_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, cap: float = 2.0):
-    """Truncated sequence IS: ``min(exp(sum_t delta_t), cap)`` broadcast over the row's policy tokens.
-
-    Computed in log space (no overflow for long sequences); the sum accumulates in float64.
-    ``clip_rate`` counts tokens of rows whose ratio was truncated. ``(B, L)`` in and out.
-    """
+def _seq_is(cap: float = 2.0) -> _Weigh:
     check_scalar("cap", cap, low=0.0, low_open=True)
     log_cap = math.log(cap)
 
@@ -740,28 +1073,79 @@ def seq_is_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None,
         w_row = torch.exp(total.clamp(max=log_cap)).to(delta.dtype)
         return 1.0 + m * (w_row - 1.0), (total > log_cap).to(delta.dtype).expand_as(m)
 
-    return _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh)
+    return weigh
 
 
-@register_correction("geo")
-def geo_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None):
-    """Geometric-mean sequence IS: ``exp(mean_t delta_t)`` over the row's policy tokens, broadcast.
-
-    The length-normalised sequence ratio (as in GSPO's sequence ratio). ``(B, L)`` in and out.
-    """
-
+def _geo() -> _Weigh:
     def weigh(delta, m):
         mean = delta.sum(dim=1, keepdim=True, dtype=_F64) / m.sum(dim=1, keepdim=True, dtype=_F64).clamp_min(1)
         return 1.0 + m * (torch.exp(mean).to(delta.dtype) - 1.0), torch.zeros_like(m)
 
-    return _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh)
+    return weigh
+
+
+def _none() -> _Weigh:
+    return lambda delta, m: (torch.ones_like(delta), torch.zeros_like(m))
+
+
+@register_correction("tis")
+def tis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, cap: float = 2.0,
+                check: bool = True):
+    """Truncated token IS: ``min(exp(delta_t), cap)`` on policy tokens, 1 elsewhere.
+
+    Token-level truncated importance sampling (Ionides 2008; used against rollout/learner
+    mismatch by Yao et al., 2025, and as verl's token ``rollout_is``). ``(B, L)`` in and out;
+    ``clip_rate`` is the share of policy tokens truncated. ``check``: as in :func:`interq_weights`.
+    """
+    return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _tis(cap), check)
+
+
+@register_correction("mis")
+def mis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, lo: float = 0.5,
+                hi: float = 2.0, check: bool = True):
+    """Masked token IS: ``r_t = exp(delta_t)`` if ``lo <= r_t <= hi`` else 0 (1 off policy tokens).
+
+    Tokens whose ratio leaves ``[lo, hi]`` drop out of the loss instead of being truncated
+    (IcePop-style masking). ``(B, L)`` in and out; ``clip_rate`` is the share masked. ``check``: as in
+    :func:`interq_weights`.
+    """
+    return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _mis(lo, hi), check)
+
+
+@register_correction("seq_is")
+def seq_is_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, cap: float = 2.0,
+                   check: bool = True):
+    """Truncated sequence IS: ``min(exp(sum_t delta_t), cap)`` broadcast over the row's policy tokens.
+
+    Computed in log space (no overflow for long sequences); the sum accumulates in float64.
+    ``clip_rate`` counts tokens of rows whose ratio was truncated. ``(B, L)`` in and out. ``check``: as
+    in :func:`interq_weights`.
+    """
+    return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _seq_is(cap), check)
+
+
+@register_correction("geo")
+def geo_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, check: bool = True):
+    """Geometric-mean sequence IS: ``exp(mean_t delta_t)`` over the row's policy tokens, broadcast.
+
+    The length-normalised sequence ratio (as in GSPO's sequence ratio). ``(B, L)`` in and out.
+    ``check``: as in :func:`interq_weights`.
+    """
+    return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _geo(), check)
 
 
 @register_correction("none")
-def none_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None):
-    """No correction: all-ones ``(B, L)`` (metrics still report the mismatch)."""
-    return _baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask,
-                     lambda delta, m: (torch.ones_like(delta), torch.zeros_like(m)))
+def none_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, check: bool = True):
+    """No correction: all-ones ``(B, L)`` (metrics still report the mismatch). ``check``: as in
+    :func:`interq_weights`."""
+    return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _none(), check)
+
+
+#: The ``weigh`` factory of each baseline arm (its parameters as keywords): :func:`correction_weights`
+#: runs them on inputs checked once, and without a host read when asked.
+_BASELINES: dict[CorrectionFn, Callable[..., _Weigh]] = {
+    tis_weights: _tis, mis_weights: _mis, seq_is_weights: _seq_is, geo_weights: _geo, none_weights: _none,
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -771,6 +1155,13 @@ def none_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None):
 #: uses too.
 _MAX_TURNS = 8
 _QUANTILES = (0.1, 0.5, 0.9)
+
+
+def _check_metric_options(max_turns: int, quantiles: tuple[float, ...]) -> None:
+    if isinstance(max_turns, bool) or int(max_turns) != max_turns or max_turns < 0:
+        raise ConfigError("max_turns", f"must be a non-negative integer, got {max_turns!r}")
+    for q in quantiles:
+        check_scalar("quantiles", q, low=0.0, high=1.0)
 
 
 def mismatch_metrics(
@@ -787,6 +1178,7 @@ def mismatch_metrics(
     max_turns: int = _MAX_TURNS,
     quantiles: tuple[float, ...] = _QUANTILES,
     terms: InterQTerms | None = None,
+    check: bool = True,
 ) -> dict[str, float]:
     """Fingerprints of rollout/learner mismatch, as a dict of floats.
 
@@ -808,32 +1200,40 @@ def mismatch_metrics(
     ``terms``: the :func:`interq_terms` of the same inputs with the same ``eps_low``, ``eps_high`` and
     ``rho_eps`` (any ``mode``): their segments, clip flags, ``C`` and ``rho`` are used instead of a
     second InterQ pass (only the ``(S,)``-sized budget allocation is redone). Same numbers.
+    ``check``: as in :func:`interq_weights` (``correction/nonfinite_tokens`` with ``check=False``).
     """
     p = InterQParams(eps_low, eps_high, alpha_g, rho_eps, iters)
-    if isinstance(max_turns, bool) or int(max_turns) != max_turns or max_turns < 0:
-        raise ConfigError("max_turns", f"must be a non-negative integer, got {max_turns!r}")
-    for q in quantiles:
-        check_scalar("quantiles", q, low=0.0, high=1.0)
-    pm = _checked(old_logprobs, rollout_logprobs, policy_mask, valid_mask)
+    _check_metric_options(max_turns, quantiles)
     with torch.no_grad():
-        delta, m = _prepare(old_logprobs, rollout_logprobs, pm)
         if terms is None:
-            b = segment_bounds(pm)
-            iq = _interq(delta, m, b, p, "interq")
-            C, rho = iq.C, iq.rho
-            high, low = _clip_counts(iq.clip)
-        else:
-            if not isinstance(terms, InterQTerms):
-                raise InputError(f"terms: expected the InterQTerms of interq_terms, got {type(terms).__name__}")
-            if terms.weights.shape != pm.shape or terms.bounds.policy.shape != pm.shape:
-                raise InputError(f"terms: computed for shape {tuple(terms.weights.shape)}, the inputs are "
-                                 f"{tuple(pm.shape)}")
-            b, C, rho = terms.bounds, terms.C, terms.rho
-            high = terms.clipped_high.sum(dtype=_F64)
-            low = terms.clipped_low.sum(dtype=_F64)
-        alpha = _allocate(C, rho, alpha_g, iters)
-        out = _mismatch(delta, m, b, high, low, C, rho, alpha, int(max_turns), quantiles)
-    return _to_floats(out)
+            run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, "interq", check=check)
+            q = run.interq
+            values, present = _mismatch(run.inputs, run.bounds, *_clip_counts(q.clip), q.C, q.rho, q.alpha,
+                                        int(max_turns), quantiles)
+            return _to_floats(values, present)
+        x = _inputs(old_logprobs, rollout_logprobs, policy_mask, valid_mask, check)
+        if not isinstance(terms, InterQTerms):
+            raise InputError(f"terms: expected the InterQTerms of interq_terms, got {type(terms).__name__}")
+        if terms.weights.shape != x.policy.shape or terms.bounds.policy.shape != x.policy.shape:
+            raise InputError(f"terms: computed for shape {tuple(terms.weights.shape)}, the inputs are "
+                             f"{tuple(x.policy.shape)}")
+        tb = terms.bounds
+        run = torch.cumsum(tb.starts.view(torch.uint8).reshape(-1), 0)
+        b = _Bounds(tb, tb.policy, tb.starts, tb.start, tb.end, tb.turn, run, tb.num_segments,
+                    torch.tensor(float(tb.num_segments), dtype=_F64, device=x.policy.device), None)
+        high = terms.clipped_high.sum(dtype=_F64)
+        low = terms.clipped_low.sum(dtype=_F64)
+        alpha = _allocate(terms.C, terms.rho, alpha_g, iters)
+        values, present = _mismatch(x, b, high, low, terms.C, terms.rho, alpha, int(max_turns), quantiles)
+    return _to_floats(values, present)
+
+
+def _mismatch_metrics(x: _Inputs, p: InterQParams, sync: bool, T: int, quantiles
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """:func:`mismatch_metrics` of checked inputs, with its own InterQ pass (tensors, nothing read)."""
+    b = _bounds(x.policy, sync)
+    q = _interq(x.delta, x.m, b, p, "interq")
+    return _mismatch(x, b, *_clip_counts(q.clip), q.C, q.rho, q.alpha, T, quantiles)
 
 
 def _clip_counts(clip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -841,9 +1241,24 @@ def _clip_counts(clip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return clip.clamp(min=0.0).sum(dtype=_F64), (-clip).clamp(min=0.0).sum(dtype=_F64)
 
 
-def _mismatch(delta, m, b: SegmentBounds, high, low, C, rho, alpha, T: int, quantiles) -> dict[str, torch.Tensor]:
-    """Body of :func:`mismatch_metrics` once the InterQ quantities are known."""
-    dev = m.device
+def _quantiles(v: torch.Tensor, qs: torch.Tensor, b: _Bounds) -> torch.Tensor:
+    """``torch.quantile(v[:S], qs)`` (linear interpolation, the same operations) of the ``S`` real
+    segments of ``v``, with ``S`` a device count (no host read); meaningless when ``S = 0``."""
+    if b.valid is not None:
+        v = torch.where(b.valid, v, math.inf)  # padding sorts last
+    ordered = torch.sort(v).values
+    ranks = qs * (b.count - 1.0).clamp_min(0.0)
+    below = ranks.to(torch.int64)
+    above = ranks.ceil().to(torch.int64)
+    low = ordered.gather(0, below)
+    return low.lerp_(ordered.gather(0, above), ranks - below.to(ranks.dtype))
+
+
+def _mismatch(x: _Inputs, b: _Bounds, high, low, C, rho, alpha, T: int, quantiles
+              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Body of :func:`mismatch_metrics` once the InterQ quantities are known: the metrics and, for the
+    keys that exist only for some data, their presence flags (tensors, nothing read)."""
+    delta, m, dev = x.delta, x.m, x.m.device
     delta64 = delta.to(_F64)
     n = m.sum(dtype=_F64)
     r1 = torch.expm1(delta64)
@@ -855,6 +1270,7 @@ def _mismatch(delta, m, b: SegmentBounds, high, low, C, rho, alpha, T: int, quan
         "mismatch/mean_abs_delta": _safe_mean(delta64.abs().sum(), n),
     }
     del r1
+    present: dict[str, torch.Tensor] = {}
     rows = (m.sum(dim=1) > 0).to(_F64)
     n_rows = rows.sum()
     total = delta64.sum(dim=1)
@@ -867,44 +1283,51 @@ def _mismatch(delta, m, b: SegmentBounds, high, low, C, rho, alpha, T: int, quan
         "mismatch/seq_chi2": _safe_mean((rows * r1s.square()).sum(), n_rows),
     })
     # by turn: per-segment sums of delta and of the prefix E, then summed over segments by turn
-    if T > 0 and b.num_segments:
+    if T > 0 and b.size:
         E = torch.cumsum(delta64, 1)
         seg_delta = _segment_sums(delta64, b)
         seg_prefix = _segment_sums(E.mul_(m.to(_F64)), b)
         del E
         seg_len = (b.end - b.start + 1).to(_F64)
-        bucket = b.turn.clamp(max=T)  # turns >= T go to a dropped bucket
+        if b.valid is not None:
+            seg_len = torch.where(b.valid, seg_len, 0.0)
+        bucket = b.turn.clamp(max=T)  # turns >= T (and padding) go to a dropped bucket
         count = torch.zeros(T + 1, dtype=_F64, device=dev).index_add_(0, bucket, seg_len)
         cur = torch.zeros_like(count).index_add_(0, bucket, seg_delta)
         pre = torch.zeros_like(count).index_add_(0, bucket, seg_prefix)
-        present = (count[:T] > 0).tolist()
         for k in range(T):
-            if present[k]:
-                out[f"mismatch/turn{k}/current"] = cur[k] / count[k]
-                out[f"mismatch/turn{k}/prefix"] = pre[k] / count[k]
-                out[f"mismatch/turn{k}/tokens"] = count[k]
+            keys = (f"mismatch/turn{k}/current", f"mismatch/turn{k}/prefix", f"mismatch/turn{k}/tokens")
+            out.update(zip(keys, (cur[k] / count[k], pre[k] / count[k], count[k]), strict=True))
+            present.update(dict.fromkeys(keys, count[k] > 0))
     out.update({
         "correction/clip_rate": _safe_mean(high + low, n),
         "correction/clip_rate_high": _safe_mean(high, n),
         "correction/clip_rate_low": _safe_mean(low, n),
-        "correction/segments": torch.tensor(float(b.num_segments), dtype=_F64, device=dev),
+        "correction/segments": b.count,
     })
-    if b.num_segments:
-        out["correction/C_mean"] = C.mean()
+    if b.size:
+        some = b.count > 0
+        out["correction/C_mean"] = _safe_mean(_masked_sum(C, b.valid), b.count)
+        present["correction/C_mean"] = some
         if quantiles:
             qs = torch.tensor(list(quantiles), dtype=_F64, device=dev)
-            rq, aq = torch.quantile(rho, qs), torch.quantile(alpha, qs)
+            rq = _quantiles(rho, qs, b)
+            aq = _quantiles(alpha, qs, b)
             for i, q in enumerate(quantiles):
-                out[f"correction/rho_q{round(100 * q)}"] = rq[i]
-                out[f"correction/alpha_q{round(100 * q)}"] = aq[i]
-    return out
+                for name, values in (("rho", rq), ("alpha", aq)):
+                    key = f"correction/{name}_q{round(100 * q)}"
+                    out[key] = values[i]
+                    present[key] = some
+    if x.nonfinite is not None:
+        out["correction/nonfinite_tokens"] = x.nonfinite
+    return out, present
 
 
 # --------------------------------------------------------------------------------------------
 # an arm and its diagnostics in one call
 
 
-def _merged(arm: dict, diagnostic: dict) -> dict:
+def _merged(arm: Mapping, diagnostic: Mapping) -> dict:
     """The arm's metrics and the diagnostic's in one dict: on a shared key, ``mismatch/*`` from the
     diagnostic, anything else (``correction/*``) from the arm."""
     out = {**diagnostic, **arm}
@@ -921,19 +1344,29 @@ def correction_weights(
     params: Mapping[str, Any] | None = None,
     *,
     diagnostics: bool = True,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    check: bool = True,
+    sync: bool = True,
+) -> tuple[torch.Tensor, dict[str, float] | DeviceMetrics]:
     """Weights ``(B, L)`` of the registered arm ``name`` and its metrics merged with
     :func:`mismatch_metrics`, computing the InterQ pass once per batch. Where both define a key, the
     arm's ``correction/*`` value is kept (it describes the weights returned) and the diagnostic's
     ``mismatch/*`` value (an arm's quick ``mismatch/k3`` is float32; the diagnostic's is the one
     definition every arm shares).
 
-    This is what the trainer integrations call once per batch. ``params`` are the arm's keyword
-    parameters (:func:`correction_params`; an unknown key raises :class:`ConfigError` naming the
-    valid ones). For the ``interq`` / ``prefix`` / ``global`` arms, ``mismatch_metrics`` gets the
-    same InterQ parameters and reuses the arm's pass (:func:`interq_terms`); for every other arm it
-    runs with its defaults, as a separate diagnostic. The numbers equal those of calling the arm and
+    This is what the trainer integrations call. ``params`` are the arm's keyword parameters
+    (:func:`correction_params`; an unknown key raises :class:`ConfigError` naming the valid ones). For
+    the ``interq`` / ``prefix`` / ``global`` arms, ``mismatch_metrics`` gets the same InterQ parameters
+    and reuses the arm's pass (:func:`interq_terms`); for every other arm it runs with its defaults, as
+    a separate diagnostic on the same checked inputs. The numbers equal those of calling the arm and
     then ``mismatch_metrics``. ``diagnostics=False`` returns the arm's own metrics only.
+
+    ``check``: the input checks, as in :func:`interq_weights` (an arm registered with a ``check``
+    keyword gets it passed on). ``sync=False`` (with ``check=False``; a trainer's hot path, once per
+    micro-batch) reads nothing on the host: the segments are counted on the device (their arrays
+    padded to the most the batch can hold, ``B * ceil(L / 2)``; the budget allocation then sorts that
+    many values) and the metrics come back as a :class:`DeviceMetrics`, read in one transfer where they
+    are first looked at. Same numbers, up to float summation order. The built-in arms support it; an arm
+    registered by you returns floats, so it reads what it reads.
 
     >>> old = torch.tensor([[-1.0, -1.0, 0.0, -1.0]]); pm = torch.tensor([[True, True, False, True]])
     >>> w, m = correction_weights("prefix", old, old - 0.01, pm)
@@ -949,18 +1382,40 @@ def correction_weights(
     if unknown:
         raise ConfigError("correction_params",
                           f"unknown {unknown} for arm {name!r}; valid: {', '.join(valid) or 'none'}")
+    if not isinstance(sync, bool):
+        raise ConfigError("sync", f"must be True or False, got {sync!r}")
+    if not sync and _check_flag(check):
+        raise ConfigError("check", "the input checks read the inputs on the host: pass check=False with "
+                                   "sync=False (NaN/inf tokens are then counted in correction/nonfinite_tokens)")
     mode = _ARM_MODES.get(fn)
-    if mode is None or not diagnostics:
-        w, metrics = fn(old_logprobs, rollout_logprobs, policy_mask, valid_mask, **params)
-        if diagnostics:
-            metrics = _merged(metrics, mismatch_metrics(old_logprobs, rollout_logprobs, policy_mask, valid_mask))
-        return w, metrics
-    p = InterQParams(**params)
+    weigh = _BASELINES.get(fn)
     with torch.no_grad():
-        run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, mode)
-        q = run.interq
-        arm = _interq_metrics(run)
-        alloc = q.alpha if mode == "interq" else _allocate(q.C, q.rho, p.alpha_g, p.iters)
-        diag = _mismatch(run.delta, run.m, run.bounds, *_clip_counts(q.clip), q.C, q.rho, alloc, _MAX_TURNS,
-                         _QUANTILES)
-    return q.weights, _to_floats(_merged(arm, diag))
+        if mode is not None:
+            p = InterQParams(**params)
+            run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, mode, check=check,
+                               sync=sync)
+            q, x, b = run.interq, run.inputs, run.bounds
+            arm = _interq_metrics(run)
+            w, present = run.full(q.weights, 1.0), {}
+            if diagnostics:
+                alloc = q.alpha if mode == "interq" else _allocate(q.C, q.rho, p.alpha_g, p.iters)
+                diag, present = _mismatch(x, b, *_clip_counts(q.clip), q.C, q.rho, alloc, _MAX_TURNS, _QUANTILES)
+                arm = _merged(arm, diag)
+        elif weigh is not None:
+            x = _inputs(old_logprobs, rollout_logprobs, policy_mask, valid_mask, check)
+            w, arm = _baseline(x, weigh(**params))
+            present = {}
+            if diagnostics:
+                diag, present = _mismatch_metrics(x, INTERQ, sync, _MAX_TURNS, _QUANTILES)
+                arm = _merged(arm, diag)
+        else:  # an arm registered by the user: its own checks and floats
+            takes_check = "check" in inspect.signature(fn).parameters
+            w, arm = fn(old_logprobs, rollout_logprobs, policy_mask, valid_mask, **params,
+                        **({"check": check} if takes_check else {}))
+            present = {}
+            if diagnostics:
+                x = _inputs(old_logprobs, rollout_logprobs, policy_mask, valid_mask, check)
+                diag, present = _mismatch_metrics(x, INTERQ, sync, _MAX_TURNS, _QUANTILES)
+                arm = _merged(arm, diag)
+    metrics = DeviceMetrics(arm, present=present)
+    return w, (metrics if not sync else dict(metrics))
