@@ -206,7 +206,12 @@ def set_global_step(step: int | None) -> None:
 def _loss_fn(arm: str):
     def policy_loss_fn(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                        config: Any = None, loss_mask: torch.Tensor | None = None,
-                       rollout_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                       rollout_logprobs: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, correction.DeviceMetrics]:
+        # SkyRL calls this once per micro-batch: it reads no tensor value on the host. The metrics
+        # are a DeviceMetrics, read in one transfer where SkyRL's worker reads them (after its backward
+        # pass); NaN/inf inputs are counted (creditlab/nonfinite_tokens, .../correction/nonfinite_tokens)
+        # instead of raising. SkyRL's own masks (off_policy_correction) read what they read.
         from creditlab.core.losses import policy_loss
 
         where = "trainer.algorithm"
@@ -220,21 +225,22 @@ def _loss_fn(arm: str):
             raise ConfigError(f"{where}.off_policy_correction.tis_ratio_type",
                               f"must be null with {PREFIX + arm!r} (creditlab computes the correction)")
         mask = torch.ones_like(log_probs) if loss_mask is None else loss_mask
-        metrics: dict[str, float] = {}
+        metrics = correction.DeviceMetrics()
         if rollout_logprobs is not None and opc is not None:
             # SkyRL's sequence / outlier / token masks compose with the arm (its TIS is refused above)
             _, opc_metrics, mask = off_policy_correction_utils.compute_off_policy_correction(
                 old_log_probs, rollout_logprobs, mask, opc)
-            metrics.update(opc_metrics)
+            metrics.add(opc_metrics)
         pm = mask > 0
         weights = None
         if rollout_logprobs is not None:
             with torch.no_grad():
                 d = (old_log_probs.detach() - rollout_logprobs.detach()).double()
                 # two parts <= 0 whose difference is the log ratio (core's log-prob check)
-                w, m = correction.correction_weights(arm, d.clamp(max=0), (-d).clamp(max=0), pm, params=params)
+                w, m = correction.correction_weights(arm, d.clamp(max=0), (-d).clamp(max=0), pm, params=params,
+                                                     check=False, sync=False)
             weights = w.to(log_probs.dtype)
-            metrics.update({f"creditlab/{k}": float(v) for k, v in m.items()})
+            metrics.add(m, prefix="creditlab/")
         elif arm != "none":
             raise ConfigError("generator.sampling_params.logprobs",
                               f"{PREFIX + arm!r} needs the rollout engine's log-probs (rollout_logprobs), "
@@ -247,9 +253,9 @@ def _loss_fn(arm: str):
                                weights=weights, agg="seq_mean_token_sum", check_finite=False)
         # SkyRL's reduction: the token sum (advantages arrive pre-scaled for its loss_reduction)
         loss = loss * pm.any(dim=1).sum().to(loss.dtype)
-        metrics.update({"clip_ratio": float(lm["loss/clip_frac"]), "creditlab/approx_kl": float(lm["loss/approx_kl"]),
-                        "creditlab/weight_mean": float(lm["loss/weight_mean"]),
-                        "creditlab/nonfinite_tokens": float(lm["loss/nonfinite_tokens"])})
+        metrics.add({"clip_ratio": lm["loss/clip_frac"], "creditlab/approx_kl": lm["loss/approx_kl"],
+                     "creditlab/weight_mean": lm["loss/weight_mean"],
+                     "creditlab/nonfinite_tokens": lm["loss/nonfinite_tokens"]})
         return loss, metrics
 
     policy_loss_fn.__name__ = policy_loss_fn.__qualname__ = f"creditlab_{arm}_policy_loss"

@@ -20,7 +20,9 @@ changes nothing):
   own function unchanged. The wrapper refuses to install on a verl version it was not tested with
   or whose function signature changed (:class:`~creditlab.errors.CreditlabError` at import).
   Metrics arrive in verl's logs as ``rollout_corr/creditlab/...`` (K3, per-turn prefix vs
-  current log ratio, clip rates, rho and alpha quantiles).
+  current log ratio, clip rates, rho and alpha quantiles). In decoupled mode verl computes the weights
+  once per step on the driver; in bypass mode (``rollout_correction.bypass_mode``) inside its loss, once
+  per micro-batch, where creditlab's part reads no tensor value on the host (:func:`rollout_weights`).
 * **Advantage estimators** in verl's registry (``algorithm.adv_estimator``): ``creditlab_<geometry>``
   for every geometry registered in :data:`creditlab.core.credit.GEOMETRIES` when :func:`install` runs
   (``creditlab_uniform``, ``creditlab_per_turn``, ``creditlab_concentrated``, ``creditlab_shuffled``,
@@ -203,8 +205,23 @@ def parse_rollout_is(spec: str) -> tuple[str, dict[str, float]]:
     return arm, params
 
 
-def rollout_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, spec: str
-                    ) -> tuple[torch.Tensor, dict[str, float]]:
+#: spec -> (arm, params, the arm's function when parsed): verl calls with the same spec every time
+_PARSED: dict[str, tuple[str, dict[str, float], Any]] = {}
+
+
+def _parsed(spec: str) -> tuple[str, dict[str, float]]:
+    """:func:`parse_rollout_is`, once per spec (again only if its arm was registered anew): the check
+    run on a one-token batch is not repeated every micro-batch."""
+    hit = _PARSED.get(spec) if isinstance(spec, str) else None
+    if hit is not None and correction.CORRECTIONS.get(hit[0], None) is hit[2]:
+        return hit[0], dict(hit[1])
+    arm, params = parse_rollout_is(spec)
+    _PARSED[spec] = (arm, dict(params), correction.CORRECTIONS[arm])
+    return arm, params
+
+
+def rollout_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, spec: str, *, sync: bool | None = None
+                    ) -> tuple[torch.Tensor, dict[str, float] | correction.DeviceMetrics]:
     """creditlab's ``rollout_is_weights`` ``(bs, response_length)`` and metrics, in verl's contract.
 
     ``log_ratio`` is verl's ``old_log_probs - rollout_log_probs`` (junk on tool tokens, where the
@@ -212,9 +229,19 @@ def rollout_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, spec: 
     detached, in the dtype of ``log_ratio`` and 0 where ``response_mask`` is 0 (verl's convention for
     its own weights). Metric keys start with ``creditlab/`` (verl adds ``rollout_corr/``): the arm's and
     :func:`~creditlab.core.correction.mismatch_metrics`', from one InterQ pass
-    (:func:`~creditlab.core.correction.correction_weights`). Runs once per step, on the driver.
+    (:func:`~creditlab.core.correction.correction_weights`).
+
+    verl calls it once per step on the driver in decoupled mode (from
+    ``compute_rollout_correction_and_add_to_batch``), and inside its ``bypass_mode`` loss, once per
+    micro-batch, in bypass mode. ``sync``: None (default) takes the first way in decoupled mode (the
+    input checks raise on NaN/inf, the metrics are floats) and the second otherwise: no host read
+    (``correction_weights(..., check=False, sync=False)``: NaN/inf tokens are counted in
+    ``creditlab/correction/nonfinite_tokens``, weight 1) and the metrics a
+    :class:`~creditlab.core.correction.DeviceMetrics`, read in one transfer where verl merges them.
     """
-    arm, params = parse_rollout_is(spec)
+    arm, params = _parsed(spec)
+    if sync is None:
+        sync = _PER_BATCH.get()
     dims: dict[str, int] = {}
     check_tensor("response_mask", response_mask, shape=("B", "L"), dims=dims)
     check_tensor("log_ratio", log_ratio, shape=("B", "L"), floating=True, dims=dims)
@@ -222,10 +249,16 @@ def rollout_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, spec: 
     # only old - rollout enters the arms and metrics: split the log ratio into two parts <= 0 (the
     # log-prob check of core) whose difference is the log ratio exactly (one of them is 0)
     old, rollout = log_ratio.clamp(max=0), (-log_ratio).clamp(max=0)
-    w, m = correction.correction_weights(arm, old, rollout, pm, params=params)  # one InterQ pass
-    metrics = {f"creditlab/{k}": float(v) for k, v in m.items()}
+    w, m = correction.correction_weights(arm, old, rollout, pm, params=params, check=sync, sync=sync)
     weights = (w.to(log_ratio.dtype) * response_mask.to(log_ratio.dtype)).detach()
-    return weights, metrics
+    if sync:
+        return weights, {f"creditlab/{k}": float(v) for k, v in m.items()}
+    return weights, correction.DeviceMetrics().add(m, prefix="creditlab/")
+
+
+#: True while verl computes the rollout correction once per batch on the driver (decoupled mode):
+#: set by the wrapper of ``compute_rollout_correction_and_add_to_batch`` (:func:`install_dump_hook`).
+_PER_BATCH: contextvars.ContextVar[bool] = contextvars.ContextVar("creditlab_verl_per_batch", default=False)
 
 
 def _wrap(original):
@@ -649,7 +682,11 @@ def _wrap_rejection(original):
     @functools.wraps(original)
     def compute_rollout_correction_and_add_to_batch(batch, rollout_corr_config):
         before = batch.batch["response_mask"] if "response_mask" in batch.batch.keys() else None
-        out, metrics = original(batch, rollout_corr_config)
+        token = _PER_BATCH.set(True)  # once per batch, on the driver: rollout_weights may read the host
+        try:
+            out, metrics = original(batch, rollout_corr_config)
+        finally:
+            _PER_BATCH.reset(token)
         rs = rollout_corr_config.get("rollout_rs", None) if rollout_corr_config is not None else None
         # verl replaced response_mask by the mask after rejection: keep the one before, for the dump
         object.__setattr__(out, MASK_BEFORE_REJECTION, before if rs is not None else None)
