@@ -1,7 +1,8 @@
 """One sub-command per lab: ``creditlab lab <name>`` for every name of :func:`creditlab.labs.lab_names`.
 
 :func:`lab_command` registers a lab with the options every lab has (``--quick --out --seeds --updates
---workers --executor --ray-address -e/--experiment --fresh --dump``) plus the lab's own
+--workers --executor --ray-address -e/--experiment --fresh --dump``; ``--quick``'s help is the lab's
+``quick_help``, its measured times, when it has one) plus the lab's own
 :class:`~creditlab.lab.protocol.LabOption` s; :func:`register_lab_commands` does it for every lab. The
 CLI is the edge that reads the environment: a config with a ``cache_dir`` field gets
 ``CREDITLAB_CACHE`` (default: the user cache directory), and a lab's ``threads`` sets torch's
@@ -33,7 +34,8 @@ def _common_parameters(lab) -> list[inspect.Parameter]:
     exps = ", ".join(cfg_type.EXPERIMENTS) or "none: this lab has one experiment"
     P = inspect.Parameter
     opts = {
-        "quick": typer.Option(False, "--quick", help="Reduced run: the same shapes in under a minute on 2 cores."),
+        "quick": typer.Option(False, "--quick", help=getattr(lab, "quick_help", None) or
+                              "Reduced run: the same shapes at a fraction of the full run's cost."),
         "out": typer.Option(Path(f"runs/{lab.name}"), "--out",
                             help="Output directory (results store, tables, plots, report.md). A rerun with the same "
                                  "options resumes; one with other options refuses unless --fresh."),

@@ -202,6 +202,7 @@ class Lab(Protocol):
     any other cell runs; the gate table is also one of ``tables``.
 
     Optional attributes the CLI reads: ``help`` (the sub-command's help text; default ``summary``),
+    ``quick_help`` (the help of ``--quick``: what it runs and how long it takes, cold and warm),
     ``options`` (a tuple of :class:`LabOption`, the lab's own flags) and ``threads`` (torch intra-op
     threads of the CLI process, e.g. 1 for labs of many tiny tensors, as each process worker gets).
     A config with a ``cache_dir`` field gets the ``CREDITLAB_CACHE`` directory from the CLI."""

@@ -57,7 +57,20 @@ def fresh_dump(dump_dir: str | os.PathLike[str], name: str) -> Path:
 
 def base_knob(b: BaseConfig) -> str:
     """The value of the ``base policy`` knob."""
-    return f"{b.n_demos} demos, noise {b.noise:g}, {b.steps} steps"
+    start = f", from base {b.init}" if b.init else ""
+    return f"{b.n_demos} demos, noise {b.noise:g}, {b.steps} steps of {b.batch_size} at lr {b.lr:g}{start}"
+
+
+def base_note(used: dict[str, BaseConfig], lab: dict[str, BaseConfig], what: str) -> str:
+    """A sentence for a run whose base policies are not the lab's own (a ``--quick`` run's): which
+    ones differ (``used`` and ``lab``: name -> config), and ``what`` they can and cannot show; empty
+    when every one is the lab's."""
+    other = [name for name, b in used.items() if b != lab[name]]
+    if not other:
+        return ""
+    names = other[0] if len(other) == 1 else ", ".join(other[:-1]) + " and " + other[-1]
+    return (f" This run's {names} {'is' if len(other) == 1 else 'are'} not the lab's (a quick build: fewer, "
+            "smaller steps; its settings are in the configuration at the end): " + what)
 
 
 def optim_knob(g: GRPOConfig) -> str:

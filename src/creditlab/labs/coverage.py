@@ -285,6 +285,7 @@ class CoverageLab:
     help = ("Credit geometries on a hard-prerequisite chain: C sweep, verifier-density sweep, shuffled control, "
             "dose-response, the one-update protocol and its capability points. Resumes an interrupted run in the "
             "same --out directory.")
+    quick_help = "Reduced run: every experiment, fewer seeds and updates: about 20 s on 2 cores (nothing to build)."
     config_type = CoverageConfig
     options = (LabOption("state_dependent", "The policy also observes the correct-prefix length and a broken bit.",
                          bool),)

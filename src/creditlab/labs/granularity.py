@@ -54,7 +54,15 @@ from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import LabConfig, LabOption, Table, check_count
 from creditlab.lab.report import group_means, knobs_table, paired_diff, read_diff, small_run_note, sort_in_order
 from creditlab.lab.runner import Cell
-from creditlab.labs._toolshop import BasePolicyConfig, BasePolicyLab, base_knob, fresh_dump, optim_knob, seeds_knob
+from creditlab.labs._toolshop import (
+    BasePolicyConfig,
+    BasePolicyLab,
+    base_knob,
+    base_note,
+    fresh_dump,
+    optim_knob,
+    seeds_knob,
+)
 from creditlab.rewards.process import evidence_scores
 from creditlab.train.common import generator
 from creditlab.train.opsd import aligned_logits, call_key, episode_calls, teacher_logits, train_opsd
@@ -70,6 +78,9 @@ from creditlab.train.toolshop_rollout import (
 __all__ = [
     "ARMS",
     "LAB",
+    "QUICK_BASE",
+    "QUICK_MULTI_BASE",
+    "QUICK_WARM_BASE",
     "TASK_TYPES",
     "GranularityConfig",
     "GranularityLab",
@@ -89,6 +100,15 @@ MULTI_CHAIN_LENGTHS = (*TASK_CHAIN_LENGTHS, MULTI_EXCHANGE, MULTI_EXCHANGE)
 #: Experiments beyond the arms (selected with -e): the multi-exchange type, the repeat sweep, the
 #: self-distillation teachers warm-started on their hints.
 NEW_EXPERIMENTS = ("multi", "repeat", "warm")
+#: The base policies of ``--quick``, built on first use in about a minute together: the lab's in 700
+#: steps of 32 demonstrations at lr 1e-2 (the full one: 1000 of 128 at 3e-3); the three-type one in
+#: 200 steps of 32 from it (full: 400 of 64); the warm-started one in 300 steps of 32 at lr 1e-2 from
+#: it too (full: 1000 of 128 from scratch). What they can and cannot show: docs/granularity.md.
+QUICK_BASE = BaseConfig(chain_lengths=TASK_CHAIN_LENGTHS, steps=700, batch_size=32, lr=1e-2)
+QUICK_MULTI_BASE = BaseConfig(chain_lengths=MULTI_CHAIN_LENGTHS, max_len=320, steps=200, batch_size=32, lr=1e-3,
+                              init=QUICK_BASE.key())
+QUICK_WARM_BASE = BaseConfig(chain_lengths=TASK_CHAIN_LENGTHS, privileged=0.5, steps=300, batch_size=32, lr=1e-2,
+                             init=QUICK_BASE.key())
 #: Arms of each new experiment.
 MULTI_ARMS, SWEEP_ARMS = ("grpo", "prm_decay"), ("prm_fixed", "prm_decay")
 WARM_ARMS = ("grpo", "opsd_ref", "opsd_advice")
@@ -186,7 +206,10 @@ class GranularityConfig(BasePolicyConfig, LabConfig):
 
     @classmethod
     def quick(cls) -> GranularityConfig:
-        return cls(grpo=GRPOConfig(updates=6, tasks_per_update=4, group_size=4, chain_lengths=TASK_CHAIN_LENGTHS,
+        """Every arm and experiment for 6 updates of 4 tasks x 4, one seed, from the quick base
+        policies (:data:`QUICK_BASE`, :data:`QUICK_MULTI_BASE`, :data:`QUICK_WARM_BASE`)."""
+        return cls(base=QUICK_BASE, multi_base=QUICK_MULTI_BASE, warm_base=QUICK_WARM_BASE,
+                   grpo=GRPOConfig(updates=6, tasks_per_update=4, group_size=4, chain_lengths=TASK_CHAIN_LENGTHS,
                                    eval_every=3),
                    seeds=1, eval_per_type=16, experiments=(*ARMS, *NEW_EXPERIMENTS))
 
@@ -201,12 +224,11 @@ class GranularityConfig(BasePolicyConfig, LabConfig):
     def bases(self) -> list[BaseConfig]:
         """The base policies the selected experiments need (each its own cache entry)."""
         out = [self.base] if self.arms() or "repeat" in self.experiments else []
-        if "multi" in self.experiments:
-            if self.multi_base.init == self.base.key() and not out:
-                out.append(self.base)  # the three-type base policy starts from the lab's
-            out.append(self.multi_base)
-        if "warm" in self.experiments:
-            out.append(self.warm_base)
+        for exp, b in (("multi", self.multi_base), ("warm", self.warm_base)):
+            if exp in self.experiments:
+                if b.init == self.base.key() and self.base not in out:
+                    out.append(self.base)  # it starts from the lab's base policy (the quick ones do)
+                out.append(b)
         return out
 
     def validate(self) -> None:
@@ -688,8 +710,12 @@ class GranularityLab(_ArmReadings, BasePolicyLab):
     summary = "Outcome GRPO vs PRM mixing (fixed / decayed λ) vs OPSD on short and long toolshop tasks."
     help = ("Credit granularity on the toolshop agent: outcome GRPO, GRPO + an evidence process reward with a fixed "
             "or decayed weight, on-policy self-distillation from a reference-answer or a turn-advice teacher (-e "
-            "selects arms), on short (C = 2-4) and long (C = 7-8) tasks. The base policy is trained on first use (a "
-            "few minutes on 2 cores) and cached; set CREDITLAB_CACHE to choose where. Use --workers 2 on two cores.")
+            "selects arms), on short (C = 2-4) and long (C = 7-8) tasks. The base policies are trained on first use "
+            "(about 12 minutes for the three of a full run on 2 cores; an interrupted build resumes) and cached; set "
+            "CREDITLAB_CACHE to choose where. Use --workers 2 on two cores.")
+    quick_help = ("Reduced run: the gates, every arm and a small version of every experiment for 6 updates, one "
+                  "seed, from three quick base policies: about 110 s on 2 cores from an empty cache (the base "
+                  "policies are built first, about 75 s), 35 s once they are cached (load average 2).")
     config_type = GranularityConfig
     threads = 1  # one intra-op thread, as each process worker gets (see the mismatch lab)
     options = (LabOption("repeats", "Experiment repeat: the scores of a repeated read to sweep, comma-separated "
@@ -783,15 +809,30 @@ class GranularityLab(_ArmReadings, BasePolicyLab):
         return made
 
     def interpret(self, tabs: dict[str, Table], cfg: GranularityConfig) -> dict[str, str]:
+        note = _quick_note(cfg)
         text = {"knobs": "Every setting of this run that a person chose, with the reason; none was tuned to make an "
-                         "arm win or lose. Settings not listed are the defaults of GRPOConfig and BaseConfig."}
+                         "arm win or lose. Settings not listed are the defaults of GRPOConfig and BaseConfig." + note}
         if "means" in tabs:
             text.update(self._interpret_arms(tabs, cfg))
         text.update(_interpret_new(tabs, cfg))
+        if "gates" in text:
+            text["gates"] += note
         return text
 
 
 LAB = GranularityLab()
+
+
+def _quick_note(cfg: GranularityConfig) -> str:
+    """What a run on base policies other than the lab's (a --quick run) can and cannot show."""
+    lab = GranularityConfig()
+    names = {"base": "base policy", "multi_base": "three-type base policy", "warm_base": "warm-started base policy"}
+    used = {names[n]: getattr(cfg, n) for n in names if any(getattr(cfg, n) == b for b in cfg.bases())}
+    return base_note(used, {names[n]: getattr(lab, n) for n in names},
+                     "the gates are measured on these policies and say what they do, not what the full run's base "
+                     "policies do (the quick three-type base solves few long and multi-exchange tasks); a quick run "
+                     "shows every experiment's tables end to end and tests no prediction.")
+
 
 CURVE_COLUMNS = ("success", "process", "truncation", "tool_calls", "response_tokens", "lam", "grad_norm",
                  "grad/clipped", "opsd/reverse_kl", "opsd/forward_kl", "opsd/kl_top_share",
@@ -852,15 +893,15 @@ def _knob_rows(cfg: GranularityConfig) -> list[tuple[str, str, str]]:
          f"2 (C + 2), graded outcome; mix short 3/7, long 2/7, multi 2/7; {cfg.multi_max_len} tokens",
          "the paper's weak case: a long task with a graded, additive outcome over many turns, where a successful "
          "episode can hold as many bad turns as good ones. Sub-tasks are the short type's chains (existing tokens)."),
-        ("three-type base policy", base_knob(cfg.multi_base) + f", batch {cfg.multi_base.batch_size}, context "
-         f"{cfg.multi_base.max_len}",
+        ("three-type base policy", base_knob(cfg.multi_base) + f", context {cfg.multi_base.max_len}",
          "fewer steps and smaller batches than the lab's base policy: its sequences are about twice as long, and a "
          "full build took over an hour on the shared 2-core machine; not tuned on any result."),
         ("repeat sweep (-e repeat)", cfg.repeats, "the product plan's four values, from the lab's default (0.25) to a "
          "repeated read paying as much as a new one (1.0); fixed and decayed λ at each."),
         ("warm-started base (-e warm)", f"{cfg.warm_base.privileged:.0%} of the demonstrations carry a hint (half "
-         "the reference answer, half turn advice)", "the product plan's half; the rest of the warm start as the lab's "
-         "base policy, so the only difference is the hints."),
+         f"the reference answer, half turn advice); {base_knob(cfg.warm_base)}",
+         "the product plan's half; the rest of the warm start as the lab's base policy, so the only difference is "
+         "the hints."),
         ("gates", f"multi base mixing >= {MIXING_GATE:g}; teacher - placebo preference >= {TEACHER_GATE:g} nat",
          "the product plan's thresholds, measured before the arms train."),
     ]

@@ -129,9 +129,11 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
 
     @classmethod
     def quick(cls) -> MismatchConfig:
-        """The gate table and a short fp32-vs-QAT run at NVFP4 (the full run's base policy)."""
+        """The full run's gate table (the same base policy, which ships with the package, on the same
+        256 tasks: the same numbers) and a short fp32-vs-QAT run at NVFP4 (4 updates, one seed), far
+        too short for the predictions, which are about hundreds of updates."""
         return cls(grpo=_grpo_config(updates=4, tasks_per_update=4, group_size=4, eval_every=2, eval_tasks=32),
-                   seeds=1, smooth=1, dose_tasks=32, arms=("fp32", "qat"), experiments=("nvfp4",))
+                   seeds=1, smooth=1, arms=("fp32", "qat"), experiments=("nvfp4",))
 
     def validate(self) -> None:
         check_count(self.seeds, "--seeds")
@@ -160,10 +162,17 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
 
 
 def _base_config() -> BaseConfig:
-    # the context holds C + 2 turns of (thoughts + call + observation) at C = 8; demonstrations in
-    # batches of 64 (each holds about 7x the policy tokens of a demonstration without thoughts)
-    # batches of 64 (each holds about 7x the policy tokens of a demonstration without thoughts); 3000
-    # steps: at the toolshop default of 1000 this base solved 1.6% of held-out tasks (64 tasks, fp32)
+    """The lab's base policy (full and ``--quick`` runs): the context holds C + 2 turns of (thoughts
+    + call + observation) at C = 8; demonstrations in batches of 64 (each holds about 7x the policy
+    tokens of a demonstration without thoughts); 3000 steps: at the toolshop default of 1000 this
+    base solved 1.6% of held-out tasks (64 tasks, fp32).
+
+    Its build ships with the package (:data:`creditlab.train.toolshop_base.SHIPPED_DIR`), so no run
+    trains it: quicker builds that fit a first ``--quick`` (a few minutes) learn the tasks but not its
+    regime (their QAT drift stayed near 0, docs/mismatch.md). Rebuilt, resumably, by ``python -c "from
+    creditlab.labs.mismatch import MismatchConfig; from creditlab.train.toolshop_base import
+    ship_base_policy; ship_base_policy(MismatchConfig().base, 'base-build', 'mismatch base policy')"``
+    (into the package's directory; tests/test_shipped_bases.py checks it against this config)."""
     return BaseConfig(chain_lengths=CHAIN_LENGTHS, thoughts=THOUGHTS, max_len=416, batch_size=64, steps=3000)
 
 
@@ -589,8 +598,12 @@ class MismatchLab(BasePolicyLab):
     summary = "Quantized rollout engine vs learner in a multi-turn agent: QAT, TIS, MIS, prefix, InterQ-RL."
     help = ("Quantized rollout engine vs learner in the multi-turn toolshop agent: arms fp32, naive, QAT, QAT+TIS, "
             "QAT+MIS, QAT+prefix, QAT+global, QAT+InterQ-RL at each engine precision of the dose (-e fp8 -e int8 "
-            "-e nvfp4 -e mxfp4). The base policy is trained on first use (a few minutes on 2 cores) and cached; set "
-            "CREDITLAB_CACHE to choose where. Use --workers 2 on two cores.")
+            "-e nvfp4 -e mxfp4). The base policy ships with creditlab (its build takes 27-49 minutes on 2 cores), so "
+            "no run trains it; a build of your own in the cache (CREDITLAB_CACHE) comes first. Use --workers 2 on "
+            "two cores.")
+    quick_help = ("Reduced run: the full run's gate table (the same shipped base policy on the same 256 tasks) and "
+                  "fp32 vs QAT at NVFP4 for 4 updates, one seed: about 60 s on 2 cores, cold or warm (nothing is "
+                  "built; load average 2-2.5).")
     config_type = MismatchConfig
     gate_groups = ("dose",)
     # One intra-op thread in the CLI process, as the process executor gives each worker: the lab's
@@ -745,8 +758,11 @@ def _read_predictions(p: pd.DataFrame, cfg: MismatchConfig) -> str:
         return "The predictions need the QAT, InterQ and fp32 arms; this run has not got them."
     parts = [f"({r.prediction}) {LABELS[r.arm]} at {r.dose}: {r.measured}: {'held' if r.held else 'did not hold'}"
              for r in p.itertuples()]
+    short = (f" This run has {cfg.grpo.updates} updates: the predictions are about rollback after hundreds of "
+             "updates (QAT peaks near 300 in the paper), so these verdicts test nothing."
+             if cfg.grpo.updates < 100 else "")
     return ("Each prediction of docs/mismatch.md (fixed before the full run) against this run's summary table. "
-            + "; ".join(parts) + ".")
+            + "; ".join(parts) + "." + short)
 
 
 def _read_phase_map(m: pd.DataFrame) -> str:
