@@ -70,6 +70,8 @@ from creditlab.core._checks import any_true, check_scalar, check_tensor
 from creditlab.core.masks import (
     SegmentBounds,
     Segments,
+    _bounds_of_effective_mask,
+    _starts_ends,
     effective_policy_mask,
     segments_from_bounds,
 )
@@ -630,7 +632,7 @@ def _bounds(pm: torch.Tensor, sync: bool) -> _Bounds:
     """The segments of the effective policy mask ``pm``: one host read (``nonzero``) or none."""
     B, L = pm.shape
     if sync:
-        b = _segment_bounds(pm)
+        b = _bounds_of_effective_mask(pm)
         run = torch.cumsum(b.starts.view(torch.uint8).reshape(-1), 0)
         count = torch.tensor(float(b.num_segments), dtype=_F64, device=pm.device)
         return _Bounds(b, pm, b.starts, b.start, b.end, b.turn, run, b.num_segments, count, None)
@@ -658,33 +660,6 @@ def _bounds(pm: torch.Tensor, sync: bool) -> _Bounds:
     offsets = torch.cumsum(n_segments, 0) - n_segments
     turn = torch.where(valid, torch.arange(size, device=dev) - offsets[row], size)
     return _Bounds(None, pm, starts, start, end, turn, run, size, count.to(_F64), valid)
-
-
-def _starts_ends(pm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(B, L)`` bool first and last tokens of the segments (boolean passes only)."""
-    starts, ends = pm.clone(), pm.clone()
-    if pm.shape[1] > 1:
-        starts[:, 1:] &= ~pm[:, :-1]
-        ends[:, :-1] &= ~pm[:, 1:]
-    return starts, ends
-
-
-def _segment_bounds(pm: torch.Tensor) -> SegmentBounds:
-    """:func:`creditlab.core.masks.segment_bounds` of an already-effective mask (same arrays); the
-    per-row counts from the segment rows (``(S,)`` work) instead of a ``(B, L)`` sum."""
-    B, L = pm.shape
-    starts, ends = _starts_ends(pm)
-    code = (starts.view(torch.uint8) + ends.view(torch.uint8) * 2).reshape(-1)
-    pos = code.nonzero().squeeze(1)
-    kind = code[pos]
-    start = pos[(kind & 1) > 0]
-    end = pos[kind >= 2]
-    S = start.numel()
-    row = torch.div(start, max(L, 1), rounding_mode="floor")
-    n_segments = torch.zeros(B, dtype=torch.int64, device=pm.device).index_add_(0, row, torch.ones_like(row))
-    offsets = torch.cumsum(n_segments, 0) - n_segments
-    turn = torch.arange(S, device=pm.device) - offsets[row]
-    return SegmentBounds(pm, starts, start, end, row, turn, n_segments, S)
 
 
 def _segment_sums(x: torch.Tensor, b: _Bounds) -> torch.Tensor:
@@ -791,7 +766,7 @@ def _packed_inputs(old_logprobs, rollout_logprobs, policy_mask, valid_mask, chec
     check = _check_flag(check)
     B, L = pm.shape
     dev, wd = pm.device, _work_dtype(old_logprobs)
-    seg = _segment_bounds(pm)
+    seg = _bounds_of_effective_mask(pm)
     S = seg.num_segments
     length = seg.end - seg.start + 1
     counts = torch.zeros(B, dtype=torch.int64, device=dev).index_add_(0, seg.row, length)  # policy tokens per row

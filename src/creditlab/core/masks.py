@@ -104,13 +104,23 @@ def segment_bounds(policy_mask: torch.Tensor, valid_mask: torch.Tensor | None = 
     >>> b.start.tolist(), b.end.tolist(), b.row.tolist(), b.turn.tolist(), b.n_segments.tolist()
     ([0, 3, 6], [1, 3, 7], [0, 0, 1], [0, 1, 0], [2, 1])
     """
-    pm = effective_policy_mask(policy_mask, valid_mask)
-    B, L = pm.shape
-    starts = pm.clone()
-    ends = pm.clone()
-    if L > 1:
+    return _bounds_of_effective_mask(effective_policy_mask(policy_mask, valid_mask))
+
+
+def _starts_ends(pm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, L)`` bool first and last tokens of the segments of an effective policy mask (boolean passes only)."""
+    starts, ends = pm.clone(), pm.clone()
+    if pm.shape[1] > 1:
         starts[:, 1:] &= ~pm[:, :-1]
         ends[:, :-1] &= ~pm[:, 1:]
+    return starts, ends
+
+
+def _bounds_of_effective_mask(pm: torch.Tensor) -> SegmentBounds:
+    """:func:`segment_bounds` of an already-effective ``(B, L)`` mask (no check, no valid mask); the per-row
+    counts from the segment rows (``(S,)`` work) instead of a ``(B, L)`` sum."""
+    B, L = pm.shape
+    starts, ends = _starts_ends(pm)
     # one nonzero over a 2-bit code (1: first token, 2: last token, 3: one-token segment)
     code = (starts.view(torch.uint8) + ends.view(torch.uint8) * 2).reshape(-1)
     pos = code.nonzero().squeeze(1)
@@ -119,7 +129,7 @@ def segment_bounds(policy_mask: torch.Tensor, valid_mask: torch.Tensor | None = 
     end = pos[kind >= 2]
     S = start.numel()
     row = torch.div(start, max(L, 1), rounding_mode="floor")
-    n_segments = starts.sum(dim=1)
+    n_segments = torch.zeros(B, dtype=torch.int64, device=pm.device).index_add_(0, row, torch.ones_like(row))
     offsets = torch.cumsum(n_segments, 0) - n_segments  # (B,) flat id of each row's first segment
     turn = torch.arange(S, device=pm.device) - offsets[row]
     return SegmentBounds(pm, starts, start, end, row, turn, n_segments, S)
