@@ -15,10 +15,6 @@ The same paths also run to the end on ``meta`` tensors, where any read would rai
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
-
 import pytest
 import torch
 from integration_helpers import agent_batch
@@ -39,18 +35,9 @@ def _skyrl():
     ``__init__`` fails under pydantic on Python < 3.12: its submodules are loaded without it, as in
     tests/integrations/test_skyrl.py)."""
     pytest.importorskip("skyrl", reason='SkyRL is not installed (pip install "creditlab[skyrl]")')
-    try:
-        import skyrl.backends  # noqa: F401
-    except Exception as err:
-        if type(err).__name__ != "PydanticUserError":
-            raise
-        for name in [m for m in sys.modules if m == "skyrl.backends" or m.startswith("skyrl.backends.")]:
-            del sys.modules[name]
-        spec = importlib.util.find_spec("skyrl.backends")
-        mod = types.ModuleType("skyrl.backends")
-        mod.__path__ = list(spec.submodule_search_locations)
-        mod.__spec__, mod.__file__, mod.__package__ = spec, spec.origin, "skyrl.backends"
-        sys.modules["skyrl.backends"] = mod
+    from skyrl_ray_worker import load_backends_without_init
+
+    load_backends_without_init()
     from skyrl.backends.skyrl_train.utils import ppo_utils
 
     import creditlab.integrations.skyrl  # noqa: F401  (registers the losses)

@@ -7,33 +7,17 @@ refuses on Python < 3.12; on those versions the tests load ``skyrl.backends`` wi
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
 
 skyrl = pytest.importorskip("skyrl", reason='SkyRL is not installed (pip install "creditlab[skyrl]")')
 
+from skyrl_ray_worker import load_backends_without_init  # noqa: E402
 
-def _load_backends_without_init() -> None:
-    try:
-        import skyrl.backends  # noqa: F401
-    except Exception as err:
-        if type(err).__name__ != "PydanticUserError":
-            raise
-        for name in [m for m in sys.modules if m == "skyrl.backends" or m.startswith("skyrl.backends.")]:
-            del sys.modules[name]
-        spec = importlib.util.find_spec("skyrl.backends")
-        mod = types.ModuleType("skyrl.backends")
-        mod.__path__ = list(spec.submodule_search_locations)
-        mod.__spec__, mod.__file__, mod.__package__ = spec, spec.origin, "skyrl.backends"
-        sys.modules["skyrl.backends"] = mod
-
-
-_load_backends_without_init()
+load_backends_without_init()
 
 from integration_helpers import agent_batch, doc_block  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
