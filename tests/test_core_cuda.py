@@ -15,8 +15,6 @@ is; ``tests/test_core_cuda_cpu_mode.py`` does that under the plain test command.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import math
 import os
 
@@ -24,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from core_listing import public_core_functions
 from creditlab.core import correction, credit, diagnostics, losses, masks, precision, schedules
 from creditlab.core.advantages import group_stats, grpo_advantages, prm_mixed_advantages
 from creditlab.core.credit import StepBatch
@@ -458,17 +457,8 @@ NO_TENSORS = {
 
 def test_every_public_core_function_is_checked_here():
     checked = {name.split("[")[0] for name in CASES} | set(ELSEWHERE) | set(NO_TENSORS)
-    missing = []
-    for mod in ("advantages", "correction", "credit", "diagnostics", "losses", "masks", "precision", "schedules"):
-        module = importlib.import_module(f"creditlab.core.{mod}")
-        for name in module.__all__:
-            obj = getattr(module, name)
-            if not inspect.isfunction(obj) or name.startswith(("register", "unregister", "get_", "registered")):
-                continue  # constants, classes, and the registries' own bookkeeping
-            if name.endswith(("_params", "_needs")):
-                continue
-            if f"{mod}.{name}" not in checked:
-                missing.append(f"{mod}.{name}")
+    modules = ("advantages", "correction", "credit", "diagnostics", "losses", "masks", "precision", "schedules")
+    missing = [name for name in public_core_functions(modules) if name not in checked]
     assert not missing, f"add these to CASES, ELSEWHERE or NO_TENSORS: {missing}"
     here = globals()
     assert all(callable(here.get(test)) for test in ELSEWHERE.values())

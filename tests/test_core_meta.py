@@ -11,12 +11,10 @@ mismatch (:data:`HOST_READ_BY_DESIGN`). A test checks that every public function
 
 from __future__ import annotations
 
-import importlib
-import inspect
-
 import pytest
 import torch
 
+from core_listing import public_core_functions
 from creditlab.core import correction, credit, losses, precision
 from creditlab.core import diagnostics as diag
 from creditlab.core import masks as mk
@@ -157,17 +155,8 @@ def test_data_dependent_shapes_are_listed_with_the_reason(name):
 
 def test_every_public_core_function_is_listed():
     listed = " ".join([*RUNS, *HOST_READ_BY_DESIGN, *DATA_DEPENDENT])
-    missing = []
-    for mod in ("advantages", "correction", "credit", "diagnostics", "losses", "masks", "precision"):
-        module = importlib.import_module(f"creditlab.core.{mod}")
-        for name in module.__all__:
-            obj = getattr(module, name)
-            if not inspect.isfunction(obj) or name.startswith(("register", "unregister", "get_", "registered")):
-                continue  # constants, classes, and the registries' own bookkeeping
-            if name.endswith(("_params", "_needs")):
-                continue
-            if f"{mod}.{name}" not in listed:
-                missing.append(f"{mod}.{name}")
+    modules = ("advantages", "correction", "credit", "diagnostics", "losses", "masks", "precision")
+    missing = [name for name in public_core_functions(modules) if name not in listed]
     assert not missing, f"add these to RUNS, HOST_READ_BY_DESIGN or DATA_DEPENDENT: {missing}"
 
 
