@@ -2,11 +2,11 @@
 
 A ``meta`` run proves two things at once: the function reads no tensor value on the host (any read
 raises on ``meta``), and it creates no tensor on the CPU behind the caller's back (a CPU tensor
-mixed with ``meta`` inputs raises a device error). Functions whose output shapes depend on the data
-(segment counts from ``nonzero``, group counts from ``unique``) cannot run on ``meta``: they are
-listed in :data:`DATA_DEPENDENT` with the reason. Functions that return Python floats on purpose
-(once-per-step diagnostics) are run up to that read: they must fail there, never on a device
-mismatch (:data:`HOST_READ_BY_DESIGN`). A test checks that every public function is in one list.
+mixed with ``meta`` inputs raises a device error). Functions that read values on the host by design
+(segment counts from ``nonzero``, group counts from ``unique``, metrics returned as Python floats once
+per step) refuse ``meta`` tensors with creditlab's :class:`InputError` naming the function and why
+(:data:`NEEDS_VALUES`); their device handling is checked by the CUDA suite (tests/test_core_cuda.py).
+A test checks that every public function is in one list.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from core_listing import public_core_functions
-from creditlab.core import correction, credit, losses, precision
+from creditlab.core import advantages, correction, credit, losses, precision
 from creditlab.core import diagnostics as diag
 from creditlab.core import masks as mk
 from creditlab.core.credit import StepBatch
@@ -92,36 +92,36 @@ RUNS = {
         rewards=f(B)),
 }
 
-#: name -> a call that must fail on meta with a host read (its metrics are Python floats on purpose:
-#: once-per-step diagnostics), not earlier with a device mismatch
-HOST_READ_BY_DESIGN = {
+#: name -> a call on meta inputs to a function that reads values on the host (segment and group counts
+#: from ``nonzero``/``unique``, metrics returned as Python floats once per step): it must raise creditlab's
+#: InputError naming itself and saying it needs values, not torch's error from deep inside
+NEEDS_VALUES = {
     **{f"correction.{n}_weights": (lambda n=n: getattr(correction, f"{n}_weights")(f(B, L), f(B, L), b(B, L)))
-       for n in ("tis", "mis", "seq_is", "geo", "none")},
+       for n in ("tis", "mis", "seq_is", "geo", "none", "interq")},
+    "correction.interq_terms": lambda: correction.interq_terms(f(B, L), f(B, L), b(B, L)),
+    "correction.mismatch_metrics": lambda: correction.mismatch_metrics(f(B, L), f(B, L), b(B, L), b(B, L)),
+    **{f"correction.correction_weights[{a}]": (lambda a=a: correction.correction_weights(a, f(B, L), f(B, L), b(B, L)))
+       for a in ("interq", "tis", "none")},
+    "masks.segment_bounds": lambda: mk.segment_bounds(b(B, L)),
+    "masks.segments": lambda: mk.segments(b(B, L), b(B, L)),
+    "advantages.group_stats": lambda: advantages.group_stats(f(B), i(B)),
+    "advantages.grpo_advantages": lambda: advantages.grpo_advantages(f(B), i(B)),
+    "advantages.prm_mixed_advantages": lambda: advantages.prm_mixed_advantages(f(B), f(B, T), b(B, T), i(B), 0.5),
+    "credit.binary": lambda: credit.binary(f(B), i(B), b(B, T)),
+    "credit.discretized": lambda: credit.discretized(f(B), i(B), b(B, T)),
+    "credit.reward_to_go": lambda: credit.reward_to_go(f(B, T), i(B), b(B, T)),
+    "credit.targeted": lambda: credit.targeted(f(B), f(B, T), b(B, T), i(B), b(B, T)),
     "precision.fork_scores": lambda: precision.fork_scores(b(B, J, U), b(B, J), f(B, J), b(B, U), b(B, J), b(B, U),
                                                            0.5),
     "precision.deletion_curve": lambda: precision.deletion_curve(b(B, J, U), f(B, J), b(B, J), b(B, U), f(B, U)),
     "diagnostics.concentration": lambda: diag.concentration(f(B), 0.5),
-    "credit.targeted": lambda: credit.targeted(f(B), f(B, T), b(B, T), i(B), b(B, T)),  # reads the group layout
 }
 
-#: name -> why it cannot run on meta tensors
-DATA_DEPENDENT = {
-    "masks.segment_bounds": "the segment count S comes from nonzero (one documented host sync)",
-    "masks.segments": "segment_bounds: S from nonzero",
-    "correction.interq_weights": "segments (S from nonzero); metrics as Python floats, once per step",
-    "correction.interq_terms": "segments (S from nonzero)",
-    "correction.mismatch_metrics": "segments (S from nonzero); which turns exist is read to name the metrics",
-    "correction.correction_weights": "with sync=True (the default) the arm's segments and mismatch_metrics' "
-                                     "(sync=False runs on meta: RUNS)",
-    "advantages.group_stats": "the group count comes from torch.unique",
-    "advantages.grpo_advantages": "group_stats: torch.unique",
-    "advantages.prm_mixed_advantages": "group counts from torch.unique",
-    "credit.binary": "GRPO of the outcome: torch.unique",
-    "credit.discretized": "GRPO of the outcome: torch.unique",
-    "credit.reward_to_go": "group_stats: torch.unique",
-    "diagnostics.chain_length": "works on Python call records, not tensors",
-    "precision.unit_credit_one": "plain Python lists and floats (the judge client's path), not tensors",
-    "precision.fork_scores_one": "plain Python lists and floats (the judge client's path), not tensors",
+#: public core functions that take no tensors (nothing to run on meta), with what they take
+NO_TENSORS = {
+    "diagnostics.chain_length": "Python call records",
+    "precision.unit_credit_one": "plain Python lists (the judge client's path)",
+    "precision.fork_scores_one": "plain Python lists and floats (the judge client's path)",
 }
 
 
@@ -142,22 +142,30 @@ def test_runs_on_meta(name):
     assert leaves and all(t.device == META for t in leaves), name
 
 
-@pytest.mark.parametrize("name", sorted(HOST_READ_BY_DESIGN))
-def test_host_reading_functions_fail_only_at_the_read(name):
-    with pytest.raises(RuntimeError, match="cannot be called on meta tensors|Cannot copy out of meta tensor"):
-        HOST_READ_BY_DESIGN[name]()
+@pytest.mark.parametrize("name", sorted(NEEDS_VALUES))
+def test_functions_that_read_values_refuse_meta_tensors_by_name(name):
+    from creditlab.errors import InputError
+
+    function = name.split(".")[1].split("[")[0]
+    with pytest.raises(InputError, match=rf"^{function}: needs tensors with values, got meta tensors"):
+        NEEDS_VALUES[name]()
 
 
-@pytest.mark.parametrize("name", sorted(DATA_DEPENDENT))
-def test_data_dependent_shapes_are_listed_with_the_reason(name):
-    pytest.skip(f"{name}: {DATA_DEPENDENT[name]}")
+@pytest.mark.parametrize("name", sorted(NO_TENSORS))
+def test_functions_without_tensors_take_none(name):
+    import inspect
+
+    module, function = name.split(".")
+    fn = getattr({"diagnostics": diag, "precision": precision}[module], function)
+    annotations = " ".join(str(p.annotation) for p in inspect.signature(fn).parameters.values())
+    assert "Tensor" not in annotations, f"{name} takes tensors: run it in RUNS or NEEDS_VALUES"
 
 
 def test_every_public_core_function_is_listed():
-    listed = " ".join([*RUNS, *HOST_READ_BY_DESIGN, *DATA_DEPENDENT])
+    listed = " ".join([*RUNS, *NEEDS_VALUES, *NO_TENSORS])
     modules = ("advantages", "correction", "credit", "diagnostics", "losses", "masks", "precision")
     missing = [name for name in public_core_functions(modules) if name not in listed]
-    assert not missing, f"add these to RUNS, HOST_READ_BY_DESIGN or DATA_DEPENDENT: {missing}"
+    assert not missing, f"add these to RUNS, NEEDS_VALUES or NO_TENSORS: {missing}"
 
 
 def test_meta_value_checks_are_skipped_but_shape_and_device_checks_are_not():

@@ -87,6 +87,15 @@ def check_tensor(
     return x
 
 
+def require_values(function: str, reason: str, *tensors: object) -> None:
+    """Refuse ``meta`` tensors in a function that reads values on the host: an :class:`InputError`
+    naming ``function`` and why it needs values (``reason``), instead of torch's error at the first
+    read deep inside it. No host read; non-tensors are ignored."""
+    if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors):
+        raise InputError(f"{function}: needs tensors with values, got meta tensors (which have only shapes): "
+                         f"{reason}")
+
+
 def any_true(x: torch.Tensor) -> bool:
     """``bool(x.any())``: one host read; False on ``meta`` tensors (no values to check)."""
     return x.device.type != "meta" and bool(x.any())

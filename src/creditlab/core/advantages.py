@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from creditlab.core._checks import check_scalar, check_tensor
+from creditlab.core._checks import check_scalar, check_tensor, require_values
 
 __all__ = ["grpo_advantages", "group_stats", "prm_mixed_advantages"]
 
@@ -25,6 +25,7 @@ def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Te
     ``values``: ``(B,)`` float; ``group_ids``: ``(B,)`` integer labels (any values, not
     necessarily contiguous). Groups of size 1 get std 0.
     """
+    require_values("group_stats", "the group count comes from the data (torch.unique)", values, group_ids)
     dims: dict[str, int] = {}
     check_tensor("values", values, shape=("B",), floating=True, finite=True, dims=dims)
     check_tensor("group_ids", group_ids, shape=("B",), integer=True, dims=dims)
@@ -54,6 +55,7 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float =
     >>> grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1]))
     tensor([ 0.7071, -0.7071,  0.0000,  0.0000])
     """
+    require_values("grpo_advantages", "the group count comes from the data (torch.unique)", rewards, group_ids)
     check_scalar("eps", eps, low=0.0, low_open=True)  # eps > 0: a group with identical rewards gets 0, not NaN
     mean, std, _ = group_stats(rewards, group_ids)
     return (rewards - mean) / (std + eps)
@@ -93,6 +95,8 @@ def prm_mixed_advantages(
     (``A_out = +-0.7071``; the group's three turn scores 1, 0, 0 have mean 1/3 and std
     ``sqrt(1/3)``, so ``A_proc = 1.1547, -0.5774, -0.5774``.)
     """
+    require_values("prm_mixed_advantages", "the group counts come from the data (torch.unique)",
+                   outcome_rewards, turn_scores, turn_mask, group_ids)
     dims: dict[str, int] = {}
     check_tensor("outcome_rewards", outcome_rewards, shape=("B",), floating=True, finite=True, dims=dims)
     check_tensor("turn_mask", turn_mask, shape=("B", "T"), boolean=True, dims=dims)

@@ -66,7 +66,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from creditlab.core._checks import any_true, check_scalar, check_tensor
+from creditlab.core._checks import any_true, check_scalar, check_tensor, require_values
 from creditlab.core.masks import (
     SegmentBounds,
     Segments,
@@ -904,6 +904,8 @@ def interq_terms(
     Pass them to :func:`mismatch_metrics` (``terms=``) to get the mismatch fingerprints of the same
     batch without a second InterQ pass. ``check``: as in :func:`interq_weights`.
     """
+    require_values("interq_terms", "it reads the segment count on the host" + _NO_READS,
+                   old_logprobs, rollout_logprobs, policy_mask, valid_mask)
     p = InterQParams(eps_low, eps_high, alpha_g, rho_eps, iters)
     with torch.no_grad():
         run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, mode, check=check)
@@ -961,6 +963,8 @@ def interq_weights(
     >>> w
     tensor([[1.0101, 1.0202, 1.0000, 1.0305]])
     """
+    require_values("interq_weights", "it reads the segment count and its metrics on the host" + _NO_READS,
+                   old_logprobs, rollout_logprobs, policy_mask, valid_mask)
     p = InterQParams(eps_low, eps_high, alpha_g, rho_eps, iters)
     with torch.no_grad():
         run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, mode, check=check)
@@ -1012,7 +1016,13 @@ def _baseline(x: _Inputs, weigh: _Weigh) -> tuple[torch.Tensor, dict[str, torch.
     return w, metrics
 
 
-def _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh: _Weigh, check: bool):
+#: how to run without host reads, for the errors of the functions that need values
+_NO_READS = "; for a run without host reads use correction_weights(..., check=False, sync=False)"
+
+
+def _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, weigh: _Weigh, check: bool, name: str):
+    require_values(name, "it returns its metrics as Python floats (read on the host)" + _NO_READS,
+                   old_logprobs, rollout_logprobs, policy_mask, valid_mask)
     w, metrics = _baseline(_inputs(old_logprobs, rollout_logprobs, policy_mask, valid_mask, check), weigh)
     return w, _to_floats(metrics)
 
@@ -1072,7 +1082,7 @@ def tis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *,
     mismatch by Yao et al., 2025, and as verl's token ``rollout_is``). ``(B, L)`` in and out;
     ``clip_rate`` is the share of policy tokens truncated. ``check``: as in :func:`interq_weights`.
     """
-    return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _tis(cap), check)
+    return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _tis(cap), check, "tis_weights")
 
 
 @register_correction("mis")
@@ -1084,7 +1094,7 @@ def mis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *,
     (IcePop-style masking). ``(B, L)`` in and out; ``clip_rate`` is the share masked. ``check``: as in
     :func:`interq_weights`.
     """
-    return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _mis(lo, hi), check)
+    return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _mis(lo, hi), check, "mis_weights")
 
 
 @register_correction("seq_is")
@@ -1096,7 +1106,7 @@ def seq_is_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None,
     ``clip_rate`` counts tokens of rows whose ratio was truncated. ``(B, L)`` in and out. ``check``: as
     in :func:`interq_weights`.
     """
-    return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _seq_is(cap), check)
+    return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _seq_is(cap), check, "seq_is_weights")
 
 
 @register_correction("geo")
@@ -1106,14 +1116,14 @@ def geo_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *,
     The length-normalised sequence ratio (as in GSPO's sequence ratio). ``(B, L)`` in and out.
     ``check``: as in :func:`interq_weights`.
     """
-    return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _geo(), check)
+    return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _geo(), check, "geo_weights")
 
 
 @register_correction("none")
 def none_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, check: bool = True):
     """No correction: all-ones ``(B, L)`` (metrics still report the mismatch). ``check``: as in
     :func:`interq_weights`."""
-    return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _none(), check)
+    return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _none(), check, "none_weights")
 
 
 #: The ``weigh`` factory of each baseline arm (its parameters as keywords): :func:`correction_weights`
@@ -1177,6 +1187,8 @@ def mismatch_metrics(
     second InterQ pass (only the ``(S,)``-sized budget allocation is redone). Same numbers.
     ``check``: as in :func:`interq_weights` (``correction/nonfinite_tokens`` with ``check=False``).
     """
+    require_values("mismatch_metrics", "it reads the segment count and which turns exist on the host" + _NO_READS,
+                   old_logprobs, rollout_logprobs, policy_mask, valid_mask)
     p = InterQParams(eps_low, eps_high, alpha_g, rho_eps, iters)
     _check_metric_options(max_turns, quantiles)
     with torch.no_grad():
@@ -1362,6 +1374,10 @@ def correction_weights(
     if not sync and _check_flag(check):
         raise ConfigError("check", "the input checks read the inputs on the host: pass check=False with "
                                    "sync=False (NaN/inf tokens are then counted in correction/nonfinite_tokens)")
+    if sync:
+        require_values("correction_weights", "with sync=True (the default) it reads the segment count and its "
+                       "metrics on the host; pass check=False, sync=False for a run without host reads",
+                       old_logprobs, rollout_logprobs, policy_mask, valid_mask)
     mode = _ARM_MODES.get(fn)
     weigh = _BASELINES.get(fn)
     with torch.no_grad():

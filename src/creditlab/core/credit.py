@@ -47,7 +47,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from creditlab.core._checks import any_true, check_scalar, check_tensor
+from creditlab.core._checks import any_true, check_scalar, check_tensor, require_values
 from creditlab.core.advantages import group_stats, grpo_advantages, prm_mixed_advantages
 from creditlab.core.registry import Registry
 from creditlab.errors import ConfigError, InputError
@@ -175,6 +175,7 @@ def shuffled(credit: torch.Tensor, step_mask: torch.Tensor, generator: torch.Gen
 def binary(rewards: torch.Tensor, group_ids: torch.Tensor, step_mask: torch.Tensor, *, threshold: float = 1.0,
            eps: float = 1e-6, conserve: bool = True) -> torch.Tensor:
     """Outcome reduced to success ``1[R_i >= threshold]``, GRPO-normalised, spread uniformly."""
+    require_values("binary", "the group count comes from the data (torch.unique)", rewards, group_ids, step_mask)
     check_tensor("rewards", rewards, shape=(None,), floating=True, finite=True)
     check_scalar("threshold", threshold)
     outcome = (rewards >= threshold).to(rewards.dtype)
@@ -186,6 +187,7 @@ def discretized(rewards: torch.Tensor, group_ids: torch.Tensor, step_mask: torch
                 conserve: bool = True) -> torch.Tensor:
     """Outcome rounded to the nearest of ``levels`` (ties go to the lower level), GRPO-normalised,
     spread uniformly."""
+    require_values("discretized", "the group count comes from the data (torch.unique)", rewards, group_ids, step_mask)
     check_tensor("rewards", rewards, shape=(None,), floating=True, finite=True)
     if len(levels) < 1:
         raise InputError("levels: needs at least one level")
@@ -203,6 +205,8 @@ def reward_to_go(step_rewards: torch.Tensor, group_ids: torch.Tensor, step_mask:
     ``conserve=True`` each row is rescaled so ``sum_t |a[i,t]| = |A_i|`` (``A_i`` the GRPO advantage
     of ``R_i``).
     """
+    require_values("reward_to_go", "the group count comes from the data (torch.unique)",
+                   step_rewards, group_ids, step_mask)
     dims: dict[str, int] = {}
     check_tensor("step_mask", step_mask, shape=("B", "T"), boolean=True, dims=dims)
     check_tensor("step_rewards", step_rewards, shape=("B", "T"), floating=True, finite=True,
@@ -326,6 +330,8 @@ def targeted(advantages: torch.Tensor, local: torch.Tensor, exposed: torch.Tenso
     tensor([[ 2.,  0.],
             [-1.,  0.]])
     """
+    require_values("targeted", "it reads the group layout on the host",
+                   advantages, local, exposed, group_ids, step_mask)
     dims = _check_adv_mask(advantages, step_mask)
     check_tensor("local", local, shape=("B", "T"), floating=True, finite=True, finite_where=step_mask, dims=dims)
     check_tensor("exposed", exposed, shape=("B", "T"), boolean=True, dims=dims)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from creditlab.core._checks import any_true, check_scalar, check_tensor
+from creditlab.core._checks import any_true, check_scalar, check_tensor, require_values
 from creditlab.errors import InputError
 
 __all__ = [
@@ -152,6 +152,7 @@ def concentration(values: torch.Tensor, top_frac: float) -> tuple[float, float]:
     Returns ``(share_of_total, share_of_entries)``. ``values`` must be non-negative (e.g. a
     per-turn KL). An all-zero input has share 0.
     """
+    require_values("concentration", "it returns Python floats (a once-per-step diagnostic)", values)
     values = _as_tensor(values).flatten().to(torch.float64)
     check_tensor("values", values, floating=True, finite=True)
     check_scalar("top_frac", top_frac, low=0.0, high=1.0, low_open=True)

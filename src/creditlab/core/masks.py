@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from creditlab.core._checks import check_tensor
+from creditlab.core._checks import check_tensor, require_values
 from creditlab.errors import InputError
 
 __all__ = [
@@ -104,6 +104,7 @@ def segment_bounds(policy_mask: torch.Tensor, valid_mask: torch.Tensor | None = 
     >>> b.start.tolist(), b.end.tolist(), b.row.tolist(), b.turn.tolist(), b.n_segments.tolist()
     ([0, 3, 6], [1, 3, 7], [0, 0, 1], [0, 1, 0], [2, 1])
     """
+    require_values("segment_bounds", "the segment count comes from the data (nonzero)", policy_mask, valid_mask)
     return _bounds_of_effective_mask(effective_policy_mask(policy_mask, valid_mask))
 
 
@@ -152,6 +153,7 @@ def segments(policy_mask: torch.Tensor, valid_mask: torch.Tensor | None = None) 
     >>> seg.lengths.tolist(), seg.row.tolist(), seg.turn.tolist(), seg.n_segments.tolist()
     ([2, 1, 1, 2], [0, 0, 2, 2], [0, 1, 0, 1], [2, 0, 2])
     """
+    require_values("segments", "the segment count comes from the data (nonzero)", policy_mask, valid_mask)
     return segments_from_bounds(segment_bounds(policy_mask, valid_mask))
 
 

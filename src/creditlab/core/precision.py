@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from creditlab.core._checks import any_true, check_scalar, check_tensor
+from creditlab.core._checks import any_true, check_scalar, check_tensor, require_values
 from creditlab.errors import InputError
 
 __all__ = [
@@ -225,6 +225,8 @@ def fork_scores(
     necessary_frac,correct_frac,absence_satisfaction}``; absence satisfaction is the share of
     pitfall rubrics not met (1 when the batch has none).
     """
+    require_values("fork_scores", "it returns its metrics as Python floats (read on the host)",
+                   match, coverage, weights, correct, rubric_mask, unit_mask, tau, beta, mode)
     dims: dict[str, int] = {}
     _check_match(match, rubric_mask, unit_mask, dims)
     check_tensor("weights", weights, shape=("B", "J"), floating=True, finite=True,
@@ -278,6 +280,8 @@ def deletion_curve(match: torch.Tensor, weights: torch.Tensor, rubric_mask: torc
     >>> curve
     tensor([[1.0000, 1.0000, 0.5000, 0.0000]])
     """
+    require_values("deletion_curve", "it returns its metrics as Python floats (read on the host)",
+                   match, weights, rubric_mask, unit_mask, scores)
     dims: dict[str, int] = {}
     _check_match(match, rubric_mask, unit_mask, dims)
     check_tensor("weights", weights, shape=("B", "J"), floating=True, finite=True, finite_where=rubric_mask,
