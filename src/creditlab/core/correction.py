@@ -59,7 +59,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
@@ -75,7 +74,7 @@ from creditlab.core.masks import (
     effective_policy_mask,
     segments_from_bounds,
 )
-from creditlab.core.registry import Registry
+from creditlab.core.registry import Registry, check_name, keyword_parameters, signature_of
 from creditlab.errors import ConfigError, InputError
 
 __all__ = [
@@ -120,7 +119,6 @@ CorrectionFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 CORRECTIONS: Registry[CorrectionFn] = Registry("correction", validate=lambda fn: _arm_parameters(fn, "correction"))
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 _POSITIONAL = 4  # old_logprobs, rollout_logprobs, policy_mask, valid_mask
 #: Keyword an arm may declare that is not one of its parameters: ``check`` (the input checks,
 #: :func:`correction_weights` passes it on). Trainer configs cannot set it.
@@ -130,23 +128,14 @@ _RESERVED = ("check",)
 def _arm_parameters(fn: Callable[..., Any], where: str) -> tuple[str, ...]:
     """Names of the keyword parameters of an arm (``check`` left out: it is not a parameter of the
     correction); :class:`ConfigError` if its signature is not an arm's."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        raise ConfigError(where, f"{fn!r} has no inspectable signature") from None
+    sig = signature_of(fn, where)
     params = list(sig.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < _POSITIONAL or any(p.default is p.empty for p in positional[3:_POSITIONAL]):
         raise ConfigError(where, "an arm takes (old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, "
                                  f"*, params...), got {fn.__name__}{sig}")
     rest = positional[_POSITIONAL:] + [p for p in params if p.kind is p.KEYWORD_ONLY]
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-        raise ConfigError(where, f"{fn.__name__}{sig}: declare the arm's parameters by name (no *args / **kwargs): "
-                                 "trainer configs are validated against them")
-    missing = [p.name for p in rest if p.default is p.empty]
-    if missing:
-        raise ConfigError(where, f"{fn.__name__}: parameter(s) {missing} need a default")
-    return tuple(p.name for p in rest if p.name not in _RESERVED)
+    return tuple(n for n in keyword_parameters(fn, sig, rest, where, "arm") if n not in _RESERVED)
 
 
 def register_correction(name: str) -> Callable[[_F], _F]:
@@ -169,9 +158,7 @@ def register_correction(name: str) -> Callable[[_F], _F]:
 
 
 def _arm_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ConfigError("correction", f"arm names are letters, digits and '_', got {name!r}")
-    return name
+    return check_name(name, "correction", "arm")
 
 
 def unregister_correction(name: str) -> CorrectionFn:

@@ -40,8 +40,6 @@ registered functions are thin adapters over the public functions of this module.
 from __future__ import annotations
 
 import contextlib
-import inspect
-import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
@@ -49,7 +47,7 @@ import torch
 
 from creditlab.core._checks import any_true, check_scalar, check_tensor, require_values
 from creditlab.core.advantages import group_stats, grpo_advantages, prm_mixed_advantages
-from creditlab.core.registry import Registry
+from creditlab.core.registry import Registry, check_name, keyword_parameters, signature_of
 from creditlab.errors import ConfigError, InputError
 
 __all__ = [
@@ -396,27 +394,17 @@ GEOMETRIES: Registry[GeometryFn] = Registry("geometry", validate=lambda fn: _geo
 _NEEDS: dict[str, frozenset[str]] = {}
 _NEED_FIELDS = frozenset({"advantages", "rewards", "step_scores", "selected", "keys"})
 _F = TypeVar("_F", bound=Callable[..., Any])
-_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 
 
 def _geometry_parameters(fn: Callable[..., Any]) -> tuple[str, ...]:
     """Keyword parameters of a geometry other than ``conserve``; :class:`ConfigError` if ``fn`` is not one."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        raise ConfigError("geometry", f"{fn!r} has no inspectable signature") from None
+    sig = signature_of(fn, "geometry")
     params = list(sig.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    keyword = {p.name: p for p in params if p.kind is p.KEYWORD_ONLY}
-    if len(positional) != 1 or "conserve" not in keyword:
+    keyword = [p for p in params if p.kind is p.KEYWORD_ONLY]
+    if len(positional) != 1 or "conserve" not in {p.name for p in keyword}:
         raise ConfigError("geometry", f"a geometry is fn(batch, *, conserve=True, params...), got {fn.__name__}{sig}")
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-        raise ConfigError("geometry", f"{fn.__name__}{sig}: declare the geometry's parameters by name "
-                                      "(no *args / **kwargs): trainer configs are validated against them")
-    missing = [n for n, p in keyword.items() if p.default is p.empty]
-    if missing:
-        raise ConfigError("geometry", f"{fn.__name__}: parameter(s) {missing} need a default")
-    return tuple(n for n in keyword if n != "conserve")
+    return tuple(n for n in keyword_parameters(fn, sig, keyword, "geometry", "geometry") if n != "conserve")
 
 
 def register_geometry(name: str, *, needs: Iterable[str] = ("advantages",)) -> Callable[[_F], _F]:
@@ -429,8 +417,7 @@ def register_geometry(name: str, *, needs: Iterable[str] = ("advantages",)) -> C
     same function again is a no-op; another function under a taken name raises
     :class:`ConfigError`. Use a module-level function (not a lambda) so that it pickles.
     """
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ConfigError("geometry", f"geometry names are letters, digits and '_', got {name!r}")
+    check_name(name, "geometry", "geometry")
     wanted = frozenset(needs)
     if not wanted <= _NEED_FIELDS:
         raise ConfigError("needs", f"unknown field(s) {sorted(wanted - _NEED_FIELDS)}; valid: "

@@ -28,21 +28,61 @@ creditlab.errors.ConfigError: unit: unknown 'cbrt'; valid: sqrt
 >>> "floor" in units, units.unregister("sqrt") is math.sqrt, len(units)
 (False, True, 0)
 
+The helpers the registries of functions share: :func:`check_name` (a name a trainer config can
+spell) and :func:`signature_of` / :func:`keyword_parameters` (what a registered function declares).
+
 Pure Python: importing it imports no tensor library.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+import inspect
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from creditlab.errors import ConfigError
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "check_name", "keyword_parameters", "signature_of"]
 
 T = TypeVar("T")
 _MISSING: Any = object()
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+def check_name(name: object, family: str, what: str) -> str:
+    """``name`` if it is letters, digits and ``_`` (it becomes part of a trainer's config keys, e.g.
+    verl's ``creditlab_<name>``); else :class:`~creditlab.errors.ConfigError` ``family: <what> names
+    are ...``."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ConfigError(family, f"{what} names are letters, digits and '_', got {name!r}")
+    return name
+
+
+def signature_of(fn: Callable[..., Any], family: str) -> inspect.Signature:
+    """``inspect.signature(fn)``; :class:`~creditlab.errors.ConfigError` when it has none."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise ConfigError(family, f"{fn!r} has no inspectable signature") from None
+
+
+def keyword_parameters(fn: Callable[..., Any], sig: inspect.Signature, params: Sequence[inspect.Parameter],
+                       family: str, what: str) -> tuple[str, ...]:
+    """The names of ``params``, the parameters a trainer config may set (``fn``'s after its fixed
+    ones), once ``fn`` declares every parameter by name (no ``*args`` / ``**kwargs``: configs are
+    validated against them) and each of ``params`` has a default; else
+    :class:`~creditlab.errors.ConfigError` naming ``fn``."""
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
+        raise ConfigError(family, f"{fn.__name__}{sig}: declare the {what}'s parameters by name (no *args / "
+                                  "**kwargs): trainer configs are validated against them")
+    missing = [p.name for p in params if p.default is p.empty]
+    if missing:
+        raise ConfigError(family, f"{fn.__name__}: parameter(s) {missing} need a default")
+    return tuple(p.name for p in params)
 
 
 def _where(obj: Any) -> str:
