@@ -40,6 +40,12 @@ def _thresholds(ax, r: CheckResult) -> None:
             ax.axhline(v, color=color, lw=1, ls=":", label=f"{level} threshold")
 
 
+def _legend_of_both(ax, bx=None) -> None:
+    """One legend for the lines of ``ax`` and of its twin axis ``bx`` (None: no twin)."""
+    lines = list(ax.get_lines()) + (list(bx.get_lines()) if bx is not None else [])
+    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="best")
+
+
 def _k3(r: CheckResult, path: Path) -> Path:
     s = r.series
     fig, ax = _figure()
@@ -126,8 +132,7 @@ def _length(r: CheckResult, path: Path) -> Path:
     if "precision" in s:
         bx.plot(s["steps"], s["precision"], marker="^", ms=3, ls="--", color="#8e44ad", label="precision")
     bx.set_ylabel("mean reward / precision")
-    lines = ax.get_lines() + bx.get_lines()
-    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="best")
+    _legend_of_both(ax, bx)
     ax.set_title(f"Length and reward over steps ({r.status})")
     ax.grid(alpha=0.3)
     return _save(fig, path)
@@ -140,7 +145,7 @@ def _process(r: CheckResult, path: Path) -> Path:
     ax.plot(s["steps"], s["outcome"], marker="s", ms=3, color="#27ae60", label="outcome reward")
     _steps_axis(ax)
     ax.set_ylabel("mean reward")
-    lines = list(ax.get_lines())
+    bx = None
     if "tool_calls" in s or "truncated" in s:
         bx = ax.twinx()
         if "tool_calls" in s:
@@ -148,8 +153,7 @@ def _process(r: CheckResult, path: Path) -> Path:
         if "truncated" in s:
             bx.plot(s["steps"], s["truncated"], ls=":", color="#34495e", label="truncation rate")
         bx.set_ylabel("tool calls / truncation rate")
-        lines += bx.get_lines()
-    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="best")
+    _legend_of_both(ax, bx)
     ax.set_title(f"Process vs outcome reward over steps ({r.status})")
     ax.grid(alpha=0.3)
     return _save(fig, path)

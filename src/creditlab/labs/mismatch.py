@@ -49,6 +49,7 @@ from creditlab.lab.report import (
 )
 from creditlab.lab.runner import Cell
 from creditlab.labs._toolshop import BasePolicyConfig, BasePolicyLab, base_knob, fresh_dump, optim_knob, seeds_knob
+from creditlab.models.quant import QUANTIZED
 from creditlab.train.toolshop_base import BaseConfig, base_policy
 from creditlab.train.toolshop_grpo import GRPOConfig, train_grpo_stacked
 
@@ -68,8 +69,8 @@ ARMS: dict[str, tuple[str, str, str]] = {
 }
 LABELS = {"fp32": "fp32", "naive": "naive", "qat": "QAT", "qat_tis": "QAT+TIS", "qat_mis": "QAT+MIS",
           "qat_prefix": "QAT+prefix", "qat_global": "QAT+global", "qat_interq": "QAT+InterQ"}
-#: Engine precisions of the dose (``-e`` selects among them).
-DOSES = ("fp8", "int8", "nvfp4", "mxfp4")
+#: Engine precisions of the dose (``-e`` selects among them): every quantized format of the engine.
+DOSES = QUANTIZED
 DEFAULT_DOSES = ("fp8", "int8", "nvfp4")
 #: Chain lengths (tool calls) of the lab's tasks, for the base policy and for training.
 CHAIN_LENGTHS = (5, 6, 7, 8)
