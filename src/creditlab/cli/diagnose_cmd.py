@@ -21,7 +21,10 @@ def diagnose(
     dumps: list[Path] = typer.Argument(..., metavar="DUMP", show_default=False,
                                        help="Dump files (.parquet, .jsonl, .jsonl.gz) or directories of them, "
                                             "e.g. verl's trainer.rollout_data_dir."),
-    out: Path = typer.Option(..., "--out", help="Directory for report.md, the PNG plots and diagnose.json."),
+    out: Path = typer.Option(..., "--out", help="Directory for report.md, the PNG plots and diagnose.json. A rerun "
+                                                "replaces only the files creditlab diagnose wrote there (another "
+                                                "report.md, e.g. a lab's, is refused); locked while the run lasts "
+                                                "(<out>.lock)."),
     fail_on: str = typer.Option("fail", "--fail-on", help="Exit 1 on: fail (default), or warn (stricter)."),
     check: list[str] = typer.Option(None, "--check", help="Run only this check (repeatable)."),
     max_turns: int = typer.Option(16, "--max-turns", help="Turns shown by the by-turn mismatch check."),
@@ -33,22 +36,13 @@ def diagnose(
     Writes report.md (a verdict table, then one section per check with its plot), PNG plots and diagnose.json.
 
     Exit code 0 when no check fails, 1 when one does (or warns, or the input has a warning, with --fail-on warn),
-    2 for unreadable input.
+    2 for unreadable input or an --out that holds files creditlab diagnose did not write.
     """
     from rich.markup import escape
 
     from creditlab.diagnose.checks import format_value
     from creditlab.diagnose.report import diagnose as run
-    from creditlab.diagnose.report import record_error
-    from creditlab.errors import ConfigError
 
-    try:
-        if max_turns < 2:
-            raise ConfigError("--max-turns", f"must be >= 2, got {max_turns}")
-        if fail_on not in ("fail", "warn"):
-            raise ConfigError("--fail-on", f"must be fail or warn, got {fail_on!r}")
-    except ConfigError as err:  # an earlier report in --out must not outlive a failed run
-        raise record_error(out, err, dumps) from None
     console = Console(stderr=True)
     if quiet:
         result = run(dumps, out, fail_on=fail_on, only=check or None, max_turns=max_turns)
@@ -73,8 +67,9 @@ def diagnose(
         Console().print(table)
     for w in result.warnings:
         console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
-    if result.replaced:
-        console.print(f"note: {escape(result.replaced)}", highlight=False, soft_wrap=True)
+    for note in (result.took_over, result.replaced):
+        if note:
+            console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
     if not quiet:
         console.print(f"report: {out / 'report.md'}", highlight=False)
     raise typer.Exit(result.exit_code)
