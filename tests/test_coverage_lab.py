@@ -109,7 +109,7 @@ def test_last_crossing_golden():
 
     import numpy as np
 
-    from creditlab.labs.coverage import _last_crossing
+    from creditlab.labs.coverage.crossing import _last_crossing
 
     v = np.array([0.6, 0.8, 1.0])
     assert _last_crossing(v, np.array([-0.2, 0.2, 0.4])) == pytest.approx(0.7)

@@ -106,5 +106,5 @@ def test_a_run_of_unrecorded_code_is_refused_and_an_empty_store_is_not(tmp_path)
 
 def test_the_fingerprint_covers_the_code_that_computes_cells_not_the_edges():
     fp = protocol.code_fingerprint()
-    assert {"train/chain.py", "labs/coverage.py", "core/correction.py", "envs/toolshop.py"} <= set(fp)
+    assert {"train/chain.py", "labs/coverage/__init__.py", "core/correction.py", "envs/toolshop.py"} <= set(fp)
     assert not any(k.startswith(("cli/", "integrations/")) for k in fp)

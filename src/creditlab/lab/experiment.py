@@ -1,0 +1,114 @@
+"""Experiments: the units a lab is built from.
+
+An experiment is one question a lab asks (the coverage lab's C sweep, its shuffled control...): the
+cells that answer it, the tables derived from their rows, its plots and the written reading of its
+tables. It lives in a module of its own under ``labs/<lab>/`` and is one line in its lab's table of
+experiments. :class:`ExperimentLab` gives a lab the four methods of the :class:`~creditlab.lab.protocol.Lab`
+protocol by looping over the experiments a run selects (``-e``), in the order of the table, so a
+lab's own code is what every experiment shares: its config, its description, its one-off
+``prepare``.
+
+What an experiment provides (subclass :class:`Experiment`; every method but ``cells`` has a default):
+
+* ``name``: the ``-e`` name, and the group of its cells (the key of its rows in ``tables``);
+* ``fields``: the config fields it owns (a test checks that each field of a lab's config is owned by
+  one experiment or is one of the lab's shared fields);
+* ``validate(config)``: the checks of its fields (a ``ConfigError`` names the CLI flag or field);
+* ``cells(config)``: its cells, all of group ``name``;
+* ``tables(rows, config)``: its tables from its rows (only its own group's rows);
+* ``plots(tables, config, out)``: its PNG files, from every table made so far;
+* ``interpret(tables, config)``: the reading of each of its report tables.
+
+Adding an experiment: see ``docs/contributing.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pandas as pd
+
+from creditlab.errors import CreditlabError
+from creditlab.lab.protocol import Table
+from creditlab.lab.runner import Cell
+
+__all__ = ["Experiment", "ExperimentLab"]
+
+
+class Experiment:
+    """One experiment of a lab (see the module docstring); subclass it and override what it does."""
+
+    name: ClassVar[str] = ""
+    fields: ClassVar[tuple[str, ...]] = ()
+
+    def validate(self, config: Any) -> None:
+        """Check the fields this experiment owns (the lab validates the shared ones)."""
+
+    def cells(self, config: Any) -> list[Cell]:  # pragma: no cover - every experiment overrides it
+        raise NotImplementedError
+
+    def tables(self, rows: pd.DataFrame, config: Any) -> dict[str, Table]:
+        """The tables of this experiment from the rows of its cells (``rows``: its group's rows)."""
+        return {}
+
+    def plots(self, tables: Mapping[str, Table], config: Any, out: Path) -> list[Path]:
+        """PNG files written into ``out`` (``tables``: every table of the run)."""
+        return []
+
+    def interpret(self, tables: Mapping[str, Table], config: Any) -> dict[str, str]:
+        """The reading of each of this experiment's report tables (``tables``: every table of the run)."""
+        return {}
+
+
+class ExperimentLab:
+    """The ``cells`` / ``tables`` / ``plots`` / ``interpret`` of a lab built from :class:`Experiment` s.
+
+    A lab sets ``experiments`` (its table: every experiment, in report order) and keeps
+    ``config.experiments`` (the selection) among their names. Each method runs the selected
+    experiments in table order; the tables of one experiment are visible to the plots and
+    interpretation of every other (they run after all tables exist).
+    """
+
+    experiments: ClassVar[Sequence[Experiment]] = ()
+
+    @classmethod
+    def experiment_names(cls) -> tuple[str, ...]:
+        return tuple(e.name for e in cls.experiments)
+
+    def selected(self, config: Any) -> list[Experiment]:
+        """The experiments ``config.experiments`` selects, in the order of the lab's table."""
+        chosen = set(config.experiments)
+        return [e for e in self.experiments if e.name in chosen]
+
+    def validate_experiments(self, config: Any) -> None:
+        """Every experiment's own checks (selected or not: the config holds every field)."""
+        for e in self.experiments:
+            e.validate(config)
+
+    def cells(self, config: Any) -> list[Cell]:
+        out: list[Cell] = []
+        for e in self.selected(config):
+            cells = e.cells(config)
+            wrong = sorted({c.group for c in cells} - {e.name})
+            if wrong:
+                raise CreditlabError(f"experiment {e.name!r} made cells of group(s) {wrong}: an experiment's "
+                                     "cells are of its own group")
+            out += cells
+        return out
+
+    def tables(self, rows: dict[str, pd.DataFrame], config: Any) -> dict[str, Table]:
+        tabs: dict[str, Table] = {}
+        for e in self.selected(config):
+            tabs.update(e.tables(rows[e.name], config))
+        return tabs
+
+    def plots(self, tables: dict[str, Table], config: Any, out: Path) -> list[Path]:
+        return [p for e in self.selected(config) for p in e.plots(tables, config, out)]
+
+    def interpret(self, tables: dict[str, Table], config: Any) -> dict[str, str]:
+        text: dict[str, str] = {}
+        for e in self.selected(config):
+            text.update(e.interpret(tables, config))
+        return text

@@ -1,0 +1,60 @@
+"""Labs built from experiments (creditlab.lab.experiment): each experiment owns its config fields,
+makes cells of its own group only, and the lab runs just the experiments a config selects."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from creditlab.errors import CreditlabError
+from creditlab.lab.experiment import Experiment, ExperimentLab
+from creditlab.lab.runner import Cell
+from creditlab.labs.coverage import EXPERIMENTS, LAB, SHARED_FIELDS, CoverageConfig
+
+LABS = [(LAB, CoverageConfig, SHARED_FIELDS)]
+
+
+@pytest.mark.parametrize(("lab", "config_type", "shared"), LABS, ids=lambda v: getattr(v, "name", ""))
+def test_every_config_field_belongs_to_one_experiment_or_is_shared(lab, config_type, shared):
+    owners: dict[str, list[str]] = {}
+    for e in lab.experiments:
+        for f in e.fields:
+            owners.setdefault(f, []).append(e.name)
+    fields = {f.name for f in dataclasses.fields(config_type)}
+    assert not {f: o for f, o in owners.items() if len(o) > 1}, "a field owned twice"
+    assert set(owners) <= fields, f"experiments own fields the config lacks: {set(owners) - fields}"
+    assert not set(owners) & set(shared)
+    assert fields == set(owners) | set(shared), f"fields owned by nobody: {fields - set(owners) - set(shared)}"
+
+
+@pytest.mark.parametrize(("lab", "config_type", "shared"), LABS, ids=lambda v: getattr(v, "name", ""))
+def test_experiments_make_cells_of_their_own_group_and_only_selected_ones_run(lab, config_type, shared):
+    quick = config_type.quick()
+    names = [e.name for e in lab.experiments]
+    assert len(set(names)) == len(names) and tuple(names) == config_type.EXPERIMENTS
+    for e in lab.experiments:
+        cells = e.cells(quick)
+        assert cells and {c.group for c in cells} == {e.name}, e.name
+    two = dataclasses.replace(quick, experiments=(names[-1], names[0]))
+    assert [e.name for e in lab.selected(two)] == [names[0], names[-1]]  # table order, not selection order
+    assert {c.group for c in lab.cells(two)} == {names[0], names[-1]}
+
+
+def test_an_experiment_making_another_groups_cells_is_refused():
+    class Stray(Experiment):
+        name = "stray"
+
+        def cells(self, config):
+            return [Cell("other", "x", print, {})]
+
+    class OneLab(ExperimentLab):
+        experiments = (Stray(),)
+
+    with pytest.raises(CreditlabError, match=r"experiment 'stray' made cells of group\(s\) \['other'\]"):
+        OneLab().cells(dataclasses.replace(CoverageConfig.quick(), experiments=("stray",)))
+
+
+def test_coverage_experiments_are_the_table():
+    assert EXPERIMENTS == ("c_sweep", "vd_sweep", "shuffle", "dose", "real_agent", "crossing", "single_update",
+                           "capability")
