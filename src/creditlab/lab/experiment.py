@@ -11,11 +11,14 @@ lab's own code is what every experiment shares: its config, its description, its
 What an experiment provides (subclass :class:`Experiment`; every method but ``cells`` has a default):
 
 * ``name``: the ``-e`` name, and the group of its cells (the key of its rows in ``tables``);
+* ``groups``: the cell groups it makes (default: its name); experiments that share work list the
+  same group, and a cell two selected experiments both make (the same key) runs once;
 * ``fields``: the config fields it owns (a test checks that each field of a lab's config is owned by
   one experiment or is one of the lab's shared fields);
 * ``validate(config)``: the checks of its fields (a ``ConfigError`` names the CLI flag or field);
 * ``cells(config)``: its cells, all of group ``name``;
-* ``tables(rows, config)``: its tables from its rows (only its own group's rows);
+* ``tables(rows, config)``: its tables from the rows of its groups (``rows`` maps every group of the run
+  to its rows);
 * ``plots(tables, config, out)``: its PNG files, from every table made so far;
 * ``interpret(tables, config)``: the reading of each of its report tables.
 
@@ -42,6 +45,11 @@ class Experiment:
 
     name: ClassVar[str] = ""
     fields: ClassVar[tuple[str, ...]] = ()
+    groups: ClassVar[tuple[str, ...]] = ()
+    """The cell groups it makes; empty: just ``name``."""
+
+    def cell_groups(self) -> tuple[str, ...]:
+        return self.groups or (self.name,)
 
     def validate(self, config: Any) -> None:
         """Check the fields this experiment owns (the lab validates the shared ones)."""
@@ -49,8 +57,8 @@ class Experiment:
     def cells(self, config: Any) -> list[Cell]:  # pragma: no cover - every experiment overrides it
         raise NotImplementedError
 
-    def tables(self, rows: pd.DataFrame, config: Any) -> dict[str, Table]:
-        """The tables of this experiment from the rows of its cells (``rows``: its group's rows)."""
+    def tables(self, rows: Mapping[str, pd.DataFrame], config: Any) -> dict[str, Table]:
+        """The tables of this experiment from the rows of its cells (``rows[group]`` for each of its groups)."""
         return {}
 
     def plots(self, tables: Mapping[str, Table], config: Any, out: Path) -> list[Path]:
@@ -88,20 +96,22 @@ class ExperimentLab:
             e.validate(config)
 
     def cells(self, config: Any) -> list[Cell]:
-        out: list[Cell] = []
+        """The selected experiments' cells in table order; a cell two of them make (same key) once."""
+        out: dict[str, Cell] = {}
         for e in self.selected(config):
             cells = e.cells(config)
-            wrong = sorted({c.group for c in cells} - {e.name})
+            wrong = sorted({c.group for c in cells} - set(e.cell_groups()))
             if wrong:
-                raise CreditlabError(f"experiment {e.name!r} made cells of group(s) {wrong}: an experiment's "
-                                     "cells are of its own group")
-            out += cells
-        return out
+                raise CreditlabError(f"experiment {e.name!r} made cells of group(s) {wrong}, not among its groups "
+                                     f"{list(e.cell_groups())}")
+            for c in cells:
+                out.setdefault(c.key, c)
+        return list(out.values())
 
     def tables(self, rows: dict[str, pd.DataFrame], config: Any) -> dict[str, Table]:
         tabs: dict[str, Table] = {}
         for e in self.selected(config):
-            tabs.update(e.tables(rows[e.name], config))
+            tabs.update(e.tables(rows, config))
         return tabs
 
     def plots(self, tables: dict[str, Table], config: Any, out: Path) -> list[Path]:

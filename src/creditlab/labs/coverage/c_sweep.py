@@ -97,8 +97,8 @@ class CSweep(Experiment):
             f"C={C}": [ModelSpec(seed=s, C=C, arm=a, k=cfg.k) for a in ("uniform", "concentrated") for s in S]
             for C in cfg.Cs}, cfg.train)
 
-    def tables(self, rows: pd.DataFrame, cfg: CoverageConfig) -> dict[str, Table]:
-        rows, tabs = runs_table(self.name, rows)
+    def tables(self, rows: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict[str, Table]:
+        rows, tabs = runs_table(self.name, rows[self.name])
         T = cfg.train.T
         df = rows
         s = summarize(df, ["C", "arm"], "final_score", UNIT)

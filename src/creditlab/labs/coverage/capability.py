@@ -272,8 +272,8 @@ class Capability(Experiment):
                       "clip": cfg.single_clip, "rollouts": cfg.single_rollouts})
                 for C in cfg.capability_Cs]
 
-    def tables(self, rows: pd.DataFrame, cfg: CoverageConfig) -> dict[str, Table]:
-        rows, tabs = runs_table(self.name, rows)
+    def tables(self, rows: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict[str, Table]:
+        rows, tabs = runs_table(self.name, rows[self.name])
         df = rows
         tabs["capability_gate"] = Table(capability_gate(df, cfg), "Capability points: gate (pre-training until "
                                         "the chain completion first reaches the target)", console=True)

@@ -119,8 +119,8 @@ class Crossing(Experiment):
                 for vd in cfg.crossing_vds}, train)
         return out
 
-    def tables(self, rows: pd.DataFrame, cfg: CoverageConfig) -> dict[str, Table]:
-        rows, tabs = runs_table(self.name, rows)
+    def tables(self, rows: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict[str, Table]:
+        rows, tabs = runs_table(self.name, rows[self.name])
         independent, dependent = CHAIN_KINDS
         df = rows.assign(chain=lambda d: np.where(d["cfg_state_dependent"], dependent, independent))
         tabs["crossing_curve"] = Table(

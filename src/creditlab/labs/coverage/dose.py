@@ -75,8 +75,8 @@ class Dose(Experiment):
         groups["uniform"] = [ModelSpec(seed=s, C=cfg.dose_C, arm="uniform", k=cfg.train.T) for s in S]
         return _cells_of("dose", groups, cfg.train)
 
-    def tables(self, rows: pd.DataFrame, cfg: CoverageConfig) -> dict[str, Table]:
-        rows, tabs = runs_table(self.name, rows)
+    def tables(self, rows: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict[str, Table]:
+        rows, tabs = runs_table(self.name, rows[self.name])
         T = cfg.train.T
         df = rows
         s = summarize(df, ["arm", "k"], "final_score", UNIT)

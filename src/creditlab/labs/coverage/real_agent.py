@@ -57,8 +57,8 @@ class RealAgent(Experiment):
                        for s in S]
             for C in cfg.real_agent_Cs}, cfg.train)
 
-    def tables(self, rows: pd.DataFrame, cfg: CoverageConfig) -> dict[str, Table]:
-        rows, tabs = runs_table(self.name, rows)
+    def tables(self, rows: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict[str, Table]:
+        rows, tabs = runs_table(self.name, rows[self.name])
         df = rows
         s = summarize(df, ["C", "arm"], "final_score", UNIT)
         s.insert(1, "V_d", [1.0 / C for C in s["C"]])

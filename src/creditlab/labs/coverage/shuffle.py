@@ -69,8 +69,8 @@ class Shuffle(Experiment):
                                for s in S]
             for C in cfg.shuffle_Cs for vd in cfg.shuffle_vds}, cfg.train)
 
-    def tables(self, rows: pd.DataFrame, cfg: CoverageConfig) -> dict[str, Table]:
-        rows, tabs = runs_table(self.name, rows)
+    def tables(self, rows: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict[str, Table]:
+        rows, tabs = runs_table(self.name, rows[self.name])
         df = rows
         tabs["shuffle"] = Table(summarize(df, ["C", "vd", "arm"], "final_score", UNIT),
                                 "Shuffled control: uniform, per_turn, shuffled")

@@ -119,8 +119,8 @@ class SingleUpdate(Experiment):
                       "rollouts": cfg.single_rollouts})
                 for ex, C in cfg.single_settings]
 
-    def tables(self, rows: pd.DataFrame, cfg: CoverageConfig) -> dict[str, Table]:
-        rows, tabs = runs_table(self.name, rows)
+    def tables(self, rows: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict[str, Table]:
+        rows, tabs = runs_table(self.name, rows[self.name])
         df = rows
         tabs["single_update"] = Table(single_update_table(df), "Single update from shared rollouts: held-out "
                                                                "improvement per arm")

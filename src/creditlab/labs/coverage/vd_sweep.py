@@ -72,8 +72,8 @@ class VdSweep(Experiment):
                               for a in ("uniform", "targeted") for s in S]
             for ex in ("independent", "prefix") for vd in cfg.vds}, cfg.train)
 
-    def tables(self, rows: pd.DataFrame, cfg: CoverageConfig) -> dict[str, Table]:
-        rows, tabs = runs_table(self.name, rows)
+    def tables(self, rows: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict[str, Table]:
+        rows, tabs = runs_table(self.name, rows[self.name])
         df = rows
         s = summarize(df, ["exposure", "vd", "arm"], "final_score", UNIT)
         s["open_fraction"] = [float(expected_open_fraction(v, cfg.vd_C)) if e == "independent" else
