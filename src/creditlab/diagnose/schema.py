@@ -2,7 +2,8 @@
 
 :data:`COLUMNS` is the one table of the schema (docs/diagnose.md renders the same table);
 :func:`rows_from_arrays` turns a padded ``(B, L)`` batch in the vocabulary of ``creditlab.core``
-into rows, and :func:`write_dump` writes rows as JSONL (appending) or parquet.
+into rows, and :func:`write_dump` adds rows to a dump (JSONL, parquet or a directory of parts), never
+truncating one.
 
 In a dump, ``logprobs`` are the learner's log-probs at the sampling checkpoint (what ``core`` calls
 ``old_logprobs``): a dump is written before the update that uses it. A trainer that put the engine's
@@ -30,6 +31,7 @@ __all__ = [
     "Column",
     "TOKEN_COLUMNS",
     "TURN_FIELDS",
+    "check_dump_path",
     "rows_from_arrays",
     "write_dump",
 ]
@@ -210,42 +212,160 @@ def _json_default(x: Any) -> Any:
     return str(x)
 
 
-def write_dump(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike, *, append: bool = False) -> Path:
-    """Write ``rows`` to ``path`` and return the file written.
+#: File names :func:`write_dump` writes as one file; any other name is a directory of parts (or an error, see
+#: :func:`check_dump_path`).
+DUMP_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
-    * ``*.jsonl`` (or ``*.jsonl.gz``): one JSON object per line; ``append=True`` adds to an
-      existing file (one dump across training steps).
-    * ``*.parquet``: one parquet file (``append=True`` is refused: write a directory instead).
-    * anything else is a directory: each call writes the next ``part-NNNNN.parquet`` in it, so a
-      trainer can append a step at a time; ``creditlab diagnose DIR`` reads them all.
 
-    ``turns`` entries are stored as JSON text in parquet (their values are of any type); the
-    readers decode them.
+def _dump_kind(path: Path) -> str | None:
+    """``"jsonl"`` or ``"parquet"`` for a dump file name, None otherwise."""
+    name = path.name
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        return "jsonl"
+    return "parquet" if name.endswith(".parquet") else None
+
+
+def _parts(path: Path) -> list[Path]:
+    return sorted(path.glob("part-*.parquet"))
+
+
+def _first_line(path: Path) -> bytes:
+    if path.name.endswith(".gz"):
+        import gzip
+
+        with gzip.open(path, "rb") as fh:
+            return fh.readline()
+    with open(path, "rb") as fh:
+        return fh.readline()
+
+
+def check_dump_path(path: str | os.PathLike, *, append: bool = True, name: str = "path") -> str:
+    """Where :func:`write_dump` can write, checked before anything is written: ``"jsonl"``, ``"parquet"`` or
+    ``"dir"``. Raises a :class:`ConfigError` naming ``name`` (the argument or flag the path came from) for:
+
+    * a name that is neither a dump file (``*.jsonl``, ``*.jsonl.gz``, ``*.parquet``) nor a directory: an
+      existing file of another kind, or a new path with another suffix (``dump.json``, ``dump.csv``); a
+      new directory is a name without a suffix (or a directory created first);
+    * a dump file name that is an existing directory, or a directory name that is an existing file;
+    * an existing file that is not a dump (a ``*.jsonl`` whose first line is not a JSON object with
+      ``step``, ``group`` and ``reward``; a ``*.parquet`` that is not a parquet file): a dump is appended
+      to, and nothing else is ever replaced;
+    * ``append=False`` and a dump that already holds rows (a non-empty file, a directory with parts).
+    """
+    p = Path(path)
+    kind = _dump_kind(p)
+    if kind is None:
+        if p.is_dir():
+            kind = "dir"
+        elif p.exists():
+            raise ConfigError(name, f"{p} is a file but not a dump file (*.jsonl, *.jsonl.gz, *.parquet); a dump is "
+                                    "one of those or a directory: pass another path")
+        elif p.suffix:
+            raise ConfigError(name, f"{p} names neither a dump file (*.jsonl, *.jsonl.gz, *.parquet) nor a directory "
+                                    f"(a name without a suffix, or an existing directory); did you mean "
+                                    f"{p.with_suffix('.jsonl')}?")
+        else:
+            kind = "dir"
+    elif p.is_dir():
+        raise ConfigError(name, f"{p} is a directory, not a {kind} file: pass the directory without the suffix to "
+                                "write parts into it, or another file name")
+    if kind == "dir":
+        if p.exists() and not p.is_dir():  # pragma: no cover - a race with another process
+            raise ConfigError(name, f"{p} is a file, not a directory")
+        if not append and p.is_dir() and _parts(p):
+            raise ConfigError(name, f"{p} already holds a dump ({len(_parts(p))} part(s)) and append=False never adds "
+                                    "to one: remove it first, or pass another path")
+        return kind
+    if p.exists() and not p.is_file():
+        raise ConfigError(name, f"{p} is not a regular file (a device or a pipe): pass another path")
+    if not p.is_file() or p.stat().st_size == 0:
+        return kind
+    if not append:
+        raise ConfigError(name, f"{p} already holds a dump and append=False never replaces one: remove it first, or "
+                                "pass another path (the default append=True adds the rows to it)")
+    if kind == "jsonl":
+        try:
+            first = json.loads(_first_line(p))
+        except (OSError, EOFError, ValueError) as err:
+            first = err
+        if not (isinstance(first, dict) and all(c.name in first for c in COLUMNS if c.required)):
+            raise ConfigError(name, f"{p} exists and is not a rollout dump (its first line is not a JSON object with "
+                                    "step, group and reward); write_dump appends to a dump and never replaces a "
+                                    "file: pass another path")
+    else:
+        import pyarrow.parquet as pq
+
+        try:
+            pq.read_schema(p)
+        except Exception as err:  # pyarrow raises ArrowInvalid, OSError...
+            raise ConfigError(name, f"{p} exists and is not a parquet file ({type(err).__name__}); write_dump appends "
+                                    "to a dump and never replaces a file: pass another path") from None
+    return kind
+
+
+def write_dump(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike, *, append: bool = True) -> Path:
+    """Add ``rows`` to the dump at ``path`` and return the file written. A dump is never truncated: called
+    once per training step, every step is kept.
+
+    * ``*.jsonl`` (or ``*.jsonl.gz``): one JSON object per line, appended to the file (a last line
+      without its newline, cut off by a killed writer, is ended first so that it stays one bad line).
+    * ``*.parquet``: one parquet file; an existing one is read and rewritten with the new rows after its
+      own (a temporary file renamed over it, so a kill leaves the old or the new file). Each call reads
+      the whole file: for a long run written a step at a time, use a directory.
+    * a directory (an existing one, or a name without a suffix): each call writes the next
+      ``part-NNNNN.parquet`` in it; ``creditlab diagnose DIR`` reads them all.
+    * any other name (``dump.json``, an existing file that is not a dump) is a :class:`ConfigError`
+      naming ``path`` (:func:`check_dump_path`), with nothing written.
+
+    ``append=False``: refuse (:class:`ConfigError`) a dump that already holds rows instead of adding to it.
+    ``turns`` entries are stored as JSON text in parquet (their values are of any type); the readers
+    decode them.
     """
     path = Path(path)
+    kind = check_dump_path(path, append=append)
     rows = [dict(r) for r in rows]
-    name = path.name
-    if name.endswith(".jsonl") or name.endswith(".jsonl.gz"):
+    if kind == "jsonl":
         path.parent.mkdir(parents=True, exist_ok=True)
-        mode = "a" if append else "w"
-        if name.endswith(".gz"):
+        if path.name.endswith(".gz"):
             import gzip
 
-            fh = gzip.open(path, mode + "t", encoding="utf-8")
+            fh = gzip.open(path, "at", encoding="utf-8")
         else:
-            fh = open(path, mode, encoding="utf-8")
+            if path.is_file() and path.stat().st_size:
+                with open(path, "rb") as old:
+                    old.seek(-1, os.SEEK_END)
+                    torn = old.read(1) != b"\n"
+            else:
+                torn = False
+            fh = open(path, "a", encoding="utf-8")
+            if torn:
+                fh.write("\n")
         with fh:
             for r in rows:
                 fh.write(json.dumps(r, ensure_ascii=False, default=_json_default) + "\n")
         return path
-    if name.endswith(".parquet"):
-        if append:
-            raise ConfigError("append", f"{path}: a parquet file cannot be appended to; pass a directory")
+    if kind == "parquet":
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_parquet(rows, path)
+        table = _parquet_table(rows)
+        if path.is_file() and path.stat().st_size:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            old = pq.read_table(path)
+            try:
+                table = pa.concat_tables([old, table], promote_options="permissive")
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+                raise InputError(f"{path}: the new rows do not fit the rows already in the file ({err}); write them "
+                                 "to another path") from None
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            _write_table(table, tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         return path
     path.mkdir(parents=True, exist_ok=True)
-    taken = sorted(path.glob("part-*.parquet"))
+    taken = _parts(path)
     n = 1 + max((int(p.stem.split("-")[1]) for p in taken if p.stem.split("-")[1].isdigit()), default=-1)
     out = path / f"part-{n:05d}.parquet"
     tmp = path / f".part-{n:05d}.parquet.tmp"
@@ -255,8 +375,18 @@ def write_dump(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike, *, ap
 
 
 def _write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
-    import pyarrow as pa
+    _write_table(_parquet_table(rows), path)
+
+
+def _write_table(table: Any, path: Path) -> None:
     import pyarrow.parquet as pq
+
+    pq.write_table(table, path)
+
+
+def _parquet_table(rows: list[dict[str, Any]]) -> Any:
+    """The rows as one pyarrow table (the column types of the schema)."""
+    import pyarrow as pa
 
     names: list[str] = []
     for r in rows:
@@ -280,7 +410,7 @@ def _write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
             cols[k] = pa.array([None if v is None else float(v) for v in vals], type=pa.float64())
         else:
             cols[k] = pa.array(vals)
-    pq.write_table(pa.table(cols), path)
+    return pa.table(cols)
 
 
 def is_number(v: Any) -> bool:

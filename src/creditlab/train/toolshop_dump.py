@@ -72,13 +72,13 @@ def dump_rollouts(batch: RolloutBatch, rewards: torch.Tensor, step: int,
                   append: bool = True) -> Path | None:
     """Write the rows of :func:`rollout_rows` to a dump.
 
-    ``path_or_writer``: a ``*.jsonl`` file (appended to when ``append``), a ``*.parquet`` file, a
-    directory (one ``part-NNNNN.parquet`` per call), or a callable that receives the rows. Returns
-    the file written (None for a callable).
+    ``path_or_writer``: a ``*.jsonl`` or ``*.parquet`` file (appended to; ``append=False`` refuses one that
+    already holds rows), a directory (one ``part-NNNNN.parquet`` per call), or a callable that receives
+    the rows (:func:`~creditlab.diagnose.schema.write_dump`). Returns the file written (None for a callable).
     """
     rows = rollout_rows(batch, rewards, step, logprobs=logprobs, process_scores=process_scores)
     if callable(path_or_writer):
         path_or_writer(rows)
         return None
     path = Path(path_or_writer)
-    return write_dump(rows, path, append=append and not path.name.endswith(".parquet"))
+    return write_dump(rows, path, append=append)
