@@ -14,10 +14,11 @@ A lab is one module with one object implementing :class:`Lab`:
 * optionally ``prepare(config, progress)``: one-off work in the driver before the cells run (e.g.
   building a cached base policy that every cell loads), with its own progress display.
 
-:func:`run_lab` owns everything else: the output directory and its manifest (a rerun into an
-``--out`` made with another configuration refuses, or starts clean with ``fresh=True``), the
-results store (every finished cell persisted at once, a rerun computes only the missing cells),
-the executor, progress, the parquet + markdown tables, the plots and ``report.md``.
+:func:`run_lab` owns everything else: the output directory, its lock and its manifest (a rerun into an
+``--out`` made with another configuration refuses, or starts clean with ``fresh=True``; a second run
+into an ``--out`` that a run is writing is refused), the results store (every finished cell persisted at
+once, a rerun computes only the missing cells), the executor, progress, the parquet + markdown tables,
+the plots and ``report.md``.
 
 Adding a lab is one module and one line of the table in :mod:`creditlab.labs` (see ``docs/contributing.md``);
 the CLI gives it a sub-command with the options every lab has, plus the lab's own :class:`LabOption` s.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import types
 import typing
@@ -39,6 +41,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import pandas as pd
 
+from creditlab.diagnose._outlock import OutLock
 from creditlab.errors import ConfigError, CreditlabError
 from creditlab.lab.report import to_markdown
 from creditlab.lab.runner import Cell, Executor, run_cells
@@ -327,6 +330,18 @@ def _clean(out: Path, old: dict | None, everything: bool) -> None:
         (out / MANIFEST).unlink(missing_ok=True)
 
 
+def _check_free(out: Path, names: list[str]) -> None:
+    """Refuse to write an output over a file of ``out`` that no run of the lab wrote: the files of the previous
+    run (its manifest's ``outputs``) are removed before the cells run, so one that exists now is someone
+    else's (a user's notes, a ``creditlab diagnose`` report written into the lab's ``--out``)."""
+    taken = [n for n in dict.fromkeys(names) if (out / n).exists()]
+    if taken:
+        raise ConfigError("--out", f"{out / taken[0]}{f' (and {len(taken) - 1} more)' if len(taken) > 1 else ''} "
+                                   "was not written by this lab's runs, and this run would replace it; the cells are "
+                                   f"stored, no table or report was written: move {taken[0]} out of {out} and rerun "
+                                   "the same command (it reads the cells back), or choose another --out")
+
+
 def _write_manifest(out: Path, lab: Lab, config: LabConfig, outputs: list[str], code: dict[str, str],
                     mixed: list[str]) -> None:
     from creditlab import __version__
@@ -354,7 +369,12 @@ def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | N
 
     Writes ``out/lab.json`` (the lab, the configuration and the files this run wrote),
     ``out/store/`` (one file per finished cell), ``<table>.parquet`` and ``<table>.md`` for every
-    table, the lab's PNG plots and ``report.md``. A rerun with the same configuration computes
+    table, the lab's PNG plots and ``report.md``. The run holds the lock ``<out>.lock`` (and
+    ``<dump_dir>.lock`` when the config has a ``dump_dir``) from its start to its end: a second run into
+    the same ``--out``, ``fresh`` or not, is refused naming the first before it reads or removes
+    anything. It replaces only the files its manifest lists: a table, plot or report whose file
+    exists in ``out`` and was not written by a run of this lab is refused (nothing of the outputs is
+    written; the cells stay stored). A rerun with the same configuration computes
     only the cells missing from the store; a rerun with another one raises
     :class:`~creditlab.errors.ConfigError` naming ``--out``, unless ``fresh`` (discard the old
     run first). Selecting other experiments (``-e``) is the same run: finished cells are reused
@@ -372,6 +392,29 @@ def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | N
                                     f"got {type(config).__name__}")
     config.validate()
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError("--out", f"{out} exists and is not a directory")
+    locks = [OutLock(out, what=f"creditlab lab {lab.name}")]
+    dump_dir = getattr(config, "dump_dir", None)
+    if dump_dir and Path(dump_dir).resolve() != out.resolve():
+        locks.append(OutLock(Path(dump_dir), what=f"creditlab lab {lab.name} (its --dump)", flag="--dump"))
+    held: list[OutLock] = []
+    try:
+        for lock in locks:
+            note = lock.acquire()
+            held.append(lock)
+            if note and status is not None:
+                status(note)
+        return _run_locked(lab, config, out, executor, fresh=fresh, keep_cells=keep_cells, progress=progress,
+                           status=status)
+    finally:
+        for lock in reversed(held):
+            lock.release()
+
+
+def _run_locked(lab: Lab, config: LabConfig, out: Path, executor: Executor | None, *, fresh: bool, keep_cells: bool,
+                progress: bool, status: Callable[[str], None] | None) -> LabResult:
+    """:func:`run_lab` once it holds the lock of ``out``."""
     old = _check_out(out, lab, config, fresh)
     code = code_fingerprint()  # once, at the start: the code that computes this run's cells
     mixed = []
@@ -401,12 +444,25 @@ def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | N
     missing = [n for n, t in tables.items() if t.report and not texts.get(n)]
     if missing:
         raise CreditlabError(f"lab {lab.name!r}: no interpretation for report table(s) {missing}")
-    written: list[str] = []
-    for name, t in tables.items():
-        t.frame.to_parquet(out / f"{name}.parquet", index=False)
-        (out / f"{name}.md").write_text(_markdown(t))
-        written += [f"{name}.parquet", f"{name}.md"]
-    plots = [Path(p) for p in lab.plots(tables, config, out)]
+    # the plots are drawn into a folder of their own, so that no file is written before all are known to be ours
+    staging = out / f".plots-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        drawn = [Path(p) for p in lab.plots(tables, config, staging)]
+        names = [n for name in tables for n in (f"{name}.parquet", f"{name}.md")] + [p.name for p in drawn]
+        _check_free(out, names + ["report.md"])
+        written: list[str] = []
+        for name, t in tables.items():
+            t.frame.to_parquet(out / f"{name}.parquet", index=False)
+            (out / f"{name}.md").write_text(_markdown(t))
+            written += [f"{name}.parquet", f"{name}.md"]
+        plots = []
+        for p in drawn:
+            os.replace(p, out / p.name)
+            plots.append(out / p.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     written += [p.name for p in plots]
     report = out / "report.md"
     report.write_text(_report(lab, config, tables, texts, plots, mixed))
