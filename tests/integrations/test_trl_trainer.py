@@ -189,7 +189,8 @@ def test_credit_values_come_from_the_geometry_registry(tmp_path):
     for name in ("binary", "reward_to_go"):
         with pytest.raises(ConfigError, match=f"credit: '{name}' needs .*TRL passes its outcome advantages"):
             CreditlabGRPOTrainer(args=_args(tmp_path), credit=name, **common)
-    with pytest.raises(ConfigError, match="geometry: unknown 'bogus'"):
+    with pytest.raises(ConfigError, match="credit: unknown 'bogus'; valid: uniform, per_turn, concentrated, "
+                                          "shuffled, prm, random_k, targeted or None"):
         CreditlabGRPOTrainer(args=_args(tmp_path), credit="bogus", **common)
 
     def doubled(batch, *, conserve=True):

@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -118,8 +119,11 @@ class CreditlabGRPOTrainer(GRPOTrainer):
             ``state.global_step``).
         turn_scores_key: the per-sample field holding one score per turn (list of floats).
         dump: where to write each training batch for ``creditlab diagnose``: a directory (one
-            ``part-NNNNN.parquet`` per batch) or a ``*.jsonl`` file (appended to); with several
-            processes each writes under ``rank-<i>/`` of that path. None: no dump.
+            ``part-NNNNN.parquet`` per batch), or a ``*.jsonl`` / ``*.jsonl.gz`` / ``*.parquet`` file (appended
+            to; an existing one must be a dump); checked here, with the rules of
+            :func:`~creditlab.diagnose.schema.write_dump` (another name, e.g. ``dump.json`` or an existing
+            file that is not a dump, is a :class:`ConfigError` naming ``dump``). With several processes each
+            writes under ``rank-<i>/`` of a directory, or to ``<name>.rank-<i>.<suffix>``. None: no dump.
         live_checks: log the values of diagnose's batch checks every step (``creditlab/...``) and warn
             once when one crosses its warn threshold. The mismatch values need the learner's log-probs
             of the sampling checkpoint: they are there when TRL computes them (vLLM importance
@@ -134,11 +138,16 @@ class CreditlabGRPOTrainer(GRPOTrainer):
         if correction is not None:
             _correction.get_correction(correction)
         if credit is not None:
-            _credit.get_geometry(credit)
+            if credit not in _credit.GEOMETRIES:  # the registry's error would list geometries TRL cannot feed
+                raise ConfigError("credit", f"unknown {credit!r}; valid: {', '.join(_credits())} or None")
             if not _trl_can_feed(credit):
                 needs = sorted(_credit.geometry_needs(credit))
                 raise ConfigError("credit", f"{credit!r} needs {needs}: TRL passes its outcome advantages and per-turn "
                                             f"scores; valid: {', '.join(_credits())} or None")
+        if dump is not None:  # what the first training step would write to, checked now
+            from creditlab.diagnose.schema import check_dump_path
+
+            check_dump_path(dump, name="dump")
         self.creditlab_correction = correction
         self.creditlab_correction_params = dict(correction_params or {})
         self.creditlab_credit = credit
@@ -158,6 +167,10 @@ class CreditlabGRPOTrainer(GRPOTrainer):
             except InputError as err:
                 raise ConfigError("correction_params", f"{err} (arm {correction!r})") from None
         super().__init__(*args, **kwargs)
+        if dump is not None and self.accelerator.num_processes > 1:
+            from creditlab.diagnose.schema import check_dump_path
+
+            check_dump_path(self._dump_path(), name="dump")
         if correction is not None and self.loss_type == "vespo":
             raise ConfigError("correction", "the 'vespo' loss computes its own importance weights")
 
@@ -265,8 +278,6 @@ class CreditlabGRPOTrainer(GRPOTrainer):
 
     def _dump(self, out: dict[str, Any], mode: str) -> None:
         """Write this process's completions of the batch as dump rows (see :func:`dump_rows`)."""
-        from pathlib import Path
-
         from creditlab.diagnose.schema import write_dump
 
         old = out.get("old_per_token_logps")
@@ -282,12 +293,20 @@ class CreditlabGRPOTrainer(GRPOTrainer):
         rows = dump_rows(out, rewards, step=int(self.state.global_step), old_logprobs=old,
                          group_ids=(torch.arange(B) + start) // self.num_generations,
                          responses=completions if all(isinstance(c, str) for c in completions) else None)
-        path = Path(self.creditlab_dump)
-        if self.accelerator.num_processes > 1:
-            path = path / f"rank-{self.accelerator.process_index}" if not path.name.endswith(".jsonl") else \
-                path.with_name(f"{path.name[:-len('.jsonl')]}.rank-{self.accelerator.process_index}.jsonl")
         if rows:
-            write_dump(rows, path, append=True)
+            write_dump(rows, self._dump_path(), append=True)
+
+    def _dump_path(self) -> Path:
+        """The dump of this process: ``dump`` itself with one process; with several, ``rank-<i>/`` under a
+        directory, or ``<name>.rank-<i>.<suffix>`` for a dump file (one writer per file)."""
+        path = Path(self.creditlab_dump)
+        if self.accelerator.num_processes == 1:
+            return path
+        rank = self.accelerator.process_index
+        for suffix in (".jsonl.gz", ".jsonl", ".parquet"):
+            if path.name.endswith(suffix):
+                return path.with_name(f"{path.name[:-len(suffix)]}.rank-{rank}{suffix}")
+        return path / f"rank-{rank}"
 
     def _weights(self, old: torch.Tensor, rollout: torch.Tensor, pm: torch.Tensor, *, diagnostics: bool = True):
         """The arm's weights and metrics (with :func:`~creditlab.core.correction.mismatch_metrics` when
