@@ -30,16 +30,18 @@ class OutLock:
     so two spellings of one file or directory share a lock). :meth:`acquire` raises a :class:`ConfigError`
     naming ``flag`` and the run that holds the lock; :meth:`release` removes the lock file. ``what`` says
     what the run does (``"scoring in.jsonl"``, ``"creditlab lab coverage"``), for the message a second run
-    gets. Where ``fcntl`` is missing (not POSIX) nothing is locked.
+    gets; ``overrides``: the command's flag that discards earlier output (``--force``, ``--fresh``), which the
+    message says does not override the lock. Where ``fcntl`` is missing (not POSIX) nothing is locked.
 
     The lock is per open file: a second :class:`OutLock` on the same path is refused even in the same
     process."""
 
-    def __init__(self, out: str | os.PathLike[str], what: str = "", flag: str = "--out"):
+    def __init__(self, out: str | os.PathLike[str], what: str = "", flag: str = "--out", overrides: str | None = None):
         self.out = Path(out)
         self.path = Path(str(self.out.resolve()) + ".lock")
         self.what = what
         self.flag = flag
+        self.overrides = overrides
         self.fd: int | None = None
 
     @staticmethod
@@ -105,10 +107,10 @@ class OutLock:
             except OSError:
                 holder = self._describe(self._read(fd, wait=True))
                 os.close(fd)
+                hint = f" ({self.overrides} does not override the lock of a running run)" if self.overrides else ""
                 raise ConfigError(self.flag, f"{self.out} is being written by another run ({holder}; lock "
-                                             f"{self.path}); wait for it to end or choose another {self.flag} "
-                                             "(--force does not override the lock of a running run, and neither "
-                                             "does --fresh)") from None
+                                             f"{self.path}); wait for it to end or choose another {self.flag}{hint}"
+                                  ) from None
             try:  # the file locked must still be the one at the path (a run that just ended removes it)
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:

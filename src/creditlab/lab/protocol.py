@@ -394,10 +394,11 @@ def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | N
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", f"{out} exists and is not a directory")
-    locks = [OutLock(out, what=f"creditlab lab {lab.name}")]
+    locks = [OutLock(out, what=f"creditlab lab {lab.name}", overrides="--fresh")]
     dump_dir = getattr(config, "dump_dir", None)
     if dump_dir and Path(dump_dir).resolve() != out.resolve():
-        locks.append(OutLock(Path(dump_dir), what=f"creditlab lab {lab.name} (its --dump)", flag="--dump"))
+        locks.append(OutLock(Path(dump_dir), what=f"creditlab lab {lab.name} (its --dump)", flag="--dump",
+                             overrides="--fresh"))
     held: list[OutLock] = []
     try:
         for lock in locks:
