@@ -38,7 +38,8 @@ def _common_parameters(lab) -> list[inspect.Parameter]:
                               "Reduced run: the same shapes at a fraction of the full run's cost."),
         "out": typer.Option(Path(f"runs/{lab.name}"), "--out",
                             help="Output directory (results store, tables, plots, report.md). A rerun with the same "
-                                 "options resumes; one with other options refuses unless --fresh."),
+                                 "options resumes; one with other options refuses unless --fresh. Locked while a run "
+                                 "writes it (<out>.lock): a second run into it is refused, --fresh or not."),
         "seeds": typer.Option(None, "--seeds", help="Paired seeds per arm (default: the lab's, see --quick)."),
         "updates": typer.Option(None, "--updates", help="Policy updates per training run (default: the lab's)."),
         "workers": typer.Option(1, "--workers", help="Worker processes for the cells (process executor; with "
