@@ -11,8 +11,11 @@ from creditlab.errors import CreditlabError
 from creditlab.lab.experiment import Experiment, ExperimentLab
 from creditlab.lab.runner import Cell
 from creditlab.labs.coverage import EXPERIMENTS, LAB, SHARED_FIELDS, CoverageConfig
+from creditlab.labs.fork import LAB as FORK
+from creditlab.labs.fork import SHARED_FIELDS as FORK_SHARED
+from creditlab.labs.fork import ForkLabConfig
 
-LABS = [(LAB, CoverageConfig, SHARED_FIELDS)]
+LABS = [(LAB, CoverageConfig, SHARED_FIELDS), (FORK, ForkLabConfig, FORK_SHARED)]
 
 
 @pytest.mark.parametrize(("lab", "config_type", "shared"), LABS, ids=lambda v: getattr(v, "name", ""))

@@ -1,0 +1,68 @@
+"""The ``winrate`` experiment of the fork lab: the rubric-free headline metric, the share of prompts
+on which an arm's response has a higher true quality than the initial policy's (ties count half),
+exact judge. Its cells are the exact-judge cells of ``noise`` (shared when both run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from creditlab.lab.experiment import Experiment
+from creditlab.lab.plotting import new_figure, save
+from creditlab.lab.protocol import Table
+from creditlab.lab.report import read_diff, small_run_note
+from creditlab.lab.runner import Cell
+from creditlab.labs.fork._common import _arm_rows, _bars, _paired
+from creditlab.labs.fork.config import ForkLabConfig
+from creditlab.labs.fork.noise import noise_cells
+
+
+def _plot_winrate(t: pd.DataFrame, out: Path) -> Path:
+    fig, ax = new_figure(figsize=(6, 4))
+    _bars(ax, t, "win_rate", "win rate against the initial policy (true quality; ties half)")
+    ax.axhline(0.5, color="grey", lw=1, ls=":")
+    ax.set(ylim=(0, 1), ylabel="win rate")
+    return save(fig, out / "fork_winrate.png")
+
+
+class WinRate(Experiment):
+    """Win rate against the initial policy, exact judge (the noise experiment's cells at flip 0)."""
+
+    name = "winrate"
+    groups = ("noise",)
+
+    def cells(self, cfg: ForkLabConfig) -> list[Cell]:
+        return noise_cells(cfg, {1.0: 0.0})
+
+    def tables(self, rows: dict[str, pd.DataFrame], cfg: ForkLabConfig) -> dict[str, Table]:
+        df = rows["noise"]
+        exact = df[df["flip"] == 0.0]
+        if not len(exact):
+            return {}
+        fin, start = exact[exact["update"] == cfg.noise_updates], exact[exact["update"] == 0]
+        return {"fork_winrate": Table(
+                    _arm_rows(fin, start, cfg.noise_arms, ("win_rate", "quality"), ("length", "recall", "precision")),
+                    "Win rate against the initial policy's responses (true quality, no rubric; exact judge)",
+                    console=True),
+                "fork_winrate_paired": Table(_paired(fin, cfg.noise_arms, ("win_rate", "quality"), []),
+                                             "Win rate: FORK minus the other arms (paired seeds)")}
+
+    def plots(self, tabs, cfg: ForkLabConfig, out: Path) -> list[Path]:
+        return [_plot_winrate(tabs["fork_winrate"].frame, out)] if "fork_winrate" in tabs else []
+
+    def interpret(self, tabs, cfg: ForkLabConfig) -> dict[str, str]:
+        if "fork_winrate" not in tabs:
+            return {}
+        w = tabs["fork_winrate"].frame.set_index("arm")
+        d = tabs["fork_winrate_paired"].frame
+        return {"fork_winrate": (
+            "Win rate: the share of evaluation prompts on which the arm's response has a higher true quality than the "
+            "initial policy's response to the same prompt (ties count half; true quality = points of the facts stated "
+            f"correctly - {cfg.quality_wrong:g} per incorrect unit - {cfg.quality_pitfall:g} for a pitfall; padding "
+            "earns nothing). " + "; ".join(f"{a}: {r['win_rate']:.3f}" for a, r in w.iterrows())
+            + ". Prediction: FORK's win rate well above recall-only's." + small_run_note(cfg.noise_seeds)),
+            "fork_winrate_paired": read_diff(d, ["metric"], "fork - other")}
+
+
+EXPERIMENT = WinRate()
