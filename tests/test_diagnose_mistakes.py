@@ -266,7 +266,9 @@ def test_the_same_file_twice_is_an_error(tmp_path, capsys):
     _error([p, p], tmp_path, capsys, "a.jsonl: given twice: its rows would count twice")
     _error([tmp_path / "d", p], tmp_path, capsys, f"a.jsonl: given twice (as '{tmp_path / 'd'}' and '{p}')")
     write_dump(clean_rows(steps=1), tmp_path / "d" / "a.parquet")  # the same rows in another format
-    _error(tmp_path / "d", tmp_path, capsys, "a.parquet: every row repeats an identical row of")
+    _error(tmp_path / "d", tmp_path, capsys, f"{tmp_path / 'd' / 'a.parquet'} holds the same rows as "
+                                             f"{tmp_path / 'd' / 'a.jsonl'} (every row, step for step: the same dump "
+                                             "twice, e.g. in two formats or a copied file): pass one of them")
 
 
 def test_a_step_written_twice_is_left_out_with_a_warning(tmp_path, capsys):
@@ -338,13 +340,20 @@ def test_a_torn_last_line_of_the_newest_file_is_skipped_with_a_warning(tmp_path,
     assert w == (f"{new}: line 65 is incomplete (no end of line, not valid JSON) and was skipped: the newest file of "
                  "the input, probably still being written.")
     assert w in (tmp_path / "o" / "report.md").read_text()
-    # the same torn line in the older file is an error, and so is a bad line with its end of line
+    # the same torn line in the older file is a row its writer left unfinished: skipped, saying so
     os.utime(new, ns=(500_000_000, 500_000_000))
-    _error(d, tmp_path, capsys, "2.jsonl: line 65: not valid JSON")
+    code, js, _ = _diag(d, tmp_path / "o2", capsys)
+    assert code == 0 and js["input"]["trajectories"] == 128
+    assert js["warnings"] == [f"{new}: line 65, the last, is a row cut off by its writer (an unfinished JSON object: "
+                              "a writer that stopped mid-row, e.g. crashed) and was skipped. To silence this, delete "
+                              "that line."]
+    # a line that is not JSON and not an unfinished row is an error, wherever it is
     os.utime(new, ns=(2_000_000_000, 2_000_000_000))
-    with new.open("a") as fh:
-        fh.write("\n")
-    _error(d, tmp_path, capsys, "2.jsonl: line 65: not valid JSON")
+    text = new.read_text()
+    new.write_text(text[:text.rindex("\n") + 1] + '{"step": 3,, "group": "prompt-0"}\n')
+    _error(d, tmp_path, capsys, "2.jsonl: line 65: not valid JSON (Expecting property name enclosed in double "
+                                "quotes at column 12): each line must be one JSON object (one trajectory); fix or "
+                                "remove that line")
 
 
 # ------------------------------------------------------------------------------------------------

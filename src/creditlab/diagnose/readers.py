@@ -17,14 +17,26 @@ trainer's ``uid`` field ``{uid}_{session}_{output}`` is there), ``reward`` the `
 tokens); ``precision`` and ``recall`` come along when the reward function returned them (creditlab's
 FORK reward for verl does).
 
-Besides malformed values, these are input errors: a file given twice; a file whose rows all repeat
-another file's (the same dump twice); a log-prob above ``LOGPROB_TOL`` on a policy token
-(probabilities where log-probs belong); a nested list in a token column; a ``precision`` or
-``recall`` outside [0, 1]; a ``process_score`` outside [-1, 1]; verl's column names in a
-creditlab-format file. These are warnings (:attr:`Dump.warnings`, shown in the report): an
-incomplete last line of the newest file of a directory, or of the files given (a job still
-writing: the line is skipped); rows repeating identical rows of the same step written elsewhere (left
-out); response lengths in characters in some files and in tokens in others.
+A file is read in the format its bytes are in, whatever its name: gzip (a ``.jsonl`` that is gzip
+too), parquet, or JSONL text; another compression (zstd, bzip2, xz, zip) is an input error naming it.
+
+Runs stay apart: the input is one training run. Two files, or two directories given, that start at the
+same step and hold the same group at two or more steps are two runs (a lab's ``--dump`` directory holds
+one file per arm and seed; one run writes a step's groups once, and a run resumed from a checkpoint
+starts later than the rows it rewrites): an input error naming them and how to diagnose each alone.
+Files whose names differ only in ``rank-<i>`` are one run's processes.
+
+Besides malformed values, these are input errors: a file given twice; a file whose every row is also
+in another file, step for step (the same dump twice), naming both; several runs (above); a log-prob above
+``LOGPROB_TOL`` on a policy token (probabilities where log-probs belong); a nested list in a token
+column; a ``precision`` or ``recall`` outside [0, 1]; a ``process_score`` outside [-1, 1]; verl's
+column names in a creditlab-format file; a line that is not JSON and not a row cut off by its writer.
+These are warnings (:attr:`Dump.warnings`, shown in the report): what a writer leaves unfinished,
+skipped: an empty file, an incomplete last line of the newest file of a directory or of the files
+given (a job still writing), a row cut off by its writer at the end of an older file or before rows
+appended later (a crashed trainer, resumed: a whole row appended on the cut-off line is read), a gzip
+stream that stops early; rows repeating identical rows of the same step written elsewhere (left out);
+response lengths in characters in some files and in tokens in others.
 """
 
 from __future__ import annotations
@@ -220,6 +232,7 @@ def read_dump(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
     total = sum(f.stat().st_size for f in files)
     done = 0
     parts, kept, skipped = [], [], []
+    kept_groups: list[int] = []
     for k, f in enumerate(files):
         size = f.stat().st_size
         tick = None
@@ -229,18 +242,22 @@ def read_dump(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
         try:
             parts.append(_read_file(f, tick, live=k in live))
             kept.append(f)
-        except _OnlyTorn as torn:  # a file just started: nothing but its incomplete first line
+            kept_groups.append(grouped[k][1])
+        except _Skipped as skip:  # empty, or nothing but a cut-off line: what a writer left unfinished
             if len(files) == 1:
-                raise InputError(str(torn).replace(" and was skipped", "")) from None
-            skipped.append(str(torn))
+                raise InputError(skip.error) from None
+            skipped.append(str(skip))
         done += size
         if progress is not None:
             progress(f"read {f.name}", done, total)
     if not parts:
-        raise InputError(f"no complete row in the input: {skipped[0]}")
+        raise InputError(f"no complete row in the input: {' '.join(skipped)}")
     dump = _concat([str(f) for f in kept], parts)
     dump.warnings[:0] = skipped
-    dump = _drop_repeated_rows(dump)
+    keys = [_row_key(dump, i) for i in range(len(dump))]
+    _same_dump_twice(dump, keys)
+    _separate_runs(dump, kept_groups, [str(p) for p in paths])
+    dump = _drop_repeated_rows(dump, keys)
     _check_length_units(dump)
     return dump
 
@@ -287,55 +304,232 @@ class _Where:
         return f"{self.path}: {self.unit} {int(self.numbers[i])}: column '{column}'"
 
 
+_MAGIC = ((b"\x1f\x8b", "gzip"), (b"PAR1", "parquet"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"BZh", "bzip2"),
+          (b"\xfd7zXZ\x00", "xz"), (b"PK\x03\x04", "zip"))
+"""Leading bytes of the formats a dump file may really be in, whatever its name says."""
+_DECOMPRESS = {"zstd": "zstd -d", "bzip2": "bunzip2", "xz": "unxz", "zip": "unzip"}
+
+
+def _sniff(path: Path) -> str | None:
+    """What ``path`` holds by its first bytes: "gzip", "parquet", another compression, "empty" (nothing
+    but white space), or None (text)."""
+    with open(path, "rb") as fh:
+        head = fh.read(512)
+    for magic, kind in _MAGIC:
+        if head.startswith(magic):
+            return kind
+    return "empty" if not head.strip() and len(head) < 512 else None
+
+
+class _Skipped(InputError):
+    """A file that holds no row but what a writer left unfinished: nothing (empty), or only a cut-off
+    first line. Skipped with a warning when the input has other files, an error when it is the input."""
+
+    def __init__(self, warning: str, error: str):
+        super().__init__(warning)
+        self.error = error
+
+
 def _read_file(path: Path, tick: Callable[[int], None] | None, *, live: bool = False) -> _Part:
-    if path.name.endswith(".parquet"):
+    """One file, read in the format its bytes are in (a gzip file named ``.jsonl`` is read as gzip, a
+    plain one named ``.jsonl.gz`` as text, a parquet file under a JSONL name as parquet)."""
+    try:
+        kind = _sniff(path)
+    except OSError as err:
+        raise InputError(f"{path}: cannot be read ({err.strerror or err})") from None
+    if kind == "empty":
+        why = ("the newest file of the input, probably just created by a job that has not written its first row"
+               if live else "its writer wrote no row (e.g. it stopped before the first)")
+        raise _Skipped(f"{path} is empty and was skipped: {why}.",
+                       f"{path}: holds no rows (the file is empty): nothing to diagnose; pass a dump with rows")
+    if kind in _DECOMPRESS:
+        raise InputError(f"{path}: is {kind}-compressed, which diagnose does not read: decompress it "
+                         f"({_DECOMPRESS[kind]} {path.name}), or compress it with gzip as a .jsonl.gz file")
+    if kind == "parquet":
         return _read_parquet(path)
-    return _read_jsonl(path, tick, live=live)
+    if path.name.endswith(".parquet") and kind is None and not _starts_like_json(path):
+        return _read_parquet(path)  # not parquet, not JSONL: the parquet reader's error names it
+    return _read_jsonl(path, tick, live=live, gz=kind == "gzip")
 
 
-def _open_text(path: Path):
-    if path.name.endswith(".gz"):
+def _starts_like_json(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(64).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{")
+
+
+def _open_text(path: Path, gz: bool):
+    if gz:
         return gzip.open(path, "rt", encoding="utf-8")
     return open(path, encoding="utf-8")
 
 
-class _OnlyTorn(InputError):
-    """A file being written that holds nothing but an incomplete first line."""
+_ROW_START = re.compile(r'\{\s*"')
 
 
-def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None, *, live: bool = False) -> _Part:
-    """``live``: the file may still be written (the newest of its directory): an incomplete last line
-    (no end of line, not valid JSON) is skipped with a warning instead of being an error."""
+def _scan(text: str) -> tuple[bool, int]:
+    """``(open, start)``: whether ``text`` reads as the start of a JSON object that stops before its end
+    (brackets and strings well nested so far, the outer object still open), and where its last token
+    (a string, number or literal) starts."""
+    stack: list[str] = []
+    in_str = esc = False
+    start, prev = 0, " "
+    for k, c in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+            continue
+        if c == '"':
+            in_str, start = True, k
+        elif c in "{[":
+            stack.append("}" if c == "{" else "]")
+        elif c in "}]":
+            if not stack or stack.pop() != c or (not stack and k < len(text) - 1):
+                return False, start
+        elif not c.isspace() and c not in ",:" and (prev.isspace() or prev in ",:{["):
+            start = k
+        prev = c
+    return bool(stack) or in_str, start
+
+
+def _unclosed(text: str) -> bool:
+    return _scan(text)[0]
+
+
+def _cut_off(text: str, err: json.JSONDecodeError) -> bool:
+    """A row its writer did not finish: a JSON object whose text ends before the object closes, the
+    decoder failing in its last token (a value or key the text stops in)."""
+    text = text.rstrip()
+    if not text.startswith("{"):
+        return False
+    unclosed, start = _scan(text)
+    return unclosed and err.pos >= start
+
+
+def _after_cut(text: str) -> tuple[int, dict] | None:
+    """``(column, row)`` when ``text`` is a cut-off row followed by a whole one on the same line (a writer
+    that stopped mid-row, then rows appended to the file: the first lands after the cut-off text)."""
+    text = text.rstrip()
+    if not text.startswith("{"):
+        return None
+    dec = json.JSONDecoder()
+    for m in _ROW_START.finditer(text, 1):
+        try:
+            obj, end = dec.raw_decode(text, m.start())
+        except (json.JSONDecodeError, RecursionError):
+            continue
+        if end == len(text) and isinstance(obj, dict) and _unclosed(text[:m.start()]):
+            return m.start(), obj
+    return None
+
+
+def _bad_utf8(path: Path, gz: bool) -> tuple[int, int] | None:
+    """``(line, byte)`` of the first byte of ``path`` that is not UTF-8 (None if none is found)."""
+    with (gzip.open(path, "rb") if gz else open(path, "rb")) as fh:
+        for n, raw in enumerate(fh, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                return n, raw[err.start]
+    return None
+
+
+def _lines(numbers: list[int]) -> str:
+    head = ", ".join(map(str, numbers[:5]))
+    more = f" and {len(numbers) - 5} more" if len(numbers) > 5 else ""
+    return f"line {head}" if len(numbers) == 1 else f"lines {head}{more}"
+
+
+def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None, *, live: bool = False,
+                gz: bool = False) -> _Part:
+    """Rows of a JSONL file (``gz``: gzip-compressed). A line its writer did not finish (an incomplete
+    JSON object) is skipped with a warning saying why it is there: the last line of the newest file
+    (``live``: a job still writing; any incomplete last line there), the last line of an older file (a
+    writer that stopped mid-row), or a line followed by rows appended later (a crashed writer, then a
+    resumed one; a whole row appended on the cut-off line is read). Any other line that is not a JSON
+    object is an error naming it."""
     rows: list[dict] = []
     numbers: list[int] = []
     warnings: list[str] = []
+    torn: tuple[int, str] | None = None  # an incomplete line, until the next line tells whether it was the last
+    cut_mid: list[int] = []              # cut-off lines followed by rows written later
+    joined: list[int] = []               # ... with the first later row on the same line
     read = 0  # characters, about the bytes of the (uncompressed) file
+    stream_cut = False
     try:
-        with _open_text(path) as fh:
-            for n, line in enumerate(fh, 1):
-                read += len(line)
-                if tick is not None and n % 2000 == 0:
-                    tick(read)
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as err:
-                    if live and not line.endswith("\n"):  # only the last line of a file lacks one
-                        warnings.append(f"{path}: line {n} is incomplete (no end of line, not valid JSON) and was "
-                                        "skipped: the newest file of the input, probably still being written.")
-                        break
-                    raise InputError(f"{path}: line {n}: not valid JSON ({err.msg} at column {err.colno})") from None
-                if not isinstance(obj, dict):
-                    raise InputError(f"{path}: line {n}: expected a JSON object (one trajectory), "
-                                     f"got {type(obj).__name__}")
-                rows.append(obj)
-                numbers.append(n)
-    except (OSError, UnicodeDecodeError, EOFError) as err:
+        with _open_text(path, gz) as fh:
+            try:
+                for n, line in enumerate(fh, 1):
+                    read += len(line)
+                    if tick is not None and n % 2000 == 0:
+                        tick(read)
+                    if not line.strip():
+                        continue
+                    if torn is not None:  # the incomplete line was not the last: rows were appended after it
+                        cut_mid.append(torn[0])
+                        torn = None
+                    if n == 1:
+                        line = line.lstrip("\ufeff")
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        got = None if live and not line.endswith("\n") else _after_cut(line)
+                        if got is None:
+                            if (live and not line.endswith("\n")) or _cut_off(line, err):
+                                torn = (n, line)
+                                continue
+                            raise InputError(f"{path}: line {n}: not valid JSON ({err.msg} at column {err.colno}): "
+                                             "each line must be one JSON object (one trajectory); fix or remove "
+                                             "that line") from None
+                        joined.append(n)
+                        obj = got[1]
+                    except RecursionError:
+                        raise InputError(f"{path}: line {n}: not valid JSON (nested too deep)") from None
+                    if not isinstance(obj, dict):
+                        raise InputError(f"{path}: line {n}: expected a JSON object (one trajectory), "
+                                         f"got {type(obj).__name__}")
+                    rows.append(obj)
+                    numbers.append(n)
+            except EOFError:  # a gzip stream that stops before its end
+                stream_cut = True
+    except UnicodeDecodeError as err:
+        at, byte = _bad_utf8(path, gz) or (None, err.object[err.start])
+        raise InputError(f"{path}: {f'line {at}: ' if at else ''}not UTF-8 text (byte 0x{byte:02x}"
+                         f"{' in the decompressed text' if gz else ''}): not a JSONL dump (one JSON object per "
+                         "line), nor gzip or parquet; pass the dump in one of those formats") from None
+    except (OSError, gzip.BadGzipFile) as err:
         raise InputError(f"{path}: cannot be read ({err})") from None
+    if cut_mid or joined:
+        both = sorted(cut_mid + joined)
+        same = (f"; the row written after it on the same line ({_lines(joined)}) was read"
+                if joined else "")
+        warnings.append(f"{path}: {_lines(both)} {'is a row' if len(both) == 1 else 'are rows'} cut off by "
+                        f"{'its writer' if len(both) == 1 else 'their writer'}, followed by rows appended later "
+                        "(a trainer that crashed mid-row, then resumed into the same file): the cut-off "
+                        f"row{'s were' if len(both) > 1 else ' was'} skipped{same}. To silence this, delete the "
+                        "cut-off text from the file.")
+    if torn is not None:
+        n, line = torn
+        if live and not line.endswith("\n"):
+            warnings.append(f"{path}: line {n} is incomplete (no end of line, not valid JSON) and was skipped: "
+                            "the newest file of the input, probably still being written.")
+        else:
+            warnings.append(f"{path}: line {n}, the last, is a row cut off by its writer (an unfinished JSON "
+                            "object: a writer that stopped mid-row, e.g. crashed) and was skipped. To silence "
+                            "this, delete that line.")
+    if stream_cut:
+        why = ("the newest file of the input, probably still being written" if live else
+               "its writer stopped before closing it (e.g. crashed)")
+        warnings.append(f"{path}: the gzip stream is cut off ({why}): the rows before the cut "
+                        f"({len(rows):,}) were read.")
     if not rows:
         if warnings:
-            raise _OnlyTorn(warnings[0])
+            why = ("a job still writing it?" if live else "its writer stopped mid-row, e.g. crashed")
+            raise _Skipped(warnings[0], f"{path}: holds no complete row: its only row is cut off ({why}); "
+                                        "diagnose it once a row is complete")
         raise InputError(f"{path}: holds no rows")
     where = _Where(path, "line", np.asarray(numbers))
     names: set[str] = set()
@@ -920,11 +1114,109 @@ def _rewritten(keys: list[bytes], groups: np.ndarray) -> tuple[int, int] | None:
     return None
 
 
-def _drop_repeated_rows(d: Dump) -> Dump:
+def _names(items: Sequence[str], k: int = 4) -> str:
+    return ", ".join(items[:k]) + (f" and {len(items) - k} more" if len(items) > k else "")
+
+
+def _same_dump_twice(d: Dump, keys: list[bytes]) -> None:
+    """A file whose every row repeats an identical row (same step) of one other file is the same dump
+    twice (e.g. in two formats, or a copied file): an error naming both files."""
+    if len(d.files) < 2:
+        return
+    by_file: list[dict[int, set[bytes]]] = [{} for _ in d.files]
+    for i, k in enumerate(keys):
+        by_file[int(d.row_file[i])].setdefault(int(d.step[i]), set()).add(k)
+    counts = np.bincount(d.row_file, minlength=len(d.files))
+    for f in range(len(d.files)):
+        mine = by_file[f]
+        holders = [g for g in range(len(d.files)) if g != f and counts[g] >= counts[f]
+                   and all(s in by_file[g] and ks <= by_file[g][s] for s, ks in mine.items())]
+        same = [g for g in holders if counts[g] == counts[f]]
+        if same and min(same) < f:
+            raise InputError(f"{d.files[f]} holds the same rows as {d.files[min(same)]} (every row, step for step: "
+                             "the same dump twice, e.g. in two formats or a copied file): pass one of them")
+        if holders and not same:
+            raise InputError(f"every row of {d.files[f]} is also in {d.files[min(holders)]} (step for step: the "
+                             "same rollouts twice, e.g. part of a dump copied into another file): pass one of them")
+
+
+def _file_steps(d: Dump, rows: np.ndarray) -> tuple[int, dict[int, set[Any]]]:
+    """The first step of ``rows`` and, per step, the group labels they hold."""
+    out: dict[int, set[Any]] = {}
+    for s, g in zip(d.step[rows].tolist(), d.group[rows].tolist(), strict=True):
+        out.setdefault(s, set()).add(g)
+    return min(out), out
+
+
+def _apart(a: tuple[int, dict[int, set[Any]]], b: tuple[int, dict[int, set[Any]]]) -> list[int] | None:
+    """The steps two sources share with a common group, when they read as two training runs: both start at
+    the same step and share two or more steps holding the same group (one run writes a step's groups
+    once; a run resumed from a checkpoint starts later than the rows it rewrites). Else None."""
+    if a[0] != b[0]:
+        return None
+    shared = sorted(s for s, gs in a[1].items() if s in b[1] and not gs.isdisjoint(b[1][s]))
+    return shared if len(shared) >= 2 else None
+
+
+_RANK = re.compile(r"(?<![A-Za-z0-9])rank-\d+(?![0-9])")
+"""The part of a name that tells one process's dump from the others' of the same run."""
+
+
+def _separate_runs(d: Dump, groups: list[int], args: list[str]) -> None:
+    """Refuse to diagnose several training runs as one. Each file is a source (a lab's ``--dump``
+    directory holds one file per arm and seed), and so is each directory given (verl writes a run's
+    ``rollout_data_dir`` a file per step); two sources are two runs when :func:`_apart` says so, unless
+    their names differ only in ``rank-<i>`` (one run's processes, each writing its own file). Mixed,
+    their groups would merge and rollouts they share (a seed's first step, from one base policy) would
+    read as rows written twice."""
+    files = np.arange(len(d.files))
+    sources: list[tuple[str, np.ndarray]] = [(d.files[f], d.row_file == f) for f in files]
+    dirs = sorted({g for g in groups if g >= 0})
+    if len(dirs) + (-1 in groups) >= 2:
+        in_dir = np.asarray(groups)[d.row_file]
+        sources += [(args[g], in_dir == g) for g in dirs]
+    for level in ("file", "directory"):
+        cand = [(name, rows) for k, (name, rows) in enumerate(sources)
+                if (k < len(files)) == (level == "file") and rows.any()]
+        info = [_file_steps(d, rows) for _, rows in cand]
+        runs: list[int] = []
+        shared: list[int] | None = None
+        shard = [_RANK.sub("rank-*", name) for name, _ in cand]
+        for i in range(len(cand)):
+            for j in range(i):
+                if shard[i] == shard[j] and shard[i] != cand[i][0]:
+                    continue  # one run's processes, a file each (creditlab's TRL callback: rank-<i>)
+                got = _apart(info[i], info[j])
+                if got is not None:
+                    shared = shared or got
+                    runs += [k for k in (j, i) if k not in runs]
+        if not runs:
+            continue
+        names = [cand[k][0] for k in runs]
+        parent = {str(Path(n).parent) for n in names} if level == "file" else set()
+        short = [Path(n).name for n in names] if len(parent) == 1 else names
+        where = f" in {next(iter(parent))}" if len(parent) == 1 else ""
+        steps = f"{len(shared)} steps ({shared[0]} to {shared[-1]})" if len(shared) > 2 else \
+            f"steps {shared[0]} and {shared[1]}"
+        loop = ""
+        if where:
+            suffix = next((x for x in _SUFFIXES if all(n.endswith(x) for n in names)), "")
+            loop = (f"; all of them: for f in \"{where[4:]}\"/*{suffix}; do creditlab diagnose \"$f\" --out "
+                    "\"diagnose-$(basename \"$f\")\"; done")
+        kind = "directories" if level == "directory" else "files"
+        raise InputError(
+            f"the input holds {len(runs)} separate training runs: the {kind} {_names(short)}{where} start at the same "
+            f"step ({info[runs[0]][0]}) and hold the same groups at {steps}, as runs do that are not one (a lab's "
+            "arms or seeds, or two trainers); one run writes a step's groups once. Diagnosed together, each group "
+            "would merge across runs and the rollouts they share would read as rows written twice. Diagnose each "
+            f"run on its own: creditlab diagnose {names[0]} --out DIR{loop}")
+
+
+def _drop_repeated_rows(d: Dump, keys: list[bytes] | None = None) -> Dump:
     """Leave out rows that repeat an identical row of the same step written before: in another file, in
     another run of that step's rows in the same file, or as the step's rows written again right after
     themselves (a resumed trainer). Other identical rows within a run are kept: a group's rollouts can
-    be identical. A file whose every row repeats rows read before is an error: the same dump twice."""
+    be identical. (A file that repeats another whole is refused before: :func:`_same_dump_twice`.)"""
     N = len(d)
     if N < 2:
         return d
@@ -932,7 +1224,7 @@ def _drop_repeated_rows(d: Dump) -> Dump:
     change[1:] = (d.row_file[1:] != d.row_file[:-1]) | (d.step[1:] != d.step[:-1])
     starts = np.flatnonzero(change)
     ends = np.append(starts[1:], N)
-    keys = [_row_key(d, i) for i in range(N)]
+    keys = keys if keys is not None else [_row_key(d, i) for i in range(N)]
     repeat = np.zeros(N, dtype=bool)
     first_of: dict[int, int] = {}  # repeated row -> the row it repeats
     seen: dict[int, dict[bytes, int]] = {}  # step -> key -> first row, over the runs before
@@ -956,13 +1248,6 @@ def _drop_repeated_rows(d: Dump) -> Dump:
             before.setdefault(k, i)
     if not repeat.any():
         return d
-    for f in range(len(d.files)):
-        rows = d.row_file == f
-        if rows.any() and repeat[rows].all():
-            i = int(np.flatnonzero(rows)[0])
-            raise InputError(f"{d.files[f]}: every row repeats an identical row of "
-                             f"{d.files[int(d.row_file[first_of[i]])]} (the same dump twice, e.g. in two formats "
-                             "or a copied file): pass one of them")
     i = int(np.flatnonzero(repeat)[0])
     n = int(repeat.sum())
     out = _take(d, ~repeat)

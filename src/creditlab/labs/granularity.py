@@ -755,6 +755,10 @@ class GranularityLab(_ArmReadings, BasePolicyLab):
         # a new experiment's cell computes one seed (and one repeat): the count of seeds and the list of
         # repeats change none of its rows, so they stay out of its key (a run with more seeds reuses it)
         own = {k: v for k, v in ident.items() if k not in ("seeds", "repeats")}
+
+        def sweep_ctx(arm: str, r: float) -> dict:
+            # at the lab's own repeat, a swept arm is the arm's training run, dumped by its train cell: no copy
+            return cfg.context() if arm in cfg.arms() and r == cfg.repeat else ctx
         # the gates first: each new experiment's preconditions, measured before its arms train
         cells = [Cell("gates", g, run_gate_cell, {"config": ident, "gate": g}, cfg.context()) for g in new]
         cells += [Cell("train", f"{arm}/seed={s}", run_arm, {"config": ident, "arm": arm, "seed": s}, ctx)
@@ -766,7 +770,7 @@ class GranularityLab(_ArmReadings, BasePolicyLab):
                                                                   "setting": "multi"}, ctx)
                       for arm in MULTI_ARMS if "multi" in new]
             cells += [Cell("sweep", f"{arm}/repeat={r:g}/seed={s}", run_arm,
-                           {"config": own, "arm": arm, "seed": s, "setting": "sweep", "repeat": r}, ctx)
+                           {"config": own, "arm": arm, "seed": s, "setting": "sweep", "repeat": r}, sweep_ctx(arm, r))
                       for r in (parse_repeats(cfg.repeats) if "repeat" in new else ()) for arm in SWEEP_ARMS]
             cells += [Cell("warm", f"{arm}/seed={s}", run_arm, {"config": own, "arm": arm, "seed": s,
                                                                  "setting": "warm"}, ctx)
