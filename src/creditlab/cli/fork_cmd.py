@@ -13,7 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from creditlab.cli._apps import fork_app
-from creditlab.cli._results import OutLock, RowWriter, check_cache, compact, scan_results, set_aside, truncate
+from creditlab.cli._results import RowWriter, check_cache, compact, scan_results, set_aside, truncate
+from creditlab.diagnose._outlock import OutLock
 from creditlab.errors import ConfigError
 
 __all__ = ["score"]
@@ -76,8 +77,18 @@ def _read_items(inp: Path, response_field: str | None, console: Console) -> tupl
             continue
         if it.id in seen:
             bad += 1
-            console.print(f"skipped {inp.name}:{n}: duplicate id {it.id!r} (first at line {seen[it.id]}; ids are "
-                          "compared as text, so 1 and \"1\" are the same id)", highlight=False, markup=False)
+            first = seen[it.id]
+            if it.id_from == "hash":  # neither row has an id: they hold the same prompt, response and rubrics
+                why = (f"the same item as line {first} (the same prompt, response and rubrics; neither row has an "
+                       "'id', 'prompt_id' or 'uid', so each is named by a hash of those): remove one, or give each "
+                       "its own 'id'")
+            elif it.id_from == "id":
+                why = (f"duplicate id {it.id!r} (first at line {first}; ids are compared as text, so 1 and \"1\" "
+                       "are the same id)")
+            else:
+                why = (f"duplicate id {it.id!r}, taken from its field {it.id_from.split()[0]!r} as the row has no "
+                       f"'id' (first at line {first}): give each row its own 'id'")
+            console.print(f"skipped {inp.name}:{n}: {why}", highlight=False, markup=False)
             continue
         seen[it.id] = n
         items.append(it)
@@ -118,8 +129,35 @@ def _check_output(out: Path, inp: Path) -> None:
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise ConfigError("--out", f"directory {parent} does not exist (create it first)")
-    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise ConfigError("--out", f"{out} is not writable")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError("--out", f"the directory {parent} is not writable: fork score needs it for the lock file "
+                                   f"{OutLock(out).path} (and to rewrite {out.name} in place); make {parent} "
+                                   "writable, or choose an --out in a writable directory")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise ConfigError("--out", f"{out} is not writable (its directory is): make the file writable, or choose "
+                                   "another --out")
+
+
+class _LazyWriter:
+    """A :class:`RowWriter` opened at the first row: a run that writes no row (it failed before its first
+    item finished) creates no --out, so nothing is left that a later run would take for its results."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._writer: RowWriter | None = None
+
+    @property
+    def written(self) -> int:
+        return self._writer.written if self._writer is not None else 0
+
+    def write(self, row: dict) -> None:
+        if self._writer is None:
+            self._writer = RowWriter(self.path)
+        self._writer.write(row)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
 
 
 def _stop_on_signals(stopped: list) -> None:
@@ -262,9 +300,12 @@ def score(
     base_urls_file: Path = typer.Option(None, "--base-urls-file",
                                         help="File of endpoint URLs, one per line ('#' comments), added to "
                                              "--base-url."),
-    model: str = typer.Option("judge", "--model", help="Model name for the openai judge."),
+    model: str = typer.Option(None, "--model", help="Model name for the openai judge (default 'judge')."),
     api_key_env: str = typer.Option("OPENAI_API_KEY", "--api-key-env", help="Environment variable with the API key."),
-    beta: float = typer.Option(1.0, "--beta", help="F-beta parameter (beta > 1 favours recall)."),
+    beta: float = typer.Option(None, "--beta",
+                               help="F-beta parameter of --mode fork (default 1; beta > 1 favours recall). --mode f2 "
+                                    "is F-beta with beta 2, and recall and mean have no beta: --beta with them is "
+                                    "refused unless it is what the mode computes (2 for f2)."),
     tau: str = typer.Option("judge", "--tau", help="Necessity threshold: 'judge' or a number > 0."),
     mode: str = typer.Option("fork", "--mode", help="fork, or a baseline: recall, mean, f2."),
     pitfall_only: str = typer.Option("error", "--pitfall-only",
@@ -277,7 +318,15 @@ def score(
     preflight: bool = typer.Option(True, "--preflight/--no-preflight",
                                    help="Check with one cheap request (GET /models, 10 s) that the endpoint answers "
                                         "before scoring."),
-    cache: Path = typer.Option(None, "--cache", help="sqlite cache of validated judge replies."),
+    cache: Path = typer.Option(None, "--cache",
+                               help="sqlite cache of validated judge replies, each stored with the endpoint that "
+                                    "gave it and served only to that endpoint (another server may serve another "
+                                    "model under the same name)."),
+    cache_any_endpoint: bool = typer.Option(False, "--cache-any-endpoint",
+                                            help="Serve --cache replies whichever endpoint gave them (also those "
+                                                 "of caches written before creditlab 0.2.0 recorded endpoints): "
+                                                 "only for a cache known to come from the same model. Recorded in "
+                                                 "every row's settings."),
     transport: str = typer.Option("auto", "--transport",
                                   help="HTTP client: httpx, asyncio (minimal HTTP/1.1, several times cheaper per "
                                        "request), or auto: asyncio when every endpoint is plain http:// and no proxy "
@@ -288,7 +337,9 @@ def score(
                                help="Rescore every item into --out, discarding its rows, even rows made with other "
                                     "settings (judge, model, mode, beta, tau...). It never overrides the lock of a "
                                     "run still writing --out, and never erases a file that is not a fork-score "
-                                    "results file."),
+                                    "results file. It concerns --out only: --cache still serves the replies this "
+                                    "judge's endpoints gave to the same requests (choose another --cache, or none, "
+                                    "to ask the judge again)."),
     response_field: str = typer.Option(None, "--response-field",
                                        help="Input field holding the response to score (default: 'response', else "
                                             "'completion'; 'answer', 'output', 'reference'... are read as "
@@ -308,7 +359,7 @@ def score(
     items failed, 2 on bad options or files."""
     from creditlab.core.precision import COMBINE_MODES
     from creditlab.judge.prompts import PROMPT_VERSION
-    from creditlab.rewards.fork import BETA_MAX, BETA_MIN
+    from creditlab.rewards.fork import BETA_MAX, BETA_MIN, MODE_BETA, effective_beta
 
     console = Console(stderr=True)
     # -- everything that can be checked without a judge, before anything expensive or any write
@@ -323,7 +374,7 @@ def score(
             raise ConfigError("--tau", f"must be 'judge' or a number, got {tau!r}") from None
         if not 0 < tau_v < float("inf"):
             raise ConfigError("--tau", f"must be a finite number > 0, got {tau_v}")
-    if not BETA_MIN <= beta <= BETA_MAX:
+    if beta is not None and not BETA_MIN <= beta <= BETA_MAX:
         raise ConfigError("--beta", f"must be between {BETA_MIN:g} and {BETA_MAX:g}, got {beta:g} (beyond, F-beta is "
                                     "precision or recall to 6 decimals: use --mode recall for recall alone)")
     if not 1 <= concurrency <= 4096:
@@ -336,20 +387,44 @@ def score(
         raise ConfigError("--response-field", "must name a field of the input rows")
     if mode not in COMBINE_MODES:
         raise ConfigError("--mode", f"unknown mode {mode!r}; valid: {', '.join(COMBINE_MODES)}")
+    if beta is not None and mode in MODE_BETA and beta != MODE_BETA[mode]:  # contradictory flags
+        fixed = MODE_BETA[mode]
+        raise ConfigError("--beta", f"--beta {beta:g} with --mode {mode}: " + (
+            f"--mode {mode} has no beta; drop --beta (or use --mode fork --beta {beta:g})" if fixed is None else
+            f"--mode {mode} is F-beta with beta = {fixed:g}; drop --beta, or use --mode fork --beta {beta:g}"))
+    beta_v = effective_beta(mode, beta)  # what the rewards are computed with, and what is recorded
+    if cache_any_endpoint and cache is None:
+        raise ConfigError("--cache-any-endpoint", "it says which cached replies --cache may serve: give --cache too")
     if pitfall_only not in ("error", "absence"):
         raise ConfigError("--pitfall-only", f"unknown {pitfall_only!r}; valid: error, absence")
+    offline_judge = None
     if judge == "openai":
+        model = "judge" if model is None else model
         urls = _base_urls(base_url, base_urls_file)
         settings = _settings(judge="openai", model=model, base_url=urls[0] if len(urls) == 1 else urls,
                              prompt_version=PROMPT_VERSION,
-                             mode=mode, beta=beta, tau=tau_v, assume_correct=assume_correct,
-                             pitfall_only=pitfall_only)
+                             mode=mode, beta=beta_v, tau=tau_v, assume_correct=assume_correct,
+                             pitfall_only=pitfall_only, cache_any_endpoint=cache_any_endpoint)
     elif judge == "offline":
+        # flags of the openai judge would be silently ignored: refused (every recorded setting is the one used)
+        for flag, given in (("--base-url", bool(base_url)), ("--base-urls-file", base_urls_file is not None),
+                            ("--model", model is not None), ("--cache", cache is not None),
+                            ("--cache-any-endpoint", cache_any_endpoint)):
+            if given:
+                raise ConfigError(flag, f"{flag} belongs to --judge openai: the offline judge runs here, with its "
+                                        "own embedding model, and sends no request; drop it")
         if not assume_correct:
             raise ConfigError("--assume-correct", "the offline judge cannot judge factual correctness; pass "
                                                   "--assume-correct (assume_correct) to score anyway")
-        settings = _settings(judge="offline", model="all-MiniLM-L6-v2", match_threshold=0.55, mode=mode, beta=beta,
-                             tau=tau_v, assume_correct=assume_correct, pitfall_only=pitfall_only)
+        from creditlab.judge import EmbeddingJudge
+
+        try:
+            offline_judge = EmbeddingJudge()  # a missing extra is found here, before --out is touched
+        except ConfigError as err:
+            raise ConfigError("--judge", f"offline: {err.message}; nothing was scored") from None
+        settings = _settings(judge="offline", model="all-MiniLM-L6-v2", match_threshold=offline_judge.match_threshold,
+                             mode=mode, beta=beta_v, tau=tau_v, assume_correct=assume_correct,
+                             pitfall_only=pitfall_only)
     else:
         raise ConfigError("--judge", f"unknown judge {judge!r}; valid: openai, offline")
 
@@ -358,7 +433,7 @@ def score(
     response_summary = _response_summary(items)
 
     # -- this run owns --out from here on (a second writer is refused; the lock goes when the command ends)
-    _hold(ctx, OutLock(out, what=str(inp)), console)
+    _hold(ctx, OutLock(out, what=f"scoring {inp}", overrides="--force"), console)
     scan = scan_results(out)  # refuses a file that is not a results file, before anything is written
     previous = scan.rows
     differs = _settings_mismatch(previous, settings)
@@ -382,15 +457,20 @@ def score(
     done = {str(r["id"]) for r in previous if r.get("error") is None} - set(changed)  # changed: --rescore-changed
     items = [it for it in items if it.id not in done]
 
-    from creditlab.judge import EmbeddingJudge, JudgeCache, OpenAIJudge
+    from creditlab.judge import JudgeCache, OpenAIJudge
     from creditlab.rewards import FORKReward
 
     jcache = JudgeCache(cache) if cache is not None else None
-    if judge == "openai":
+    if jcache is not None and not cache_any_endpoint and jcache.legacy_count():
+        console.print(f"--cache {cache}: {jcache.legacy_count()} judge replies in it were written before creditlab "
+                      "recorded the endpoint that gave each reply; they are not served (--cache-any-endpoint serves "
+                      "them, for a cache known to come from this same model)", highlight=False, markup=False)
+    if offline_judge is None:
         j = OpenAIJudge(urls, model, api_key=os.environ.get(api_key_env), concurrency=concurrency,
-                        timeout=timeout, max_retries=max_retries, cache=jcache, transport=_transport(transport, urls))
+                        timeout=timeout, max_retries=max_retries, cache=jcache, transport=_transport(transport, urls),
+                        cache_any_endpoint=cache_any_endpoint)
     else:
-        j = EmbeddingJudge()
+        j = offline_judge
     if judge == "openai" and preflight and items:
         from creditlab.judge import JudgeError
 
@@ -403,7 +483,7 @@ def score(
             console.print(f"endpoint: {problem}", highlight=False, markup=False)
     reward = FORKReward(j, beta=beta, tau=tau_v, mode=mode, assume_correct=assume_correct, pitfall_only=pitfall_only)
 
-    async def run_all(writer: RowWriter) -> None:
+    async def run_all(writer: _LazyWriter) -> None:
         _stop_on_signals(stopped)
         try:
             with Progress(TextColumn("[bold]fork score"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -423,7 +503,7 @@ def score(
     not_sent: list[str] = []
     stopped: list[signal.Signals] = []
     if items:
-        writer = RowWriter(out)
+        writer = _LazyWriter(out)
         try:
             asyncio.run(run_all(writer))
         except (KeyboardInterrupt, asyncio.CancelledError):
@@ -446,7 +526,8 @@ def score(
         return f"{sum(vals) / len(vals):.3f}" if vals else "-"
 
     quality = str(getattr(j, "quality", "unknown"))
-    table = Table(title=f"FORK ({mode}, beta={beta:g}, judge={j.name})")
+    shown_beta = f", beta={beta_v:g}" if beta_v is not None else ""
+    table = Table(title=f"FORK ({mode}{shown_beta}, judge={j.name})")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name, value in [
@@ -458,6 +539,8 @@ def score(
         ("judge requests (all runs)", str(sum(int(r.get("requests", 0)) for r in rows))),
         ("assume_correct", str(assume_correct)),
         ("response field", response_summary),
+        *([("judge cache", f"{cache}: " + ("replies of any endpoint (--cache-any-endpoint)" if cache_any_endpoint
+                                            else "replies of these endpoints only"))] if cache is not None else []),
     ]:
         table.add_row(name, value)
     Console().print(table)

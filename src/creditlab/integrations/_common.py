@@ -276,7 +276,7 @@ _REWARDS_LOCK = threading.Lock()
 
 def fork_reward(judge: str = "offline", *, base_url: str | None = None, model: str | None = None,
                 api_key_env: str = "OPENAI_API_KEY", concurrency: int = 16, timeout: float = 60.0,
-                max_retries: int = 4, beta: float = 1.0, tau: str | float = "judge", mode: str = "fork",
+                max_retries: int = 4, beta: float | None = None, tau: str | float = "judge", mode: str = "fork",
                 assume_correct: bool = False, match_threshold: float = 0.55, offline_tau: float = 0.75,
                 cache_path: str | None = None):
     """A :class:`~creditlab.rewards.fork.FORKReward` for a judge described by plain values, built once

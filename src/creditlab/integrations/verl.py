@@ -489,7 +489,7 @@ _BATCHERS = BatcherCache()
 async def fork_compute_score(data_source: Any = None, solution_str: str = "", ground_truth: Any = None,
                              extra_info: dict | None = None, *, judge: str = "offline", base_url: str | None = None,
                              model: str | None = None, api_key_env: str = "OPENAI_API_KEY", concurrency: int = 16,
-                             timeout: float = 60.0, max_retries: int = 4, beta: float = 1.0,
+                             timeout: float = 60.0, max_retries: int = 4, beta: float | None = None,
                              tau: str | float = "judge", mode: str = "fork", assume_correct: bool = False,
                              match_threshold: float = 0.55, offline_tau: float = 0.75, cache_path: str | None = None,
                              max_batch: int = 64, max_wait_s: float = 0.05, **kwargs: Any) -> dict[str, float]:

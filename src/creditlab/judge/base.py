@@ -11,14 +11,16 @@ units.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import re
+from collections.abc import Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from creditlab.errors import CreditlabError
 
-__all__ = ["STAGES", "Judge", "JudgeError", "Usage", "current_usage", "track_usage"]
+__all__ = ["STAGES", "Judge", "JudgeError", "Usage", "check_stage_text", "current_usage", "lone_surrogate",
+           "text_problem", "track_usage"]
 
 STAGES = ("unitize", "coverage", "match", "correctness", "threshold")
 
@@ -34,6 +36,51 @@ class JudgeError(CreditlabError):
         self.stage = stage
         self.kind = kind
         super().__init__(f"judge {stage}: {kind}: {message}")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Index of the first surrogate code point (U+D800..U+DFFF) of ``text``, None when it has none.
+
+    A JSON ``\\ud800`` escape decodes to one (a valid pair of escapes decodes to the one character it
+    stands for): half of a UTF-16 pair, which no Unicode encoding can write, so such a text can be
+    neither sent to a judge nor written to a results file.
+    """
+    if text.isascii():
+        return None
+    m = _SURROGATE.search(text)
+    return None if m is None else m.start()
+
+
+def text_problem(fields: Iterable[tuple[str, str]]) -> str | None:
+    """What makes one of the ``(field name, text)`` pairs unusable as text (None: nothing)."""
+    for name, text in fields:
+        if isinstance(text, str):
+            at = lone_surrogate(text)
+            if at is not None:
+                return (f"field '{name}' holds a lone surrogate (U+{ord(text[at]):04X} at character {at}), half of "
+                        "a UTF-16 pair that is not text in any Unicode encoding (a JSON '\\ud800'-style escape "
+                        "without its other half); fix or drop that character in the input")
+    return None
+
+
+def _clean(text: object) -> bool:
+    return not isinstance(text, str) or text.isascii() or _SURROGATE.search(text) is None
+
+
+def check_stage_text(stage: str, prompt: str, response: str | None = None, rubrics: Sequence[str] = (),
+                     units: Sequence[str] = ()) -> None:
+    """Raise :class:`JudgeError` (kind ``input``, naming the field) when a text given to a judge stage
+    holds a lone surrogate: it can be neither sent (no encoding writes it) nor cached nor written."""
+    if _clean(prompt) and _clean(response) and all(map(_clean, rubrics)) and all(map(_clean, units)):
+        return
+    problem = text_problem([("prompt", prompt), ("response", response),  # type: ignore[list-item]
+                            *((f"rubrics[{k}]", r) for k, r in enumerate(rubrics)),
+                            *((f"units[{k}]", u) for k, u in enumerate(units))])
+    if problem is not None:
+        raise JudgeError(stage, "input", problem)
 
 
 @dataclass

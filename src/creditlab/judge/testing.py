@@ -12,7 +12,8 @@ stop list):
 * coverage: a rubric is met when all its content words occur in the answer;
 * match: unit i contributes to rubric j when all of rubric j's content words occur in unit i;
 * correctness: a unit is incorrect when it contains the word ``WRONG``;
-* threshold: tau = 0.75.
+* threshold: tau = 0.75 (``ChatServer(tau=...)``: another judge serving a model of the same name that
+  answers otherwise).
 
 Faults (``500``, ``429``, ``timeout``, ``malformed``, ``truncated``, ``wrong_ids``) are injected
 either from a script (:meth:`ChatServer.push_faults`: the next requests get these faults in order)
@@ -105,13 +106,15 @@ class ChatServer:
         hang: seconds a ``timeout`` fault stalls before answering.
         fence: wrap replies in a markdown code fence with a sentence around it (a model that does
             not honour structured output).
+        tau: the threshold stage's answer.
 
     ``url`` is the ``base_url`` to give a client; ``stats`` counts requests, injected faults and the
     most requests in flight at once; ``requests`` keeps the last 200 request bodies and headers.
     """
 
     def __init__(self, *, latency: float = 0.0, fault_rate: float = 0.0, fault_kinds: Iterable[str] = FAULTS,
-                 seed: int = 0, hang: float = 5.0, fence: bool = False, host: str = "127.0.0.1", port: int = 0):
+                 seed: int = 0, hang: float = 5.0, fence: bool = False, host: str = "127.0.0.1", port: int = 0,
+                 tau: float = 0.75):
         self.latency = latency
         self.fault_rate = fault_rate
         self.fault_kinds = tuple(fault_kinds)
@@ -121,6 +124,7 @@ class ChatServer:
         self.seed = seed
         self.hang = hang
         self.fence = fence
+        self.tau = tau
         self.host = host
         self.port = port
         self.stats: Counter[str] = Counter()
@@ -289,6 +293,8 @@ class ChatServer:
         if fault == "429":
             return 429, b'{"error": {"message": "rate limited"}}', {"Retry-After": "0"}
         reply = answer_stage(payload)
+        if payload.get("task") == "threshold":
+            reply = {"tau": self.tau}
         if fault == "wrong_ids":
             reply = _wrong_ids(reply)
         content = json.dumps(reply)

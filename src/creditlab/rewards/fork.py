@@ -12,8 +12,13 @@ Items that cannot be scored are errors too, found before any judge call: no rubr
 zero-weight rubrics, or only negative (pitfall) rubrics give recall no denominator (scoring them
 would turn one bad training row into a maximum reward). Pitfall-only items can be scored by a
 convention a user opts into, ``pitfall_only="absence"``: recall is 1 when no pitfall is violated and
-0 otherwise (the item then measures only what the response avoided). An empty response is scored 0
-without judging, with a ``note``.
+0 otherwise (the item then measures only what the response avoided). So is an item whose prompt,
+response or a rubric holds a lone surrogate (:attr:`~creditlab.rewards.items.ForkItem.text_problem`):
+no judge can be sent it. An empty response is scored 0 without judging, with a ``note``.
+
+``beta`` belongs to ``mode="fork"`` alone: ``f2`` is F-beta with beta 2, ``recall`` and ``mean`` have
+none, and giving another beta with them is refused. What every result records (``mode``, ``beta``)
+is what was computed: ``beta`` is 2.0 under ``f2`` and None under ``recall`` and ``mean``.
 
 >>> import asyncio
 >>> from creditlab.rewards.items import ForkItem, Rubric
@@ -52,7 +57,7 @@ from creditlab.rewards.items import (
     render_response,
 )
 
-__all__ = ["BETA_MAX", "BETA_MIN", "FORKReward", "ForkResult"]
+__all__ = ["BETA_MAX", "BETA_MIN", "FORKReward", "ForkResult", "beta_conflict", "effective_beta"]
 
 #: Items :meth:`FORKReward.score` starts per event-loop pass.
 START_BATCH = 32
@@ -60,6 +65,30 @@ START_BATCH = 32
 #: Range of ``beta``: beyond it F-beta equals precision (or recall) to 6 decimals, and from about 1e19
 #: ``beta**2`` overflows float32 and rewards turn NaN.
 BETA_MIN, BETA_MAX = 1e-3, 1e3
+
+
+#: The beta each combine mode fixes itself (None: the mode has no beta); ``fork`` takes the caller's.
+MODE_BETA: dict[str, float | None] = {"f2": 2.0, "recall": None, "mean": None}
+
+
+def beta_conflict(mode: str, beta: float | None) -> str | None:
+    """Why ``beta`` cannot go with ``mode`` (None: it can; ``beta=None`` means not given)."""
+    if beta is None or mode not in MODE_BETA:
+        return None
+    fixed = MODE_BETA[mode]
+    if fixed is None:
+        return f"mode {mode!r} has no beta (it ignores precision's weight against recall); drop beta"
+    if float(beta) != fixed:
+        return (f"mode {mode!r} is F-beta with beta = {fixed:g}, not {float(beta):g}; drop beta, or use mode 'fork' "
+                f"with beta {float(beta):g}")
+    return None
+
+
+def effective_beta(mode: str, beta: float | None) -> float | None:
+    """The beta ``mode`` computes with: the given one (default 1) for ``fork``, the mode's own otherwise."""
+    if mode in MODE_BETA:
+        return MODE_BETA[mode]
+    return 1.0 if beta is None else float(beta)
 
 
 @dataclass
@@ -90,7 +119,9 @@ class ForkResult:
     judge: str = ""
     judge_quality: str = ""
     mode: str = "fork"
-    beta: float = 1.0
+    beta: float | None = 1.0
+    """The F-beta parameter the reward was computed with (2.0 for ``f2``; None for ``recall`` and
+    ``mean``, which have none)."""
     input_hash: str | None = None
     """:attr:`ForkItem.input_hash` of what was scored (prompt, response, rubrics): a resumed run
     compares it to tell a row whose input changed under the same id."""
@@ -104,7 +135,8 @@ class FORKReward:
 
     Args:
         judge: any :class:`~creditlab.judge.base.Judge`.
-        beta: F-beta parameter; beta > 1 favours recall.
+        beta: F-beta parameter of ``mode="fork"`` (default 1); beta > 1 favours recall. ``f2`` fixes it
+            at 2 and ``recall`` / ``mean`` have none: another value with them is a :class:`ConfigError`.
         tau: ``"judge"`` (the judge's threshold stage picks it per response) or a fixed float > 0.
         mode: ``fork`` (F-beta), or a baseline under the same API: ``recall``, ``mean``, ``f2``.
         assume_correct: treat every unit as factually correct and skip the correctness stage.
@@ -117,14 +149,18 @@ class FORKReward:
 
     PITFALL_ONLY = ("error", "absence")
 
-    def __init__(self, judge: Judge, beta: float = 1.0, tau: str | float = "judge", *, mode: str = "fork",
+    def __init__(self, judge: Judge, beta: float | None = None, tau: str | float = "judge", *, mode: str = "fork",
                  assume_correct: bool = False, pitfall_only: str = "error"):
         if not isinstance(judge, Judge):
             raise ConfigError("judge", f"{type(judge).__name__} does not implement the Judge protocol")
-        if isinstance(beta, bool) or not isinstance(beta, int | float) or not BETA_MIN <= beta <= BETA_MAX:
-            raise ConfigError("beta", f"must be a number between {BETA_MIN:g} and {BETA_MAX:g}, got {beta!r}")
         if mode not in COMBINE_MODES:
             raise ConfigError("mode", f"unknown {mode!r}; valid: {', '.join(COMBINE_MODES)}")
+        if beta is not None and (isinstance(beta, bool) or not isinstance(beta, int | float)
+                                 or not BETA_MIN <= beta <= BETA_MAX):
+            raise ConfigError("beta", f"must be a number between {BETA_MIN:g} and {BETA_MAX:g}, got {beta!r}")
+        problem = beta_conflict(mode, beta)
+        if problem is not None:
+            raise ConfigError("beta", f"beta={beta!r} with mode={mode!r}: {problem}")
         if tau != "judge":
             try:
                 tau = float(tau)
@@ -138,7 +174,8 @@ class FORKReward:
             raise ConfigError("assume_correct", f"judge {judge.name} cannot judge factual correctness; pass "
                                                 "assume_correct=True (--assume-correct) to score anyway")
         self.judge = judge
-        self.beta = float(beta)
+        #: the beta the rewards are computed with (None: the mode has none)
+        self.beta = effective_beta(mode, beta)
         self.tau = tau
         self.mode = mode
         self.assume_correct = assume_correct
@@ -206,6 +243,12 @@ class FORKReward:
                 if not pending:
                     return
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                # an item that raised (a judge's own bug, a missing package) raises here, once: the other
+                # items that raised in the same pass are marked retrieved (no "Task exception was never
+                # retrieved" report at exit)
+                failed = [f for f in done if not f.cancelled() and f.exception() is not None]
+                if failed:
+                    raise failed[0].exception()
                 for fut in done:
                     yield fut.result()
         finally:
@@ -249,7 +292,11 @@ class FORKReward:
         return _noted(res, item)
 
     def unscorable(self, item: ForkItem) -> str | None:
-        """Why ``item`` has no recall denominator (None when it can be scored)."""
+        """Why ``item`` cannot be scored: a text no judge can be sent, or no recall denominator (None when
+        it can be scored)."""
+        problem = item.text_problem
+        if problem is not None:
+            return problem
         if not item.rubrics:
             return "it has no rubric, so recall has no denominator"
         for k, r in enumerate(item.rubrics):
@@ -311,7 +358,7 @@ class FORKReward:
         else:
             tau = None  # no unit has credit: no threshold makes one necessary, so none is asked for
         out = fork_scores_one(match, coverage, points, correct, tau=float(tau) if tau is not None else 1.0,
-                              beta=self.beta, mode=self.mode)
+                              beta=self.beta if self.beta is not None else 1.0, mode=self.mode)
         return ForkResult(
             reward=round(out.reward, 6), precision=round(out.precision, 6), recall=round(out.recall, 6),
             units=list(units), credits=[round(c, 6) for c in credits], N=out.necessary,

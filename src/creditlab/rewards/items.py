@@ -23,9 +23,16 @@ value (beyond, float32 sums overflow to inf or round to 0 and rewards turn NaN o
 
 ``id`` falls back to ``prompt_id`` / ``uid`` (in a file where that value is on several rows without
 an ``id``, e.g. several responses to one HealthBench prompt, the rows get ``<prompt_id>#1``,
-``#2``... in file order), then to a stable hash of prompt and response so that reruns recognise the
-row. :attr:`ForkItem.input_hash` identifies what was scored (prompt, response, rubric criteria and
-points), so that a resumed run can tell a row whose input changed under the same id.
+``#2``... in file order), then to a stable hash of what the row holds to score (prompt, response,
+rubric criteria and points: rows that differ in any of them get different ids) so that reruns recognise
+the row; :attr:`ForkItem.id_from` says which. :attr:`ForkItem.input_hash` identifies what was scored
+(prompt, response, rubric criteria and points), so that a resumed run can tell a row whose input
+changed under the same id.
+
+Text that is not text: a lone surrogate (a JSON ``"\\ud800"`` escape without its other half) in the
+prompt, the response or a rubric criterion makes that item unscorable (:attr:`ForkItem.text_problem`;
+it gets its own error row, the others are scored); in the ``id`` it makes the row a bad line (a row
+needs an id that can be written).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from creditlab.errors import InputError
+from creditlab.judge.base import lone_surrogate, text_problem
 
 __all__ = ["MAX_POINTS", "MIN_POINTS", "REFERENCE_FIELDS", "RESPONSE_FIELDS", "ForkItem", "Rubric",
            "check_jsonl_text", "iter_jsonl_items", "parse_item", "parse_rubrics", "render_messages",
@@ -78,6 +86,16 @@ class ForkItem:
     response_field: str = "response"
     references: tuple[str, ...] = ()
     note: str | None = None
+    id_from: str = "id"
+    """Where ``id`` came from: the row's ``id``, ``prompt_id`` or ``uid`` field (``"prompt_id #k"`` when
+    numbered), or ``"hash"`` of prompt, response and rubrics (a row without any of them)."""
+
+    @property
+    def text_problem(self) -> str | None:
+        """Why the prompt, the response or a rubric criterion cannot be sent to a judge or written (a lone
+        surrogate), naming the field; None when every text is text."""
+        return text_problem([("prompt", self.prompt), (self.response_field, self.response),
+                             *((f"rubrics[{k}].criterion", r.criterion) for k, r in enumerate(self.rubrics))])
 
     @property
     def input_hash(self) -> str:
@@ -87,7 +105,13 @@ class ForkItem:
 
 def _input_hash(prompt: str, response: str, rubrics: tuple[Rubric, ...]) -> str:
     data = json.dumps([prompt, response, [[r.criterion, r.points] for r in rubrics]], ensure_ascii=False)
-    return hashlib.sha256(data.encode("utf-8")).hexdigest()[:16]
+    # surrogatepass: the same bytes as UTF-8 for text, and a hash for an item holding a lone surrogate too
+    return hashlib.sha256(data.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def _shown(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udXXX`` escapes (for messages and notes)."""
+    return text if lone_surrogate(text) is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _first(obj: dict[str, Any], keys: tuple[str, ...]) -> tuple[str | None, Any]:
@@ -161,7 +185,7 @@ def render_response(value: Any, where: str, field_name: str = "response") -> tup
         if role == "assistant" and text is not None:
             scored.append(text)
         else:
-            what = str(role) if role != "assistant" else "assistant (no text)"
+            what = _shown(str(role)) if role != "assistant" else "assistant (no text)"
             skipped[what] = skipped.get(what, 0) + 1
     if not scored:
         raise InputError(f"{where}: field '{field_name}': the message list holds no assistant message with text "
@@ -246,15 +270,21 @@ def parse_item(obj: Any, where: str = "record", *, response_field: str | None = 
         raise InputError(f"{where}: field 'rubrics': missing")
     parsed = parse_rubrics(rubrics, where, bk or "rubrics")
     ik, ident = _first(obj, ("id", "prompt_id", "uid"))
-    if ident is None:
-        ident = hashlib.sha1(json.dumps([prompt_s, response_s]).encode()).hexdigest()[:16]
+    if ident is None:  # everything that makes the row an item of its own: rows differing in any differ here
+        ident = hashlib.sha1(json.dumps([prompt_s, response_s, [[r.criterion, r.points] for r in parsed]])
+                             .encode()).hexdigest()[:16]
+        ik = "hash"
     elif isinstance(ident, bool) or not isinstance(ident, str | int):
         raise InputError(f"{where}: field '{ik}': expected a string or an integer, got {ident!r}")
+    elif isinstance(ident, str) and lone_surrogate(ident) is not None:
+        raise InputError(f"{where}: field '{ik}': {ident!r} holds a lone surrogate (a '\\ud800'-style escape without "
+                         "its other half), which cannot be written as a row's id; fix that character")
     refs = tuple(k for k in REFERENCE_FIELDS if k != rk and obj.get(k) is not None)
     if refs:
         also = f"scored '{rk}'; not scored: {', '.join(repr(k) for k in refs)} (read as a reference answer)"
         note = also if note is None else f"{note}; {also}"
-    return ForkItem(str(ident), prompt_s, response_s, parsed, response_field=rk, references=refs, note=note)
+    return ForkItem(str(ident), prompt_s, response_s, parsed, response_field=rk, references=refs, note=note,
+                    id_from=ik or "hash")
 
 
 _FORMAT_HINT = "expected JSON Lines: one JSON object per line, e.g. {\"id\", \"prompt\", \"response\", \"rubrics\"}"
@@ -328,7 +358,7 @@ def iter_jsonl_items(path: str | Path, *, response_field: str | None = None
             yield n, err
             continue
         if key is not None and keys[key] > 1:
-            item = replace(item, id=f"{key}#{index[key]}")
+            item = replace(item, id=f"{key}#{index[key]}", id_from=f"{item.id_from} #k")
         yield n, item
 
 
