@@ -269,9 +269,8 @@ def _excluded(ctx: Context) -> str:
     nf = int(ts.nonfinite.sum())
     if nf:
         out.append(f"{nf:,} tokens with a NaN/inf log-prob (mismatch.nonfinite_logprobs) left out")
-    n = int(ts.flagged.sum()) - nf
-    if n:
-        out.append(f"{n:,} tokens flagged by mismatch.placeholder_logprobs left out")
+    for cause in _flag_causes(ts, short=True):
+        out.append(f"{cause} (mismatch.placeholder_logprobs) left out")
     if ts.copied_files:
         names = ", ".join(Path(d.files[f]).name for f in ts.copied_files[:3])
         more = f" and {len(ts.copied_files) - 3} more" if len(ts.copied_files) > 3 else ""
@@ -283,6 +282,68 @@ def _excluded(ctx: Context) -> str:
     if ts.engine_rows:
         out.append(f"{ts.engine_rows:,} rows whose logprobs_source says logprobs are the engine's left out")
     return f" ({'; '.join(out)})" if out else ""
+
+
+def _flag_causes(ts: TokenStats, *, short: bool = False) -> list[str]:
+    """What the placeholder flags found, one phrase per cause, most telling first: a side that is 0.0 on
+    every policy token of rows, padding, then the token-level findings. ``short``: with counts and the
+    check's name, for the other checks' evidence."""
+    out = []
+    eng, lrn = ts.zero_rows
+    zs, pad = int(ts.zero_side.sum()), int(ts.padding.sum())
+    rows = ts.padded_rows
+    if short:
+        if zs:
+            which = " and ".join(x for x, k in (("rollout_logprobs", eng), ("logprobs", lrn)) if k)
+            out.append(f"{zs:,} tokens of {eng + lrn:,} rows whose {which} are 0.0 throughout")
+        if pad:
+            out.append(f"{pad:,} padding tokens ending {rows:,} row{'s' if rows > 1 else ''}")
+        rest = int((ts.positive | ts.zero_fill | ts.placeholder).sum())
+        if rest:
+            out.append(f"{rest:,} tokens with placeholder values")
+        return out
+    if eng:
+        out.append(f"rollout_logprobs exactly 0.0 on every policy token of {eng:,} row{'s' if eng > 1 else ''}: the "
+                   "engine returned no log-probs there")
+    if lrn:
+        out.append(f"logprobs exactly 0.0 on every policy token of {lrn:,} row{'s' if lrn > 1 else ''}: the learner "
+                   "never scored them")
+    if pad:
+        out.append(f"{pad:,} padding tokens in the policy mask (runs of {RUN_MIN}+ tokens with log-prob exactly 0.0 "
+                   f"on both sides ending {rows:,} row{'s' if rows > 1 else ''})")
+    pos, zf, ph = (int(x.sum()) for x in (ts.positive, ts.zero_fill, ts.placeholder))
+    if pos:
+        out.append(f"{pos:,} above 0")
+    if zf:
+        out.append(f"{zf:,} exactly 0.0 on one side where the other gives < e^-{RUN_GAP}")
+    if ph:
+        out.append(f"{ph:,} in runs of {RUN_MIN}+ repeated values where the models differ by > {RUN_GAP} nats (a "
+                   f"run of 0.0: by > {RUN_GAP} nats over the run)")
+    return out
+
+
+def _unusable_outcome(ctx: Context) -> Outcome | None:
+    """Skipped, naming the cause, when the dump has policy tokens but every one is flagged (placeholders,
+    padding, NaN/inf): what is left is no evidence about precision."""
+    ts = ctx.tokens
+    if ts.usable.any():
+        return None
+    P = int(ts.policy.sum())
+    if P == 0:
+        return Outcome("skipped", None, "No policy tokens in the dump.")
+    if ts.engine_rows and ts.engine_all:
+        return None  # the engine outcome says why
+    parts = [f"{c} (mismatch.placeholder_logprobs)" for c in _flag_causes(ts, short=True)]
+    nf = int(ts.nonfinite.sum())
+    if nf:
+        parts.append(f"{nf:,} with a NaN/inf log-prob (mismatch.nonfinite_logprobs)")
+    if ts.copied is not None and ts.copied.any():
+        parts.append(f"{int(ts.copied.sum()):,} in files whose rollout_logprobs equal logprobs")
+    if ts.engine_rows:
+        parts.append(f"{ts.engine_rows:,} rows whose logprobs_source says logprobs are the engine's")
+    return Outcome("skipped", None, f"No usable policy token: all {P:,} are flagged or left out ({'; '.join(parts)}), "
+                   "so there is no precision evidence to judge; mismatch.placeholder_logprobs names the cause and "
+                   "its fix.", {"policy_tokens": P})
 
 
 COPIED = ("rollout_logprobs equal logprobs on every policy token: the dump holds one log-prob computation twice "
@@ -356,10 +417,11 @@ def check_k3(ctx: Context) -> Outcome:
     copied = _copied_outcome(ctx, headline=True)
     if copied is not None:
         return copied
+    unusable = _unusable_outcome(ctx)
+    if unusable is not None:
+        return unusable
     ts = ctx.tokens
     n = int(ts.usable.sum())
-    if n == 0:
-        return Outcome("skipped", None, "No usable policy tokens (none, or all flagged as placeholders).")
     k3_tok = np.expm1(ts.delta) - ts.delta  # 0 off usable tokens
     k3 = float(k3_tok.sum() / n)
     step_tok = ctx.step_code[ts.row]
@@ -430,7 +492,7 @@ def turn_profile(ctx: Context) -> dict[str, np.ndarray]:
     fix=f"{_FIX_INTERQ}: they reweight each token by a bounded estimate of its execution-prefix ratio, which "
         "token-level TIS/MIS never see.")
 def check_prefix_drift(ctx: Context) -> Outcome:
-    copied = _copied_outcome(ctx)
+    copied = _copied_outcome(ctx) or _unusable_outcome(ctx)
     if copied is not None:
         return copied
     prof = turn_profile(ctx)
@@ -471,7 +533,7 @@ ONE_SIDED_WARN, ONE_SIDED_FAIL, MEASURABLE, MIN_MEASURABLE, NEGLIGIBLE_SHARE = 0
         "or the same truncation in the learner); until then bounded token weights (`tis`, `interq`) cap the "
         "bias, but do not remove it.")
 def check_one_sided(ctx: Context) -> Outcome:
-    copied = _copied_outcome(ctx)
+    copied = _copied_outcome(ctx) or _unusable_outcome(ctx)
     if copied is not None:
         return copied
     ts = ctx.tokens
@@ -515,9 +577,12 @@ PLACEHOLDER_FAIL = 1e-3
     needs=TOKEN_COLUMNS,
     threshold=Threshold(None, PLACEHOLDER_FAIL, note="share of policy tokens flagged (NaN/inf ones are "
                                                      "mismatch.nonfinite_logprobs'); warn when any is"),
-    fix="Fix the policy mask: tool and observation tokens must have policy_mask false, and positive log-probs "
-        "are an exporter or engine bug. creditlab's corrections ignore values at masked positions, so "
-        "placeholders there are harmless once the mask is right.")
+    fix="Fix the policy mask: tool, observation and padding tokens must have policy_mask false (drop padding "
+        "from the rows, or pass valid_mask to rows_from_arrays). A side that is 0.0 on every policy token of a "
+        "row was never computed: have the engine return the sampled tokens' log-probs (vLLM "
+        "`SamplingParams(logprobs=0)`) and dump those. Positive log-probs are an exporter or engine bug. "
+        "creditlab's corrections ignore values at masked positions, so placeholders there are harmless once the "
+        "mask is right.")
 def check_placeholders(ctx: Context) -> Outcome:
     engine = _engine_outcome(ctx)
     if engine is not None:
@@ -526,24 +591,34 @@ def check_placeholders(ctx: Context) -> Outcome:
     P = int(ts.policy.sum())
     if P == 0:
         return Outcome("skipped", None, "No policy tokens in the dump.")
-    nf, pos, zf, ph = (int(x.sum()) for x in (ts.nonfinite, ts.positive, ts.zero_fill, ts.placeholder))
-    bad = pos + zf + ph  # NaN/inf: mismatch.nonfinite_logprobs, an engine that could not score, not a mask leak
+    nf = int(ts.nonfinite.sum())
+    found = ts.positive | ts.zero_fill | ts.placeholder | ts.zero_side | ts.padding
+    bad = int(found.sum())  # NaN/inf: mismatch.nonfinite_logprobs, an engine that could not score, not a mask leak
     share = bad / P
-    details = {"policy_tokens": P, "positive": pos, "zero_fill": zf, "repeated_runs": ph}
+    eng, lrn = ts.zero_rows
+    details = {"policy_tokens": P, "positive": int(ts.positive.sum()), "zero_fill": int(ts.zero_fill.sum()),
+               "repeated_runs": int(ts.placeholder.sum()), "zero_rows_tokens": int(ts.zero_side.sum()),
+               "padding": int(ts.padding.sum()), "padded_rows": ts.padded_rows, "zero_rollout_logprobs_rows": eng,
+               "zero_logprobs_rows": lrn}
     nan_note = f" ({nf:,} NaN/inf log-probs are reported by mismatch.nonfinite_logprobs)" if nf else ""
     if bad == 0:
-        return Outcome("ok", 0.0, f"No positive, zero-filled or repeated placeholder log-probs among {P:,} "
+        return Outcome("ok", 0.0, f"No positive, zero-filled, repeated placeholder or padding log-probs among {P:,} "
                        f"policy tokens{nan_note}.", details)
     status = "fail" if share >= PLACEHOLDER_FAIL else "warn"
-    k = int(np.flatnonzero(ts.positive | ts.zero_fill | ts.placeholder)[0])
+    k = int(np.flatnonzero(found)[0])
     r = int(ts.row[k])
     where = f"{ctx.dump.where(r)}, token {k - int(ctx.dump.tokens.offsets[r])}"
-    parts = [f"{pos:,} above 0" if pos else "",
-             f"{zf:,} exactly 0.0 on one side where the other gives < e^-{RUN_GAP}" if zf else "",
-             f"{ph:,} in runs of {RUN_MIN}+ repeated values where the models differ by > {RUN_GAP} nats" if ph else ""]
+    if eng or lrn:
+        why = ("the engine's log-probs are placeholders, not a precision mismatch: no mismatch can be measured on "
+               "those rows" if eng else "the learner's log-probs are placeholders: no mismatch can be measured "
+               "on those rows")
+    elif ts.padding.any() and ts.padding.sum() == bad:
+        why = "padding marked as policy tokens: it would dilute every mismatch average"
+    else:
+        why = "tool/observation tokens or padding in the policy mask, or masked positions filled with a constant"
     msg = (f"{bad:,} of {P:,} policy tokens ({_pct(share)}) hold impossible or placeholder log-probs "
-           f"({'; '.join(p for p in parts if p)}), first at {where}: tool/observation tokens in the policy mask, "
-           f"or masked positions filled with a constant{nan_note}.")
+           f"({'; '.join(_flag_causes(ts))}), first at {where}: {why}; they are left out of the other mismatch "
+           f"checks{nan_note}.")
     return Outcome(status, share, msg, details)
 
 
@@ -591,6 +666,19 @@ def check_nonfinite(ctx: Context) -> Outcome:
 SEQ_WARN, SEQ_FAIL, SEQ_MIN_ROWS = 0.3, 1.0, 8
 
 
+def _quartiles(n: np.ndarray) -> np.ndarray:
+    """(R,) length quartile 0-3 of each row by its length ``n`` alone, so that it does not depend on the
+    order of the rows: the quartiles of ``np.array_split`` of the rows sorted by length (the last holds
+    the ``R // 4`` longest), with rows of equal length all in the quartile of the highest-ranked of them.
+    Without ties this is the sorted split; with many rows at the maximum length (responses cut at the
+    limit) the longest quartile holds all of them."""
+    R = n.shape[0]
+    sizes = [len(part) for part in np.array_split(np.arange(R), 4)]
+    first_rank = np.cumsum(sizes)[:-1]  # rank where quartiles 1, 2, 3 start
+    top_rank = np.searchsorted(np.sort(n), n, side="right") - 1  # highest rank among the rows tied with each
+    return np.searchsorted(first_rank, top_rank, side="right")
+
+
 @register_check(
     "mismatch.sequence_ratio_length", title="Sequence ratio by response length", needs=TOKEN_COLUMNS,
     threshold=Threshold(SEQ_WARN, SEQ_FAIL, note="median |log product ratio| in the longest length quartile "
@@ -598,7 +686,7 @@ SEQ_WARN, SEQ_FAIL, SEQ_MIN_ROWS = 0.3, 1.0, 8
     fix="Use token-level or length-normalised weights (`tis`, `interq`, or the geometric mean `geo`) instead of "
         "a product of token ratios (`seq_is`).")
 def check_sequence_ratio(ctx: Context) -> Outcome:
-    copied = _copied_outcome(ctx)
+    copied = _copied_outcome(ctx) or _unusable_outcome(ctx)
     if copied is not None:
         return copied
     ts = ctx.tokens
@@ -610,8 +698,8 @@ def check_sequence_ratio(ctx: Context) -> Outcome:
     S = ts.row_delta[rows]
     if np.unique(n).size < 2:
         return Outcome("skipped", None, "Every trajectory has the same number of policy tokens: no length trend.")
-    order = np.argsort(n, kind="stable")
-    quart = np.array_split(order, 4)
+    k = _quartiles(n)
+    quart = [q for q in (np.flatnonzero(k == i) for i in range(4)) if q.size]  # ties go up: one can be empty
     out = {"lo": [], "hi": [], "prod_abs": [], "geo_abs": [], "prod_med": [], "prod_q25": [], "prod_q75": [],
            "geo_med": [], "geo_q25": [], "geo_q75": [], "rows": []}
     for q in quart:
@@ -629,8 +717,10 @@ def check_sequence_ratio(ctx: Context) -> Outcome:
     series = {k: np.asarray(v) for k, v in out.items()}
     value = out["prod_abs"][-1]
     status = "fail" if value >= SEQ_FAIL else "warn" if value >= SEQ_WARN else "ok"
-    msg = (f"In the longest quartile ({out['lo'][-1]:.0f}-{out['hi'][-1]:.0f} policy tokens) the product sequence "
-           f"ratio is off from 1 by a median {format_value(value)} nats (median weight "
+    tied = (f", {out['rows'][-1]} rows: rows of one length are never split between quartiles"
+            if out["rows"][-1] != rows.size // 4 else "")
+    msg = (f"In the longest quartile ({out['lo'][-1]:.0f}-{out['hi'][-1]:.0f} policy tokens{tied}) the product "
+           f"sequence ratio is off from 1 by a median {format_value(value)} nats (median weight "
            f"{format_value(out['prod_med'][-1])}), "
            f"against {format_value(out['prod_abs'][0])} in the shortest; the geometric mean stays within "
            f"{format_value(out['geo_abs'][-1])}.")
