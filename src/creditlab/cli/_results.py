@@ -1,9 +1,7 @@
-"""The results file of ``creditlab fork score``: its lock, its rows and what is set aside on resume.
+"""The results file of ``creditlab fork score``: its rows and what is set aside on resume.
 
-* :class:`OutLock`: a run owns ``--out`` while it runs: an exclusive ``flock`` on ``<out>.lock``,
-  which holds the pid, host, start time and input of that run. A second writer is refused at once,
-  naming the holder; a lock file left by a killed run (the kernel released its lock with the
-  process) is taken over and named.
+* The lock of ``--out`` (a run owns it while it runs) is :class:`creditlab.diagnose._outlock.OutLock`,
+  the lock of every output creditlab writes.
 * :func:`scan_results`: reads ``--out`` and decides from its content whether it is a results file
   (every line a JSON object with the fields a row has). A line cut off by a killed run (no newline
   at the end, or not valid JSON) is not a row: :func:`set_aside` moves it to ``<out>.torn`` and its
@@ -19,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +24,7 @@ from typing import Any
 
 from creditlab.errors import ConfigError
 
-__all__ = ["ROW_KEYS", "OutLock", "RowWriter", "Scan", "check_cache", "compact", "scan_results", "set_aside",
+__all__ = ["ROW_KEYS", "RowWriter", "Scan", "check_cache", "compact", "scan_results", "set_aside",
            "truncate"]
 
 #: Fields every row of a results file has (rows also carry ``settings``; rows of older versions did not,
@@ -50,103 +47,6 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-# -- the lock ---------------------------------------------------------------------------------------
-
-
-class OutLock:
-    """Exclusive ownership of ``out`` for one run: ``flock`` on ``<out>.lock`` (next to the resolved path,
-    so two spellings of one file share a lock). :meth:`acquire` raises a :class:`ConfigError` naming
-    the run that holds it; :meth:`release` removes the lock file. Where ``fcntl`` is missing (not POSIX)
-    nothing is locked."""
-
-    def __init__(self, out: Path, what: str = ""):
-        self.out = out
-        self.path = Path(str(out.resolve()) + ".lock")
-        self.what = what
-        self.fd: int | None = None
-
-    @staticmethod
-    def _read(fd: int, wait: bool = False) -> dict[str, Any]:
-        """The record in the lock file (``wait``: give a holder that just locked a moment to write it)."""
-        for _ in range(20 if wait else 1):
-            try:
-                raw = os.pread(fd, 4096, 0)
-            except OSError:
-                return {}
-            if raw.strip():
-                try:
-                    info = json.loads(raw)
-                except ValueError:
-                    info = None
-                return info if isinstance(info, dict) else {"raw": raw.decode("utf-8", "replace").strip()[:80]}
-            if wait:
-                time.sleep(0.01)
-        return {}
-
-    @staticmethod
-    def _describe(info: dict[str, Any]) -> str:
-        if "pid" not in info:
-            return f"unknown process ({info['raw']!r})" if "raw" in info else "unknown process"
-        parts = [f"pid {info['pid']}"]
-        if info.get("host") and info["host"] != socket.gethostname():
-            parts.append(f"on host {info['host']}")
-        if info.get("started"):
-            parts.append(f"started {info['started']}")
-        if info.get("in"):
-            parts.append(f"scoring {info['in']}")
-        return ", ".join(parts)
-
-    def acquire(self) -> str | None:
-        """Take the lock; returns a one-line note when a stale lock (a killed run's) was taken over."""
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - not POSIX
-            return None
-        for _ in range(10):
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as err:
-                raise ConfigError("--out", f"cannot create the lock file {self.path}: {err.strerror}") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                holder = self._describe(self._read(fd, wait=True))
-                os.close(fd)
-                raise ConfigError("--out", f"{self.out} is being written by another run ({holder}; lock "
-                                           f"{self.path}); wait for it to end or choose another --out (--force "
-                                           "does not override the lock of a running run)") from None
-            try:  # the file locked must still be the one at the path (a run that just ended removes it)
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:
-                os.close(fd)
-                continue
-            old = self._read(fd)
-            me = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "started": time.strftime("%Y-%m-%d %H:%M:%S"), "in": self.what}
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-            os.fsync(fd)
-            self.fd = fd
-            if old:
-                return (f"{self.out}: taking over the lock left by {self._describe(old)}, which no longer holds "
-                        f"it (that run was killed or crashed)")
-            return None
-        raise ConfigError("--out", f"cannot lock {self.path}: another run keeps replacing it")
-
-    def release(self) -> None:
-        """Remove the lock file (while still holding it, so no run can lock the old file) and unlock."""
-        if self.fd is None:
-            return
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
-        os.close(self.fd)
-        self.fd = None
 
 
 # -- reading a results file -------------------------------------------------------------------------
