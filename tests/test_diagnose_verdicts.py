@@ -206,3 +206,121 @@ def test_a_turn_the_engine_filled_with_zeros_is_flagged_even_where_each_token_is
     ph = res["mismatch.placeholder_logprobs"]
     assert ph.status == "fail" and ph.details["repeated_runs"] == 8 * 12
     assert res["mismatch.one_sided"].status == "ok"
+
+
+# ------------------------------------------------------------------------------------------------
+# the reward is the reward: TRL's log_completions tables
+
+
+def _trl_table(path, step: int, funcs: dict[str, list], extra: dict[str, list], *, G: int = 4,
+               weights: list[float] | None = None) -> None:
+    """A ``completions_{step:05d}.parquet`` as TRL 1.16's ``GRPOTrainer`` writes it (``log`` and
+    ``_generate_and_score_completions``, default ``sum_then_normalize`` and ``scale_rewards="group"``):
+    the reward functions' columns (None: not scored), then the ``log_extra`` ones sorted by name, then the
+    advantage of the weighted ``nansum`` of the functions, in float32."""
+    import pandas as pd
+    import torch
+
+    n = len(next(iter(funcs.values())))
+    per = torch.tensor([[math.nan if v is None else v for v in col] for col in funcs.values()],
+                       dtype=torch.float32).T
+    w = torch.tensor(weights or [1.0] * len(funcs), dtype=torch.float32)
+    unscorable = torch.isnan(per).all(1)
+    rewards = (per * w).nansum(1)
+    rewards[unscorable] = math.nan
+    grouped = rewards.view(-1, G)
+    mean = torch.nanmean(grouped, 1, keepdim=True)
+    count = (~torch.isnan(grouped)).sum(1, keepdim=True)
+    std = torch.sqrt(torch.nanmean((grouped - mean) ** 2, 1, keepdim=True) * count / (count - 1))
+    adv = torch.nan_to_num(((grouped - mean) / (std + 1e-4)).view(-1), nan=0.0)
+    table = {"step": [step] * n, "prompt": [f"prompt {i // G} of step {step}" for i in range(n)],
+             "completion": [f"completion {i}" for i in range(n)], **{k: list(v) for k, v in funcs.items()},
+             **{k: extra[k] for k in sorted(extra)}, "advantage": adv.tolist()}
+    path.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(table).to_parquet(path / f"completions_{step:05d}.parquet")
+
+
+def test_trl_log_extra_columns_are_not_summed_into_the_reward(tmp_path):
+    """A pass/fail reward that ties in 7 of 8 groups, and a judge score and a word count logged with
+    log_extra: the groups are degenerate (summing the extras broke every tie: ok 0 instead of fail 0.875)."""
+    rng = np.random.default_rng(0)
+    logs = tmp_path / "completions"
+    for step in range(1, 3):
+        ok = [1.0] * 32
+        ok[1] = 0.0 if step == 1 else 1.0  # the one group that is not degenerate, at step 1
+        if step == 2:
+            ok[5] = 0.0
+        _trl_table(logs, step, {"pass_reward": ok}, {"judge_score": rng.uniform(0, 1, 32).tolist(),
+                                                      "n_words": rng.integers(3, 30, 32).tolist(),
+                                                      "note": ["x"] * 32})
+    d = read_dump(logs)
+    assert np.array_equal(d.reward, np.asarray([1.0] * 64) - np.isin(np.arange(64), [1, 37]))
+    r = run_checks(d, only="baseline.degenerate_groups")[0]
+    assert r.status == "fail" and r.value == pytest.approx(0.875)
+    assert d.reward_sources == ["TRL reward-function column pass_reward (weight 1 each, NaN as 0: it reproduces the "
+                                "logged advantage in 8 groups); not counted: judge_score, n_words (log_extra "
+                                "columns)"] * 2
+    from creditlab.diagnose.report import diagnose
+
+    out = diagnose([logs], tmp_path / "diag")
+    js = __import__("json").loads((tmp_path / "diag" / "diagnose.json").read_text())
+    assert js["input"]["reward_source"] == out.summary["reward_source"] == d.reward_sources[0]
+    assert f"Reward: {d.reward_sources[0]}." in (tmp_path / "diag" / "report.md").read_text()
+
+
+def test_trl_reward_functions_are_told_from_numeric_log_extra_columns_by_the_advantage(tmp_path):
+    rng = np.random.default_rng(1)
+    logs = tmp_path / "completions"
+    acc = rng.integers(0, 2, 32).astype(float).tolist()
+    fmt = [None if i % 5 == 0 else float(x) for i, x in enumerate(rng.uniform(0, 0.5, 32))]  # None: unscored
+    _trl_table(logs, 1, {"accuracy": acc, "format_reward": fmt},
+               {"correct": acc, "judge_score": rng.uniform(0, 1, 32).tolist()})  # "correct" repeats accuracy
+    d = read_dump(logs)
+    assert np.allclose(d.reward, np.asarray(acc) + np.asarray([0.0 if v is None else v for v in fmt]), atol=1e-6)
+    assert d.reward_sources[0] == ("TRL reward-function columns accuracy + format_reward (weight 1 each, NaN as 0: "
+                                   "they reproduce the logged advantage in 8 groups); not counted: correct, "
+                                   "judge_score (log_extra columns)")
+    # a column constant within every group cannot be told from a reward function: not counted, and said so
+    logs2 = tmp_path / "completions2"
+    _trl_table(logs2, 1, {"accuracy": acc}, {"difficulty": [float(i // 4) for i in range(32)]})
+    src = read_dump(logs2).reward_sources[0]
+    assert src.startswith("TRL reward-function column accuracy (weight 1 each") and \
+        "not counted: difficulty, constant within every group" in src and "--reward-column" in src
+
+
+def test_trl_reward_weights_the_table_cannot_tell_are_named_with_reward_column(tmp_path, capsys):
+    from creditlab.cli.main import main
+    from creditlab.errors import InputError
+
+    rng = np.random.default_rng(2)
+    logs = tmp_path / "completions"
+    a, b = rng.integers(0, 2, 32).astype(float).tolist(), rng.uniform(0, 1, 32).tolist()
+    _trl_table(logs, 1, {"a": a, "b": b}, {"extra": rng.uniform(0, 1, 32).tolist()}, weights=[2.0, 1.0])
+    with pytest.raises(InputError, match=r"completions_00001.parquet: row 1: column 'advantage': TRL's completions "
+                                         r"table does not mark .* \(a; a \+ b; a \+ b \+ extra\) reproduces the "
+                                         r"logged advantage .* --reward-column NAME\[=WEIGHT\]"):
+        read_dump(logs)
+    d = read_dump(logs, reward_columns=["a=2", "b"])
+    assert np.allclose(d.reward, 2 * np.asarray(a) + np.asarray(b), atol=1e-6)
+    assert d.reward_sources[0] == "the columns --reward-column names: 2 x a + b (NaN as 0); not counted: extra"
+
+    def code(argv):
+        with pytest.raises(SystemExit) as ex:
+            main(argv)
+        return ex.value.code
+
+    assert code(["diagnose", str(logs), "--out", str(tmp_path / "o"), "--quiet", "--reward-column", "a=2",
+                 "--reward-column", "b"]) == 0
+    assert "Reward: the columns --reward-column names: 2 x a + b" in (tmp_path / "o" / "report.md").read_text()
+    capsys.readouterr()
+    for extra, want in ((["--reward-column", "nope"], "--reward-column: " + str(logs / "completions_00001.parquet")
+                         + ": row 1: column 'nope': no such column"),
+                        (["--reward-column", "a=x"], "--reward-column: expected NAME or NAME=WEIGHT")):
+        assert code(["diagnose", str(logs), "--out", str(tmp_path / "o2"), "--quiet", *extra]) == 2
+        err = capsys.readouterr().err
+        assert want in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    dump = write_dump(clean_rows(steps=1, tokens=False), tmp_path / "d.jsonl")
+    assert code(["diagnose", str(dump), "--out", str(tmp_path / "o3"), "--quiet", "--reward-column", "a"]) == 2
+    err = capsys.readouterr().err
+    assert "--reward-column: names the reward functions of TRL's log_completions tables; this input has none " \
+           "(column reward is the reward)" in err

@@ -28,6 +28,11 @@ def diagnose(
     fail_on: str = typer.Option("fail", "--fail-on", help="Exit 1 on: fail (default), or warn (stricter)."),
     check: list[str] = typer.Option(None, "--check", help="Run only this check (repeatable)."),
     max_turns: int = typer.Option(16, "--max-turns", help="Turns shown by the by-turn mismatch check."),
+    reward_column: list[str] = typer.Option(None, "--reward-column", metavar="NAME[=WEIGHT]",
+                                            help="A reward-function column of TRL's log_completions tables "
+                                                 "(repeatable): the reward is their sum, NaN as 0. Needed when "
+                                                 "the table's layout and advantage cannot tell them from "
+                                                 "log_extra columns (the error says so)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress and no table on the terminal (input warnings "
                                                       "and notes still go to stderr)."),
 ) -> None:
@@ -45,7 +50,8 @@ def diagnose(
 
     console = Console(stderr=True)
     if quiet:
-        result = run(dumps, out, fail_on=fail_on, only=check or None, max_turns=max_turns)
+        result = run(dumps, out, fail_on=fail_on, only=check or None, max_turns=max_turns,
+                     reward_columns=reward_column or None)
     else:
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                       TimeElapsedColumn(), console=console, transient=True) as bar:
@@ -57,7 +63,8 @@ def diagnose(
                     tasks[kind] = bar.add_task("reading" if kind == "read" else "checks", total=total)
                 bar.update(tasks[kind], completed=done, total=total, description=what)
 
-            result = run(dumps, out, fail_on=fail_on, only=check or None, max_turns=max_turns, progress=progress)
+            result = run(dumps, out, fail_on=fail_on, only=check or None, max_turns=max_turns, progress=progress,
+                         reward_columns=reward_column or None)
         table = Table(title=f"creditlab diagnose: {result.summary['trajectories']:,} trajectories, "
                             f"{result.summary['tokens']:,} tokens", show_lines=False)
         for col in ("check", "status", "value", "evidence"):

@@ -3,14 +3,19 @@
 With ``GRPOConfig(log_completions=True)`` TRL writes ``output_dir/completions/completions_{step:05d}.parquet``
 at every logging step (and logs the same table to wandb / trackio): one row per completion with
 ``step``, ``prompt``, ``completion``, one column per reward function (named after it; NaN where it
-returned None), the columns reward functions added with ``log_extra``, and ``advantage``. It holds
-no log-probs, so the mismatch checks are skipped; the rest is mapped onto the schema:
+returned None), the columns reward functions added with ``log_extra`` (sorted by name), and
+``advantage``, in that order (TRL 1.15-1.16 ``GRPOTrainer.log``). It holds no log-probs, so the mismatch
+checks are skipped; the rest is mapped onto the schema:
 
 * ``group``: the prompt (its text, or the conversation as JSON): TRL's GRPO groups are the
   ``num_generations`` completions of one prompt;
-* ``reward``: the sum of the reward-function columns (the numeric columns other than ``step`` and
-  ``advantage``) with weight 1 each, TRL's default ``reward_weights`` (the file does not record them),
-  NaN counted as 0 as TRL's ``nansum`` does; a row no function scored is left out;
+* ``reward``: the sum of the reward-function columns with weight 1 each, TRL's default
+  ``reward_weights`` (the file does not record them), NaN counted as 0 as TRL's ``nansum`` does; a row
+  no function scored is left out. The table does not mark which columns are reward functions: a
+  ``log_extra`` column is named freely and may be numeric (a judge's score, a count). They are told
+  apart by TRL's layout and the logged advantage (:func:`reward_columns`), or named by the user
+  (``creditlab diagnose --reward-column``); ``TrlRows.source`` says which columns were summed and
+  which were not;
 * ``response``: the completion (a conversation's message contents joined), ``response_length`` its
   length in characters.
 
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from creditlab.diagnose.schema import TOKEN_COLUMNS, is_number
-from creditlab.errors import InputError
+from creditlab.errors import ConfigError, InputError
 
 FORMAT_TRL = "TRL log_completions"
 TRL_KEYS = ("step", "prompt", "completion", "advantage")
@@ -68,21 +73,148 @@ class TrlRows:
     reward: np.ndarray        # (n,) float64
     response: list[str]       # the completion text
     length: np.ndarray        # (n,) float64, characters of the completion
+    source: str = ""          # which columns the reward is, and how they were told from the others
 
 
-def from_trl(rows: list[dict], columns: list[str], where: Callable[[int, str], str]) -> TrlRows:
-    """The rows of one TRL completions table in the schema (see the module docstring); ``where(i, column)``
-    names a row and column in error messages."""
-    rewards = [c for c in columns if c not in TRL_KEYS
-               and any(is_number(r.get(c)) for r in rows)
-               and all(r.get(c) is None or is_number(r.get(c)) for r in rows)]
-    if not rewards:
+ADVANTAGE_RTOL = 1e-4
+"""A candidate reward reproduces TRL's logged advantage in a group when ``advantage = c (reward - group mean)``
+for one ``c >= 0`` to within this share of the group's largest advantage (TRL computes in float32)."""
+
+
+def _is_numeric(rows: list[dict], c: str) -> bool:
+    return any(is_number(r.get(c)) for r in rows) and all(r.get(c) is None or is_number(r.get(c)) for r in rows)
+
+
+def _matrix(rows: list[dict], names: Sequence[str]) -> np.ndarray:
+    return np.asarray([[math.nan if r.get(c) is None else float(r[c]) for c in names] for r in rows],
+                      dtype=np.float64).reshape(len(rows), len(names))
+
+
+def _fits(reward: np.ndarray, advantage: np.ndarray, keys: list[tuple]) -> np.ndarray:
+    """(G,) whether ``reward`` (NaN: unscored) reproduces ``advantage`` in each group of rows with one key
+    (NaN: a group with fewer than 2 scored rows, or a non-finite advantage, which tells nothing).
+
+    In every way TRL turns the summed reward into the advantage (``scale_rewards`` group, batch or none;
+    one reward function under ``normalize_then_sum``), a group's advantages are ``c (R - mean R)`` with
+    ``c >= 0``: the group's reward deviations up to one positive scale."""
+    codes = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    g = np.asarray([codes[k] for k in keys], dtype=np.int64)
+    out = np.full(len(codes), np.nan)
+    scored = ~np.isnan(reward)
+    for j in range(len(codes)):
+        sel = (g == j) & scored
+        a = advantage[sel]
+        if sel.sum() < 2 or not np.isfinite(a).all():
+            continue
+        r = reward[sel]
+        d = r - r.mean()
+        tol = ADVANTAGE_RTOL * max(float(np.abs(a).max()), 1e-6)
+        if float(np.abs(d).max()) <= 1e-9 * max(1.0, float(np.abs(r).max())):
+            out[j] = float(np.abs(a).max()) <= tol
+            continue
+        c = float(a @ d / (d @ d))
+        out[j] = c >= 0 and float(np.abs(a - c * d).max()) <= tol
+    return out
+
+
+def _declared(spec: Sequence[str], columns: list[str], rows: list[dict], where: Callable[[int, str], str]
+              ) -> tuple[list[str], np.ndarray]:
+    """The columns (and weights) ``--reward-column NAME[=WEIGHT]`` names."""
+    names, weights = [], []
+    for item in spec:
+        name, eq, w = item.partition("=")
+        if name not in columns:
+            cands = [c for c in columns if c not in TRL_KEYS]
+            raise ConfigError("--reward-column", f"{where(0, name)}: no such column in this TRL completions table; "
+                                                 f"its columns besides {', '.join(TRL_KEYS)}: {', '.join(cands)}")
+        if not _is_numeric(rows, name):
+            raise ConfigError("--reward-column", f"{where(0, name)}: not a numeric column, so not a reward")
+        try:
+            weight = float(w) if eq else 1.0
+        except ValueError:
+            weight = math.nan
+        if not math.isfinite(weight):
+            raise ConfigError("--reward-column", f"expected NAME or NAME=WEIGHT with a number, got {item!r}")
+        names.append(name)
+        weights.append(weight)
+    return names, np.asarray(weights, dtype=np.float64)
+
+
+def reward_columns(rows: list[dict], columns: list[str], keys: list[tuple],
+                   where: Callable[[int, str], str]) -> tuple[list[str], str]:
+    """The reward-function columns of a TRL completions table and a sentence on how they were found.
+
+    TRL writes the reward functions' columns first and the ``log_extra`` columns after them (between
+    ``completion`` and ``advantage``), both named freely, and reward columns are always numbers: the
+    reward functions are a leading run of the numeric columns. Of those runs, the shortest whose sum
+    reproduces the logged advantage in every group that tells (:func:`_fits`) is the reward; a numeric
+    column after it is a ``log_extra`` one (or a reward function constant within every group, which no
+    advantage can tell apart: the sentence says so). No run reproducing it (non-default
+    ``reward_weights``, ``normalize_then_sum`` over several functions) is an error naming
+    ``--reward-column``."""
+    if "completion" in columns and "advantage" in columns and columns.index("completion") < columns.index("advantage"):
+        middle = columns[columns.index("completion") + 1:columns.index("advantage")]
+    else:
+        middle = [c for c in columns if c not in TRL_KEYS]
+    middle = [c for c in middle if c not in TRL_KEYS]
+    numeric = [c for c in middle if _is_numeric(rows, c)]
+    lead: list[str] = []  # a column no function scored in this table holds only nulls: still a reward column
+    for c in middle:
+        if not all(r.get(c) is None or is_number(r.get(c)) for r in rows):
+            break
+        lead.append(c)
+    while lead and lead[-1] not in numeric:
+        lead.pop()
+    if not lead:
         raise InputError(f"{where(0, 'reward')}: a TRL completions table needs a reward-function column (a numeric "
-                         f"column besides {', '.join(TRL_KEYS)})")
-    per = np.asarray([[math.nan if r.get(c) is None else float(r[c]) for c in rewards] for r in rows],
-                     dtype=np.float64)
-    scored = ~np.isnan(per).all(1)
-    reward = np.where(np.isnan(per), 0.0, per).sum(1)
+                         f"column after 'completion'), got {', '.join(middle) or 'none'}")
+
+    def others(used: list[str]) -> str:
+        rest = [c for c in numeric if c not in used]
+        return f"; not counted: {', '.join(rest)} (log_extra columns)" if rest else ""
+
+    if len(lead) == 1 or len([c for c in lead if c in numeric]) == 1 and lead[0] in numeric:
+        return lead, (f"TRL reward-function column{'s' if len(lead) > 1 else ''} {' + '.join(lead)} (the only "
+                      f"numeric column TRL writes before the log_extra ones){others(lead)}")
+    per = _matrix(rows, lead)
+    adv = _matrix(rows, ["advantage"])[:, 0]
+    fits = []
+    for j in range(1, len(lead) + 1):
+        part = per[:, :j]
+        r = np.where(np.isnan(part).all(1), np.nan, np.nansum(part, 1))
+        fits.append(_fits(r, adv, keys))
+    fits_m = np.asarray(fits)  # (candidates, groups)
+    telling = (fits_m == 1).any(0)
+    ok = [j for j in range(len(lead)) if telling.any() and bool((fits_m[j][telling] == 1).all())]
+    if not ok:
+        tried = "; ".join(" + ".join(lead[:j + 1]) for j in range(len(lead)))
+        raise InputError(
+            f"{where(0, 'advantage')}: TRL's completions table does not mark which of its numeric columns are reward "
+            f"functions and which log_extra added, and no sum of its leading ones ({tried}) reproduces the logged "
+            "advantage (non-default reward_weights, or multi_objective_aggregation='normalize_then_sum'?): name "
+            "the reward functions with --reward-column NAME[=WEIGHT] (repeatable)")
+    j = ok[0] + 1
+    while j < len(lead) and lead[j] not in numeric:  # a function that scored nothing in this table
+        j += 1
+    used = lead[:j]
+    n_groups = int(telling.sum())
+    untold = [lead[k] for k in range(j, len(lead)) if k in ok]  # adding them changes no group's advantage
+    rest = [c for c in numeric if c not in used and c not in untold]
+    note = ""
+    if untold:
+        note = (f"; not counted: {', '.join(untold)}, constant within every group, so the advantage cannot tell a "
+                "reward function from a log_extra column there (--reward-column counts it)")
+    counted = f"; not counted: {', '.join(rest)} (log_extra columns)" if rest else ""
+    return used, (f"TRL reward-function column{'s' if j > 1 else ''} {' + '.join(used)} (weight 1 each, NaN as 0: "
+                  f"{'they reproduce' if j > 1 else 'it reproduces'} the logged advantage in {n_groups:,} "
+                  f"group{'s' if n_groups > 1 else ''}){counted}{note}")
+
+
+def from_trl(rows: list[dict], columns: list[str], where: Callable[[int, str], str], *,
+             reward_columns_given: Sequence[str] | None = None) -> TrlRows:
+    """The rows of one TRL completions table in the schema (see the module docstring); ``where(i, column)``
+    names a row and column in error messages; ``reward_columns_given``: the user's ``--reward-column``
+    values (``NAME`` or ``NAME=WEIGHT``), which replace the search for the reward-function columns."""
     step = np.empty(len(rows), dtype=np.int64)
     group, response = [], []
     for i, r in enumerate(rows):
@@ -100,9 +232,21 @@ def from_trl(rows: list[dict], columns: list[str], where: Callable[[int, str], s
             p = json.dumps(p, sort_keys=True, default=str)
         group.append(p)
         response.append(c)
+    if reward_columns_given:
+        names, weights = _declared(reward_columns_given, columns, rows, where)
+        ws = [f"{n}" if w == 1 else f"{format(w, 'g')} x {n}" for n, w in zip(names, weights, strict=True)]
+        rest = [c for c in columns if c not in TRL_KEYS and c not in names and _is_numeric(rows, c)]
+        source = (f"the columns --reward-column names: {' + '.join(ws)} (NaN as 0)"
+                  + (f"; not counted: {', '.join(rest)}" if rest else ""))
+    else:
+        names, source = reward_columns(rows, columns, list(zip(step.tolist(), group, strict=True)), where)
+        weights = np.ones(len(names))
+    per = _matrix(rows, names)
+    scored = ~np.isnan(per).all(1)
+    reward = (np.where(np.isnan(per), 0.0, per) * weights).sum(1)
     keep = np.flatnonzero(scored)
     return TrlRows(keep, step[keep], [group[i] for i in keep], reward[keep], [response[i] for i in keep],
-                   np.asarray([len(response[i]) for i in keep], dtype=np.float64))
+                   np.asarray([len(response[i]) for i in keep], dtype=np.float64), source)
 
 
 def not_a_dump(path: Path) -> str | None:

@@ -123,6 +123,7 @@ class Dump:
     turns: list[list[dict] | None] | None = None
     warnings: list[str] = field(default_factory=list)  # about the input, one sentence each (report, json)
     length_units: list[str | None] = field(default_factory=list)  # per file: unit of response_length
+    reward_sources: list[str] = field(default_factory=list)  # per file: the column(s) the reward is
 
     def __len__(self) -> int:
         return int(self.step.shape[0])
@@ -218,8 +219,10 @@ def _newest(files: list[tuple[Path, int]]) -> set[int]:
 
 
 def read_dump(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
-              progress: Progress | None = None) -> Dump:
+              progress: Progress | None = None, reward_columns: Sequence[str] | None = None) -> Dump:
     """Read and validate one or more dumps (files or directories) into one :class:`Dump`.
+    ``reward_columns``: the reward-function columns of TRL's completion tables (``NAME`` or
+    ``NAME=WEIGHT``), when TRL's layout and advantage cannot tell them (``--reward-column``).
 
     Input errors raise :class:`creditlab.errors.InputError`; what the checks should know about the
     input but can work around lands in :attr:`Dump.warnings`.
@@ -240,7 +243,7 @@ def read_dump(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
             def tick(n: int, f=f, base=done, size=size) -> None:  # within a file, by bytes read
                 progress(f"read {f.name}", base + min(n, size), total)
         try:
-            parts.append(_read_file(f, tick, live=k in live))
+            parts.append(_read_file(f, tick, live=k in live, reward_columns=reward_columns))
             kept.append(f)
             kept_groups.append(grouped[k][1])
         except _Skipped as skip:  # empty, or nothing but a cut-off line: what a writer left unfinished
@@ -292,6 +295,7 @@ class _Part:
     turns: list[list[dict] | None] | None
     warnings: list[str] = field(default_factory=list)
     length_unit: str | None = None  # of response_length: "tokens", "characters", None without the column
+    reward_source: str = "column reward"  # the column(s) the reward is
 
 
 class _Where:
@@ -330,7 +334,8 @@ class _Skipped(InputError):
         self.error = error
 
 
-def _read_file(path: Path, tick: Callable[[int], None] | None, *, live: bool = False) -> _Part:
+def _read_file(path: Path, tick: Callable[[int], None] | None, *, live: bool = False,
+               reward_columns: Sequence[str] | None = None) -> _Part:
     """One file, read in the format its bytes are in (a gzip file named ``.jsonl`` is read as gzip, a
     plain one named ``.jsonl.gz`` as text, a parquet file under a JSONL name as parquet)."""
     try:
@@ -346,9 +351,9 @@ def _read_file(path: Path, tick: Callable[[int], None] | None, *, live: bool = F
         raise InputError(f"{path}: is {kind}-compressed, which diagnose does not read: decompress it "
                          f"({_DECOMPRESS[kind]} {path.name}), or compress it with gzip as a .jsonl.gz file")
     if kind == "parquet":
-        return _read_parquet(path)
+        return _read_parquet(path, reward_columns)
     if path.name.endswith(".parquet") and kind is None and not _starts_like_json(path):
-        return _read_parquet(path)  # not parquet, not JSONL: the parquet reader's error names it
+        return _read_parquet(path, reward_columns)  # not parquet, not JSONL: the parquet reader's error names it
     return _read_jsonl(path, tick, live=live, gz=kind == "gzip")
 
 
@@ -604,10 +609,10 @@ def _from_verl(rows: list[dict], where: _Where) -> _Part:
             scalars[name] = _share_column(_float_column([r.get(name) for r in rows], name, where, required=False),
                                           name, where)
     return _Part(FORMAT_VERL, n, where.numbers, step, group, reward, None, scalars, {"response": response}, None,
-                 length_unit="characters")
+                 length_unit="characters", reward_source="verl's column score")
 
 
-def _read_parquet(path: Path) -> _Part:
+def _read_parquet(path: Path, reward_columns: Sequence[str] | None = None) -> _Part:
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -624,9 +629,10 @@ def _read_parquet(path: Path) -> _Part:
     if _is_verl(names):
         return _from_verl(table.to_pylist(), where)
     if is_trl(names):  # TRL's log_completions files
-        t = from_trl(table.to_pylist(), table.column_names, where)
+        t = from_trl(table.to_pylist(), table.column_names, where, reward_columns_given=reward_columns)
         return _Part(FORMAT_TRL, int(t.rows.size), where.numbers[t.rows], t.step, t.group, t.reward, None,
-                     {"response_length": t.length}, {"response": t.response}, None, length_unit="characters")
+                     {"response_length": t.length}, {"response": t.response}, None, length_unit="characters",
+                     reward_source=t.source)
 
     def values(name: str) -> list[Any] | np.ndarray | None:
         if name not in names:
@@ -1056,6 +1062,7 @@ def _concat(files: list[str], parts: list[_Part]) -> Dump:
         step=np.concatenate([p.step for p in parts]), group=codes, group_labels=group_labels,
         reward=np.concatenate([p.reward for p in parts]), tokens=tokens, scalars=scalars, texts=texts,
         turns=turns, warnings=[w for p in parts for w in p.warnings], length_units=[p.length_unit for p in parts],
+        reward_sources=[p.reward_source for p in parts],
     )
 
 
@@ -1077,7 +1084,7 @@ def _take(d: Dump, keep: np.ndarray) -> Dump:
                 tokens=tokens, scalars={k: v[keep] for k, v in d.scalars.items()},
                 texts={k: [v[i] for i in idx] for k, v in d.texts.items()},
                 turns=None if d.turns is None else [d.turns[i] for i in idx], warnings=list(d.warnings),
-                length_units=list(d.length_units))
+                length_units=list(d.length_units), reward_sources=list(d.reward_sources))
 
 
 def _row_key(d: Dump, i: int) -> bytes:

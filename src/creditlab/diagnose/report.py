@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from creditlab.diagnose._outlock import OutLock
+from creditlab.diagnose._trl_logs import FORMAT_TRL
 from creditlab.diagnose.checks import CheckResult, format_value, run_checks
 from creditlab.diagnose.plots import PLOTS, plot_result
 from creditlab.diagnose.readers import Dump, read_dump
@@ -82,8 +83,18 @@ def summarize(dump: Dump) -> dict[str, Any]:
         "columns": [c for c in ("logprobs", "rollout_logprobs", "policy_mask", "turn_ids", "response",
                                 "response_length", "truncated", "process_reward", "precision", "recall",
                                 "instruction", "turns") if dump.has(c)],
+        "reward_source": reward_source(dump),
     }
     return out
+
+
+def reward_source(dump: Dump) -> str:
+    """Where the reward of the checks comes from, one phrase per distinct source (``file: source`` when the
+    files differ)."""
+    srcs = dump.reward_sources
+    if len(set(srcs)) <= 1:
+        return srcs[0] if srcs else ""
+    return "; ".join(f"{Path(f).name}: {s}" for f, s in zip(dump.files, srcs, strict=True))
 
 
 def _cell(s: str) -> str:
@@ -119,7 +130,7 @@ def write_report(dump: Dump, results: Sequence[CheckResult], out: str | os.PathL
     lines += [f"Input: {src} ({', '.join(summary['formats'])}): {summary['trajectories']:,} trajectories, "
               f"{summary['steps']:,} steps ({summary['step_range'][0]}-{summary['step_range'][1]}), "
               f"{summary['groups']:,} groups, {summary['tokens']:,} tokens ({summary['policy_tokens']:,} policy).",
-              ""]
+              "", f"Reward: {summary['reward_source']}.", ""]
     if dump.warnings:
         lines += [f"Input warnings ({len(dump.warnings)}):", ""] + [f"* {w}" for w in dump.warnings] + [""]
     lines += [f"Verdict: {counts['fail']} fail, {counts['warn']} warn, {counts['ok']} ok, {counts['skipped']} skipped "
@@ -242,7 +253,8 @@ def record_error(out: str | os.PathLike, err: CreditlabError, paths: Sequence[st
 
 def diagnose(paths: str | os.PathLike | Sequence[str | os.PathLike], out: str | os.PathLike, *,
              fail_on: str = "fail", only: str | Sequence[str] | None = None, max_turns: int = 16,
-             progress: Callable[[str, int, int], None] | None = None) -> Diagnosis:
+             progress: Callable[[str, int, int], None] | None = None,
+             reward_columns: Sequence[str] | None = None) -> Diagnosis:
     """Read the dumps at ``paths``, run the checks, write the report into ``out``.
 
     The run holds the lock of ``out`` (``<out>.lock``) from start to end, and first checks that every
@@ -251,7 +263,8 @@ def diagnose(paths: str | os.PathLike | Sequence[str | os.PathLike], out: str | 
     with nothing written. ``progress(what, done, total)`` is called as files are read and checks finish.
     An error (bad input, an unknown check, a bad ``fail_on`` or ``max_turns``) raises; when ``out`` held an
     earlier report of its own, that report is first rewritten with the error (:func:`record_error`). A
-    report that replaces an earlier one says so in :attr:`Diagnosis.replaced`.
+    report that replaces an earlier one says so in :attr:`Diagnosis.replaced`. ``reward_columns``: the
+    reward-function columns of TRL completion tables (``--reward-column``; an error for other input).
     """
     plist = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     outp = Path(out)
@@ -267,7 +280,10 @@ def diagnose(paths: str | os.PathLike | Sequence[str | os.PathLike], out: str | 
                 raise ConfigError("--max-turns", f"must be >= 2, got {max_turns}")
             if fail_on not in FAIL_ON:
                 raise ConfigError("--fail-on", f"must be fail or warn, got {fail_on!r}")
-            dump = read_dump(plist, progress=progress)
+            dump = read_dump(plist, progress=progress, reward_columns=reward_columns)
+            if reward_columns and FORMAT_TRL not in dump.formats:
+                raise ConfigError("--reward-column", "names the reward functions of TRL's log_completions tables; "
+                                                     f"this input has none ({reward_source(dump)} is the reward)")
             results = run_checks(dump, only=only, max_turns=max_turns, progress=progress)
         except CreditlabError as err:
             raise record_error(outp, err, plist, fail_on=fail_on if fail_on in FAIL_ON else "fail") from None
