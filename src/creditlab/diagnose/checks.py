@@ -342,8 +342,8 @@ def _unusable_outcome(ctx: Context) -> Outcome | None:
     if ts.engine_rows:
         parts.append(f"{ts.engine_rows:,} rows whose logprobs_source says logprobs are the engine's")
     return Outcome("skipped", None, f"No usable policy token: all {P:,} are flagged or left out ({'; '.join(parts)}), "
-                   "so there is no precision evidence to judge; mismatch.placeholder_logprobs names the cause and "
-                   "its fix.", {"policy_tokens": P})
+                   "so there is no precision evidence to judge; the check named beside each count gives the cause "
+                   "and its fix.", {"policy_tokens": P})
 
 
 COPIED = ("rollout_logprobs equal logprobs on every policy token: the dump holds one log-prob computation twice "
