@@ -87,3 +87,10 @@ def test_a_cell_two_experiments_share_runs_once():
 
     cells = TwoLab().cells(dataclasses.replace(CoverageConfig.quick(), experiments=("a", "b")))
     assert [c.name for c in cells] == ["common", "a", "b"]
+
+
+def test_a_verdict_is_holds_fails_or_not_judged():
+    from creditlab.lab.experiment import Verdict
+
+    assert [Verdict.of(v).value for v in (True, False, None)] == ["holds", "fails", "not judged"]
+    assert Verdict.of(True) == "holds"  # a str: it goes into a table as its value

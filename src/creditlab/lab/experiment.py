@@ -22,12 +22,17 @@ What an experiment provides (subclass :class:`Experiment`; every method but ``ce
 * ``plots(tables, config, out)``: its PNG files, from every table made so far;
 * ``interpret(tables, config)``: the reading of each of its report tables.
 
+A prediction written before a run is judged by a small pure function from tables to a
+:class:`Verdict` (``holds``, ``fails`` or ``not judged``: the run cannot tell, e.g. its gate failed or
+an arm it needs did not run), tested on hand-made tables for each outcome.
+
 Adding an experiment: see ``docs/contributing.md``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -37,7 +42,20 @@ from creditlab.errors import CreditlabError
 from creditlab.lab.protocol import Table
 from creditlab.lab.runner import Cell
 
-__all__ = ["Experiment", "ExperimentLab"]
+__all__ = ["Experiment", "ExperimentLab", "Verdict"]
+
+
+class Verdict(str, Enum):
+    """The outcome of a prediction on a run's tables."""
+
+    HOLDS = "holds"
+    FAILS = "fails"
+    NOT_JUDGED = "not judged"
+
+    @classmethod
+    def of(cls, held: bool | None) -> Verdict:
+        """``holds`` / ``fails`` from a test's outcome; ``not judged`` when it could not be tested (None)."""
+        return cls.NOT_JUDGED if held is None else cls.HOLDS if held else cls.FAILS
 
 
 class Experiment:
