@@ -48,10 +48,37 @@ def _cases():
         "topk": [{"step": 0, "group": i // 4, "reward": float(i % 2), **topk_row(rng, 40, k=5)} for i in range(32)],
         "lengths": [{"step": 0, "group": i // 4, "reward": float(i < 4), **token_row(rng, [int(n)], noise=0.05)}
                     for i, n in enumerate(rng.integers(10, 1200, 64))],
+        # many rows at the longest length (cut at the limit), tied across the quartile boundary
+        "ties": [{"step": 0, "group": i // 4, "reward": float(i % 3 == 0),
+                  **token_row(rng, [int(n)], noise=0.05 if n == 300 else 0.2)}
+                 for i, n in enumerate([300] * 13 + list(rng.integers(20, 290, 19)))],
+        "padding": _padded(rng), "zero_engine": _zero_engine(rng),
     }
 
 
-@pytest.mark.parametrize("case", ["clean", "drift", "leak", "nan", "topk", "lengths"])
+def _padded(rng):
+    """Every row padded to one width with (0.0, 0.0) tokens that the policy mask marks as policy."""
+    rows = [{"step": 0, "group": i // 4, "reward": float(i % 2), **token_row(rng, [12, 10], noise=0.05)}
+            for i in range(16)]
+    width = max(len(r["logprobs"]) for r in rows) + 6
+    for r in rows:
+        pad = width - len(r["logprobs"])
+        r["logprobs"] = list(r["logprobs"]) + [0.0] * pad
+        r["rollout_logprobs"] = list(r["rollout_logprobs"]) + [0.0] * pad
+        r["policy_mask"] = list(r["policy_mask"]) + [True] * pad
+    return rows
+
+
+def _zero_engine(rng):
+    """A quarter of the rows whose engine returned no log-probs (0.0 on every token)."""
+    rows = clean_rows(steps=1)
+    for r in rows[::4]:
+        r["rollout_logprobs"] = [0.0] * len(r["rollout_logprobs"])
+    return rows
+
+
+@pytest.mark.parametrize("case", ["clean", "drift", "leak", "nan", "topk", "lengths", "ties", "padding",
+                                  "zero_engine"])
 def test_batch_values_are_the_checks_values_on_the_same_batch(tmp_path, case):
     rows = _cases()[case]
     for r in rows:
@@ -71,7 +98,8 @@ def test_batch_values_are_the_checks_values_on_the_same_batch(tmp_path, case):
     assert first == pytest.approx(res["mismatch.prefix_drift"].details.get("prefix_rms_first", np.nan), nan_ok=True)
     flagged = {"leak": "mismatch.placeholder_logprobs", "nan": "mismatch.nonfinite_logprobs",
                "topk": "mismatch.one_sided", "lengths": "mismatch.sequence_ratio_length",
-               "drift": "mismatch.prefix_drift"}
+               "drift": "mismatch.prefix_drift", "padding": "mismatch.placeholder_logprobs",
+               "zero_engine": "mismatch.placeholder_logprobs"}
     if case in flagged:  # each planted failure reaches its threshold live too
         assert res[flagged[case]].status in ("warn", "fail")
 

@@ -261,7 +261,8 @@ _F64 = torch.float64
 
 def _runs(x: torch.Tensor, ok: torch.Tensor, gap: torch.Tensor, run_min: int, run_gap: float) -> torch.Tensor:
     """``ok`` tokens in a run of ``run_min``+ consecutive ``ok`` tokens of a row holding one value of ``x``
-    with mean ``gap`` over the run above ``run_gap`` (runs numbered across the flattened batch)."""
+    with mean ``gap`` over the run above ``run_gap``, or, for a run of 0.0, summed ``gap`` above
+    ``run_gap`` (a column of zeros; runs numbered across the flattened batch)."""
     same = torch.zeros_like(ok)
     if ok.shape[1] > 1:
         same[:, 1:] = (x[:, 1:] == x[:, :-1]) & ok[:, 1:] & ok[:, :-1]
@@ -271,8 +272,27 @@ def _runs(x: torch.Tensor, ok: torch.Tensor, gap: torch.Tensor, run_min: int, ru
     okf = ok.reshape(-1).to(_F64)
     length = torch.zeros(n, dtype=_F64, device=x.device).scatter_add_(0, run, okf)
     total = torch.zeros(n, dtype=_F64, device=x.device).scatter_add_(0, run, gap.reshape(-1) * okf)
-    bad = (length >= run_min) & (total > run_gap * length)
+    zero = torch.zeros(n, dtype=_F64, device=x.device).scatter_add_(0, run, (start & (x.reshape(-1) == 0)).to(_F64)) > 0
+    bad = (length >= run_min) & ((total > run_gap * length) | (zero & (total > run_gap)))
     return (bad[run] & ok.reshape(-1)).reshape(ok.shape)
+
+
+def _zero_rows(x: torch.Tensor, other: torch.Tensor, ok: torch.Tensor, run_gap: float) -> torch.Tensor:
+    """``(B,)`` rows whose 2+ ``ok`` tokens all hold exactly 0.0 in ``x`` while ``other`` sums below
+    ``-run_gap`` over them (a side that never scored the row)."""
+    n = ok.sum(1)
+    zeros = (ok & (x == 0)).sum(1)
+    return (n >= 2) & (zeros == n) & (torch.where(ok, other, 0.0).sum(1) < -run_gap)
+
+
+def _trailing_padding(both_zero: torch.Tensor, pm: torch.Tensor, run_min: int) -> torch.Tensor:
+    """Policy tokens of the run of (0.0, 0.0) policy tokens that ends a row at the batch's last column, when
+    it holds ``run_min``+: padding marked as policy (a trainer's batch is right-padded to its width)."""
+    pad = both_zero & pm
+    L = pad.shape[1]
+    # a token is in the trailing run when it and every token after it are pad: a reversed cumulative AND
+    tail = torch.flip(torch.cumprod(torch.flip(pad, [1]).to(torch.int64), 1), [1]).bool()
+    return tail & (tail.sum(1, keepdim=True) >= run_min) if L else tail
 
 
 def _nan(like: torch.Tensor) -> torch.Tensor:
@@ -288,21 +308,24 @@ def batch_check_values(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
 
     The same definitions as the checks on a dump of this one batch (docs/diagnose.md), with the turns
     the runs of policy tokens: tokens with a NaN/inf log-prob on either side, one above
-    ``logprob_tol``, an exact 0.0 on one side where the other gives ``< -run_gap``, or in a run of
-    repeated values are left out of the others (``usable``); ``delta = old - rollout`` on usable
-    tokens. Keys (each the check id with ``/`` for ``.``):
+    ``logprob_tol``, an exact 0.0 on one side where the other gives ``< -run_gap``, in a run of
+    repeated values, in a row that one side fills with 0.0, or in a run of ``run_min``+ (0.0, 0.0)
+    policy tokens that ends the row at the batch's last column (padding marked as policy) are left out
+    of the others (``usable``); ``delta = old - rollout`` on usable tokens. Keys (each the check id with
+    ``/`` for ``.``):
 
     * ``mismatch/k3``: mean ``exp(delta) - 1 - delta`` over usable tokens (0 when none);
     * ``mismatch/nonfinite_logprobs``, ``mismatch/placeholder_logprobs``: share of the policy tokens
-      with a NaN/inf log-prob; with a positive, zero-filled or repeated placeholder one;
+      with a NaN/inf log-prob; with a positive, zero-filled, repeated or padding placeholder one;
     * ``mismatch/prefix_drift``: RMS of the prefix log ratio ``E_t`` at the last turn with
       ``turn_min_tokens`` usable tokens, and ``mismatch/prefix_drift/first_turn`` at the first (NaN
       when fewer than 2 turns have them);
     * ``mismatch/one_sided``: share of the measurable tokens (``|delta| > measurable``) on the majority
       side; 0 when at most ``negligible_share`` of the tokens are measurable, NaN when fewer than
       ``min_measurable`` are but more than that share, or when no token is usable;
-    * ``mismatch/sequence_ratio_length``: median ``|sum_t delta_t|`` over the longest quarter of the
-      rows by usable tokens (NaN below ``seq_min_rows`` rows with tokens or with one length only);
+    * ``mismatch/sequence_ratio_length``: median ``|sum_t delta_t|`` over the longest length quartile of
+      the rows by usable tokens, rows of one length never split (NaN below ``seq_min_rows`` rows with
+      tokens or with one length only);
     * ``baseline/degenerate_groups`` (with ``group_ids`` ``(B,)`` integer codes in ``[0, B)`` and
       ``rewards`` ``(B,)``): share of the groups whose rewards are all equal (rows with a NaN reward
       left out).
@@ -324,7 +347,12 @@ def batch_check_values(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
         zero_fill = ok & ~positive & (((lp0 == 0) & (rlp0 < -p.run_gap)) | ((rlp0 == 0) & (lp0 < -p.run_gap)))
         gap = (lp0 - rlp0).abs()
         runs = (_runs(lp0, ok, gap, p.run_min, p.run_gap) | _runs(rlp0, ok, gap, p.run_min, p.run_gap))
-        placeholder = (positive | zero_fill | runs) & ok
+        scored = ok & ~positive
+        # a row one side fills with 0.0, and padding marked as policy, are named, not measured
+        padding = _trailing_padding(finite & (lp0 == 0) & (rlp0 == 0), pm, p.run_min) & scored
+        zero_row = _zero_rows(rlp0, lp0, scored, p.run_gap) | _zero_rows(lp0, rlp0, scored, p.run_gap)
+        zero_side = scored & zero_row[:, None] & ~padding
+        placeholder = (positive | zero_fill | runs | zero_side | padding) & ok
         usable = ok & ~placeholder
         delta = torch.where(usable, lp0 - rlp0, 0.0)
         uf = usable.to(_F64)
@@ -362,19 +390,25 @@ def batch_check_values(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
         last_first = rms.gather(0, at)
         out["mismatch/prefix_drift"] = torch.where(two, last_first[0], _nan(rms))
         out["mismatch/prefix_drift/first_turn"] = torch.where(two, last_first[1], _nan(rms))
-        # sequence ratio: median |S| over the longest quarter of the rows with usable tokens
+        # sequence ratio: median |S| over the longest length quartile of the rows with usable tokens; rows of
+        # one length share the quartile of the highest-ranked of them (a function of the set of rows, not of
+        # their order)
         n_row = uf.sum(1)
         S = delta.sum(1).abs()
         has = n_row > 0
         R = has.sum()
-        key = torch.where(has, n_row, -1.0)
-        order = torch.sort(key, stable=True).indices
-        q = torch.div(R, 4, rounding_mode="floor")
-        rank = torch.empty_like(order).scatter_(0, order, torch.arange(B, device=dev))
-        longest = has & (rank >= B - q)
+        sorted_n = torch.sort(torch.where(has, n_row, math.inf)).values
+        top_rank = torch.searchsorted(sorted_n, n_row.contiguous(), right=True) - 1  # highest rank among ties
+        base, extra = torch.div(R, 4, rounding_mode="floor"), torch.remainder(R, 4)
+        j = torch.arange(1, 4, device=dev)
+        first_rank = j * base + torch.minimum(j, extra)  # ranks where quartiles 1, 2, 3 start
+        quart = (top_rank[:, None] >= first_rank[None, :]).sum(1)
+        top = torch.where(has, quart, -1).max() if B else R
+        longest = has & (quart == top)
+        M = longest.sum()
         vals = torch.sort(torch.where(longest, S, math.inf)).values
-        lo_i = torch.div(q - 1, 2, rounding_mode="floor").clamp_min(0)
-        hi_i = torch.div(q, 2, rounding_mode="floor").clamp(max=max(B - 1, 0))
+        lo_i = torch.div(M - 1, 2, rounding_mode="floor").clamp_min(0)
+        hi_i = torch.div(M, 2, rounding_mode="floor").clamp(max=max(B - 1, 0))
         med = vals.gather(0, torch.stack([lo_i, hi_i])).mean() if B else _nan(S)
         spread = torch.where(has, n_row, -math.inf).max() > torch.where(has, n_row, math.inf).min() if B else R > 0
         out["mismatch/sequence_ratio_length"] = torch.where((R >= p.seq_min_rows) & spread, med, _nan(S))
