@@ -64,6 +64,11 @@ def single_update_table(df: pd.DataFrame) -> pd.DataFrame:
     uni = s[s["arm"] == "uniform"].set_index(["exposure", "C"])["mean"]
     s["gain_share"] = [m / uni.loc[(e, C)] if uni.loc[(e, C)] != 0 else np.nan
                        for e, C, m in zip(s["exposure"], s["C"], s["mean"], strict=True)]
+    # the paper's definition: the share of the dense reward's gain over binary, (arm - binary) / (uniform - binary)
+    binary = s[s["arm"] == "binary"].set_index(["exposure", "C"])["mean"]
+    s["share_over_binary"] = [(m - binary.loc[(e, C)]) / (uni.loc[(e, C)] - binary.loc[(e, C)])
+                              if (e, C) in binary.index and uni.loc[(e, C)] != binary.loc[(e, C)] else np.nan
+                              for e, C, m in zip(s["exposure"], s["C"], s["mean"], strict=True)]
     dead = df.groupby(["exposure", "C"])["seed"].nunique() - live.groupby(["exposure", "C"])["seed"].nunique()
     s["seeds_left_out"] = [int(dead.loc[(e, C)]) for e, C in zip(s["exposure"], s["C"], strict=True)]
     s.insert(2, "V_d", [1.0 / C if e == "final" else 1.0 for e, C in zip(s["exposure"], s["C"], strict=True)])
@@ -140,7 +145,9 @@ class SingleUpdate(Experiment):
             "improvement is the exact expected reward after minus before, so no evaluation batch adds noise. "
             "Seeds whose base policy is already deterministic (every arm's gradient zero) are left out and "
             "counted. A binary reward has no gradient when no rollout completes the chain (zero_grad). "
-            "gain_share is the arm's mean improvement over uniform's (the dense reward's).")
+            "gain_share is the arm's mean improvement over uniform's (the dense reward's); share_over_binary is "
+            "the paper's measure of a coarser reward, the share of the dense reward's gain over binary that the arm "
+            "keeps: (arm - binary) / (uniform - binary).")
         text["single_update_diff"] = " ".join(
             read_diff(g, ["exposure", "C"], what) for what, g in tabs["single_update_diff"].frame.groupby(
                 "diff", sort=False))
