@@ -33,7 +33,15 @@ from creditlab.envs.toolshop import (
     vocab_size,
 )
 from creditlab.errors import ConfigError
-from creditlab.labs.mismatch import ENTROPY_BINS, MismatchConfig, gate_metrics, gate_table, predictions_table
+from creditlab.labs.mismatch import (
+    ENTROPY_BINS,
+    MismatchConfig,
+    fp32_band,
+    gate_metrics,
+    gate_table,
+    predictions_table,
+    verdict_rolls_back,
+)
 from creditlab.train.toolshop_base import BaseConfig
 
 
@@ -172,28 +180,47 @@ def test_gate_table_passes_a_dose_by_qat_s_drift():
     assert g.loc["nvfp4", "drift_naive"] == -3.0 and g.loc["nvfp4", "k3_H>1 (QAT)"] == 0.02
 
 
-def _summary(arm, rollbacks, finals=None, growth=1.5, dose="nvfp4"):
+def _summary(arm, rollbacks, finals=None, growth=1.5, dose="nvfp4", best_update=250.0):
     finals = finals or [0.8] * len(rollbacks)
-    return [{"arm": arm, "dose": dose, "seed": s, "rollback": r, "final": f, "k3_growth": growth}
-            for s, (r, f) in enumerate(zip(rollbacks, finals, strict=True))]
+    return [{"arm": arm, "dose": dose, "seed": s, "rollback": r, "final": f, "k3_growth": growth,
+             "best_update": best_update} for s, (r, f) in enumerate(zip(rollbacks, finals, strict=True))]
+
+
+UPDATES = 400
+FP32 = _summary("fp32", [0.0, 0.02, 0.035, 0.01, 0.0], dose="fp32")  # its own band: 0.035
 
 
 def test_predictions_are_read_as_the_docs_state_them():
-    rows = (_summary("qat", [0.05, 0.04, 0.06, 0.0, 0.01])                   # (a) 3 of 5, growth 1.5: held
-            + _summary("qat_tis", [0.05, 0.0, 0.0, 0.0, 0.04])               # (c) 2 of 5: not held
-            + _summary("qat_mis", [0.05, 0.04, 0.06, 0.1, 0.01], growth=0.9)  # (c) 4 of 5 but K3 falls: not held
+    rows = (FP32
+            + _summary("qat", [0.05, 0.04, 0.06, 0.0, 0.01])                   # (a) 3 of 5 beyond 0.035: holds
+            + _summary("qat_tis", [0.05, 0.0, 0.0, 0.0, 0.04])               # (c) 2 of 5: fails
+            + _summary("qat_mis", [0.05, 0.04, 0.06, 0.1, 0.01], growth=0.9)  # (c) 4 of 5 but K3 falls: fails
             + _summary("qat_interq", [0.0, 0.01, 0.02, 0.05, 0.0])           # (b) 4 of 5 <= 0.03
-            + _summary("qat_prefix", [0.03, 0.02, 0.03, 0.0, 0.01])          # (d) larger in 3 of 5: held
+            + _summary("qat_prefix", [0.03, 0.02, 0.03, 0.0, 0.01])          # (d) larger in 3 of 5: holds
             + _summary("qat_global", [0.0, 0.0, 0.0, 0.0, 0.0], finals=[0.8, 0.81, 0.79, 0.8, 0.8]))
     diffs = pd.DataFrame([{"diff": "qat_interq - fp32", "dose": "nvfp4", "final": 0.0, "final_lo": -0.04,
                            "final_hi": 0.03}])
-    p = predictions_table(pd.DataFrame(rows), diffs, ["nvfp4"]).set_index("arm")
-    assert p.loc["qat", "held"] and p.loc["qat", "prediction"] == "a"
-    assert not p.loc["qat_tis", "held"] and not p.loc["qat_mis", "held"]
+    p = predictions_table(pd.DataFrame(rows), diffs, ["nvfp4"], UPDATES).set_index("arm")
+    assert p.loc["qat", "verdict"] == "holds" and p.loc["qat", "held"] and p.loc["qat", "prediction"] == "a"
+    assert p.loc["qat_tis", "verdict"] == p.loc["qat_mis", "verdict"] == "fails"
     assert p.loc["qat_interq", "held"] and p.loc["qat_interq", "prediction"] == "b"
     assert p.loc["qat_prefix", "held"] and not p.loc["qat_global", "held"]
     wide = diffs.assign(final_lo=-0.06)  # the interval leaves [-0.05, 0.05]: (b) fails
-    assert not predictions_table(pd.DataFrame(rows), wide, ["nvfp4"]).set_index("arm").loc["qat_interq", "held"]
+    assert predictions_table(pd.DataFrame(rows), wide, ["nvfp4"], UPDATES).set_index("arm").loc[
+        "qat_interq", "verdict"] == "fails"
+    assert predictions_table(pd.DataFrame(rows), diffs.iloc[:0], ["nvfp4"], UPDATES).set_index("arm").loc[
+        "qat_interq", "verdict"] == "not judged"  # no paired difference with fp32
+
+
+def test_a_rollback_counts_for_prediction_a_only_beyond_the_fp32_band_and_late():
+    qat = pd.DataFrame(_summary("qat", [0.05, 0.04, 0.06, 0.0, 0.01]))
+    assert verdict_rolls_back(qat, 0.03, UPDATES, 3) == "holds"
+    assert verdict_rolls_back(qat, 0.045, UPDATES, 3) == "fails"  # within a wider fp32 band: 2 of 5
+    early = pd.DataFrame(_summary("qat", [0.05, 0.04, 0.06, 0.0, 0.01], best_update=150.0))
+    assert verdict_rolls_back(early, 0.03, UPDATES, 3) == "fails"  # the peak came early: not a late rollback
+    assert verdict_rolls_back(qat, None, UPDATES, 3) == "not judged"  # no fp32 arm: no band
+    assert fp32_band(pd.DataFrame(FP32)) == 0.035 and fp32_band(pd.DataFrame(FP32).assign(rollback=0.0)) == 0.03
+    assert fp32_band(qat) is None
 
 
 def test_the_lab_default_is_the_thought_regime():

@@ -36,6 +36,7 @@ import pandas as pd
 
 from creditlab.core.diagnostics import aulc, rollback
 from creditlab.errors import ConfigError
+from creditlab.lab.experiment import Verdict
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import LabConfig, Table, check_count
 from creditlab.lab.report import (
@@ -53,8 +54,9 @@ from creditlab.models.quant import QUANTIZED
 from creditlab.train.toolshop_base import BaseConfig, base_policy
 from creditlab.train.toolshop_grpo import GRPOConfig, train_grpo_stacked
 
-__all__ = ["ARMS", "DOSES", "LAB", "MismatchConfig", "MismatchLab", "arm_triple", "gate_metrics", "gate_table",
-           "phase_map", "predictions_table", "run_stack", "score_curve"]
+__all__ = ["ARMS", "DOSES", "LAB", "MismatchConfig", "MismatchLab", "arm_triple", "fp32_band", "gate_metrics",
+           "gate_table", "late_rollbacks", "phase_map", "predictions_table", "run_stack", "score_curve",
+           "verdict_rolls_back"]
 
 #: Arm -> (rollout engine, learner, correction); "P" is the engine precision of the dose.
 ARMS: dict[str, tuple[str, str, str]] = {
@@ -520,17 +522,47 @@ def gate_table(dose: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def predictions_table(summary: pd.DataFrame, diffs_fp32: pd.DataFrame, doses: list[str]) -> pd.DataFrame:
+def fp32_band(summary: pd.DataFrame) -> float | None:
+    """The fp32 arm's own band of rollback (no mismatch: the noise of evaluation and of RL itself): the
+    largest rollback of an fp32 run, and at least :data:`ROLLBACK`; None without an fp32 run."""
+    fp = summary[summary["arm"] == "fp32"]["rollback"]
+    return max(ROLLBACK, float(fp.max())) if len(fp) else None
+
+
+def late_rollbacks(runs: pd.DataFrame, band: float, updates: int) -> pd.Series:
+    """Per seed: does its held-out success roll back as prediction (a) states it, beyond the fp32 arm's
+    own band (``rollback > band``) and late in training (its best window ends in the second half of the
+    updates)?"""
+    return (runs["rollback"] > band) & (runs["best_update"] >= updates / 2)
+
+
+def verdict_rolls_back(runs: pd.DataFrame, band: float | None, updates: int, seeds_needed: int) -> Verdict:
+    """Predictions (a) and (c): late rollbacks beyond the fp32 band in ``seeds_needed`` seeds, with K3
+    growing (late / early > 1); not judged without the fp32 arm (no band) or without runs."""
+    if band is None or runs.empty:
+        return Verdict.NOT_JUDGED
+    return Verdict.of(bool(late_rollbacks(runs, band, updates).sum() >= seeds_needed
+                           and runs["k3_growth"].mean() > 1))
+
+
+def predictions_table(summary: pd.DataFrame, diffs_fp32: pd.DataFrame, doses: list[str], updates: int
+                      ) -> pd.DataFrame:
     """The predictions (fixed before the full run; docs/mismatch.md) tested on this run, per dose:
-    (a) QAT rolls back (best - final > ROLLBACK in >= 3/5 of seeds) with K3 late / early > 1;
-    (b) InterQ does not (rollback <= ROLLBACK in >= 4/5 of seeds) and its final success paired with
-    fp32 has a 95% interval inside [-0.05, 0.05]; (c) TIS and MIS on QAT roll back as in (a);
-    (d) QAT+prefix and QAT+global are less stable than InterQ: a larger rollback than InterQ in
-    >= 3/5 of seeds, or a seed standard deviation of final success >= 2x InterQ's."""
+    (a) QAT rolls back beyond the fp32 arm's own band late in training (:func:`late_rollbacks`) in >= 3/5
+    of seeds, with K3 late / early > 1; (b) InterQ does not (rollback <= ROLLBACK in >= 4/5 of seeds) and
+    its final success paired with fp32 has a 95% interval inside [-0.05, 0.05]; (c) TIS and MIS on QAT
+    roll back as in (a); (d) QAT+prefix and QAT+global are less stable than InterQ: a larger rollback than
+    InterQ in >= 3/5 of seeds, or a seed standard deviation of final success >= 2x InterQ's. ``verdict``:
+    holds, fails or not judged; ``held`` is ``verdict == holds``."""
     rows = []
+    band = fp32_band(summary)
 
     def runs(arm, dose):
         return summary[(summary["arm"] == arm) & (summary["dose"] == dose)].set_index("seed")
+
+    def row(dose, label, arm, measured, verdict: Verdict):
+        rows.append({"dose": dose, "prediction": label, "arm": arm, "measured": measured,
+                     "held": verdict is Verdict.HOLDS, "verdict": verdict.value})
 
     for dose in doses:
         inter = runs("qat_interq", dose)
@@ -540,21 +572,22 @@ def predictions_table(summary: pd.DataFrame, diffs_fp32: pd.DataFrame, doses: li
             r = runs(arm, dose)
             if r.empty:
                 continue
-            k = int((r["rollback"] > ROLLBACK).sum())
             growth = float(r["k3_growth"].mean())
-            held = k >= need_a and growth > 1
-            rows.append({"dose": dose, "prediction": label, "arm": arm,
-                         "measured": f"rollback > {ROLLBACK:g} in {k}/{len(r)} seeds; K3 late/early {growth:.2f}",
-                         "held": held})
+            if band is None:
+                measured = f"no fp32 arm: no band to roll back beyond; K3 late/early {growth:.2f}"
+            else:
+                k = int(late_rollbacks(r, band, updates).sum())
+                measured = (f"rollback > {band:.3g} (the fp32 band) with the best window after update "
+                            f"{updates / 2:g} in {k}/{len(r)} seeds; K3 late/early {growth:.2f}")
+            row(dose, label, arm, measured, verdict_rolls_back(r, band, updates, need_a))
         if not inter.empty:
             k = int((inter["rollback"] <= ROLLBACK).sum())
             d = diffs_fp32[(diffs_fp32["diff"].str.startswith("qat_interq")) & (diffs_fp32["dose"] == dose)] \
                 if len(diffs_fp32) else pd.DataFrame()
             lo, hi = (float(d["final_lo"].iloc[0]), float(d["final_hi"].iloc[0])) if len(d) else (math.nan, math.nan)
-            rows.append({"dose": dose, "prediction": "b", "arm": "qat_interq",
-                         "measured": f"rollback <= {ROLLBACK:g} in {k}/{len(inter)} seeds; final - fp32 in "
-                                     f"[{lo:.3f}, {hi:.3f}]",
-                         "held": k >= need_b and -0.05 <= lo and hi <= 0.05})
+            row(dose, "b", "qat_interq", f"rollback <= {ROLLBACK:g} in {k}/{len(inter)} seeds; final - fp32 in "
+                                         f"[{lo:.3f}, {hi:.3f}]",
+                Verdict.NOT_JUDGED if not len(d) else Verdict.of(k >= need_b and -0.05 <= lo and hi <= 0.05))
             for arm in ("qat_prefix", "qat_global"):
                 r = runs(arm, dose)
                 common = r.index.intersection(inter.index)
@@ -562,10 +595,9 @@ def predictions_table(summary: pd.DataFrame, diffs_fp32: pd.DataFrame, doses: li
                     continue
                 larger = int((r.loc[common, "rollback"] > inter.loc[common, "rollback"]).sum())
                 sd, sd_i = float(r["final"].std(ddof=1)), float(inter["final"].std(ddof=1))
-                rows.append({"dose": dose, "prediction": "d", "arm": arm,
-                             "measured": f"larger rollback than InterQ in {larger}/{len(common)} seeds; final sd "
-                                         f"{sd:.3f} vs InterQ {sd_i:.3f}",
-                             "held": larger >= need_a or (sd_i > 0 and sd >= 2 * sd_i)})
+                row(dose, "d", arm, f"larger rollback than InterQ in {larger}/{len(common)} seeds; final sd "
+                                    f"{sd:.3f} vs InterQ {sd_i:.3f}",
+                    Verdict.of(larger >= need_a or (sd_i > 0 and sd >= 2 * sd_i)))
     return pd.DataFrame(rows)
 
 
@@ -664,7 +696,7 @@ class MismatchLab(BasePolicyLab):
             if len(d):
                 tabs[f"diff_vs_{ref}"] = Table(d, f"Paired differences against {LABELS[ref]} (same seeds)", ".3g")
         diffs = tabs["diff_vs_fp32"].frame if "diff_vs_fp32" in tabs else pd.DataFrame()
-        tabs["predictions"] = Table(predictions_table(summary, diffs, doses),
+        tabs["predictions"] = Table(predictions_table(summary, diffs, doses, cfg.grpo.updates),
                                     "The predictions, tested on this run", console=True)
         if "gate" in tabs:
             tabs["phase_map"] = Table(phase_map(summary, tabs["gate"].frame),
@@ -757,8 +789,8 @@ def _read_gate(g: pd.DataFrame) -> str:
 def _read_predictions(p: pd.DataFrame, cfg: MismatchConfig) -> str:
     if p.empty:
         return "The predictions need the QAT, InterQ and fp32 arms; this run has not got them."
-    parts = [f"({r.prediction}) {LABELS[r.arm]} at {r.dose}: {r.measured}: {'held' if r.held else 'did not hold'}"
-             for r in p.itertuples()]
+    said = {"holds": "held", "fails": "did not hold", "not judged": "not judged"}
+    parts = [f"({r.prediction}) {LABELS[r.arm]} at {r.dose}: {r.measured}: {said[r.verdict]}" for r in p.itertuples()]
     short = (f" This run has {cfg.grpo.updates} updates: the predictions are about rollback after hundreds of "
              "updates (QAT peaks near 300 in the paper), so these verdicts test nothing."
              if cfg.grpo.updates < 100 else "")
