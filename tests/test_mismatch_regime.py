@@ -290,3 +290,16 @@ def test_an_interrupted_stacked_run_resumes_from_its_checkpoint_to_the_same_rows
     with pytest.raises(ConfigError, match="checkpoint"):
         train_grpo_stacked(StackedTinyLM([base] * 2), [replace(c, lr=1e-3) for c in configs], checkpoint=ck,
                            checkpoint_every=2)
+
+
+def test_the_docs_knobs_table_is_the_labs_own():
+    """docs/mismatch.md's knobs table states the lab's default world as the code's knobs table does."""
+    from pathlib import Path
+
+    from creditlab.labs.mismatch import _knob_rows
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "mismatch.md").read_text()
+    section = doc[doc.index("## Knobs chosen, and why"):doc.index("## Run it")]
+    rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| knob")]
+    assert [(r[0], r[1], r[3]) for r in rows] == [(k, v, w) for k, v, w in _knob_rows(MismatchConfig())]
