@@ -29,7 +29,7 @@ from creditlab.lab.store import ResultStore
 from creditlab.labs.granularity import (
     LAB,
     MULTI_CHAIN_LENGTHS,
-    NEW_EXPERIMENTS,
+    REGIME_EXPERIMENTS,
     GranularityConfig,
     batch_stats,
     judge_turns,
@@ -236,12 +236,12 @@ def test_repeats_option_parsed_and_checked():
         replace(GranularityConfig(), experiments=("nope",)).validate()
     with pytest.raises(ConfigError, match="multi_max_len"):
         replace(GranularityConfig(), multi_max_len=1000).validate()
-    assert set(NEW_EXPERIMENTS) <= set(GranularityConfig.quick().experiments)
+    assert set(REGIME_EXPERIMENTS) <= set(GranularityConfig.quick().experiments)
     assert GranularityConfig().experiments == ("grpo", "prm_fixed", "prm_decay", "opsd_ref", "opsd_advice")
 
 
 # ---------------------------------------------------------------------------------------------
-# the new experiments on the protocol (tiny models: mechanics, not results)
+# the regime experiments on the protocol (tiny models: mechanics, not results)
 
 
 @pytest.fixture(scope="module")
@@ -253,10 +253,10 @@ def tiny_cfg(tmp_path_factory):
                              grpo=GRPOConfig(updates=4, tasks_per_update=2, group_size=2, chain_lengths=CHAINS,
                                              eval_every=2),
                              seeds=1, eval_per_type=3, repeats="0.25,1.0", cache_dir=str(cache),
-                             experiments=NEW_EXPERIMENTS)
+                             experiments=REGIME_EXPERIMENTS)
 
 
-def test_new_experiments_write_gates_verdicts_and_predictions(tmp_path, tiny_cfg):
+def test_regime_experiments_write_gates_verdicts_and_predictions(tmp_path, tiny_cfg):
     out = tmp_path / "run"
     run_lab(LAB, tiny_cfg, out, progress=False)
     for name in ("gates", "multi_means", "multi_mixing", "sweep", "sweep_runs", "warm_means", "warm_opsd",
@@ -324,30 +324,3 @@ def test_a_base_policy_starts_from_another_with_a_shorter_context(tmp_path):
         base_policy(replace(big, init="0" * 16, seed=1), cache_dir=tmp_path)
     with pytest.raises(ConfigError, match="base.init"):  # a longer model's weights do not fit a shorter one
         base_policy(replace(small, init=big.key(), seed=2), cache_dir=tmp_path)
-
-
-def _warm_tables(advice_gate: float, ref_gate: float, advice: float, grpo: float):
-    from creditlab.lab.protocol import Table
-    from creditlab.labs.granularity import _predictions
-
-    gates = pd.DataFrame({"gate": ["reference-answer teacher: preference - placebo's (nats)",
-                                   "turn-advice teacher: preference - placebo's (nats)"],
-                          "measured": [ref_gate, advice_gate], "passes": [ref_gate >= 1, advice_gate >= 1]})
-    means = pd.DataFrame({"arm": ["grpo", "opsd_ref", "opsd_advice"], "type": "all",
-                          "success": [grpo, 0.88, advice], "gain": [0.2, 0.2, 0.2]})
-    opsd = pd.DataFrame({"arm": ["opsd_ref", "opsd_advice"], "reverse_kl": [0.16, 0.15], "grad_norm": [0.16, 0.15],
-                         "clipped_updates": [0.0, 0.0], "response_tokens_early": [19.5, 19.5],
-                         "response_tokens_late": [19.1, 19.0]})
-    tabs = {"warm_means": Table(means, "m"), "warm_opsd": Table(opsd, "o")}
-    pred = _predictions(tabs, GranularityConfig(), gates)
-    return {p.split(":")[0]: v for p, v in zip(pred["prediction"], pred["verdict"], strict=True)}
-
-
-def test_w2_is_judged_on_the_advice_teachers_own_gate():
-    # the advice teacher passes its gate, the reference teacher does not: W1 fails, W2 is judged
-    v = _warm_tables(advice_gate=1.09, ref_gate=0.24, advice=0.92, grpo=0.89)
-    assert v["W1"] == "falsified" and v["W2"] == "falsified"  # advice-OPSD beats GRPO with a passing gate
-    assert _warm_tables(advice_gate=1.09, ref_gate=0.24, advice=0.60, grpo=0.89)["W2"] == "holds"
-    # the advice teacher's own gate fails: W2 is not judged, whatever the reference teacher does
-    v = _warm_tables(advice_gate=0.99, ref_gate=1.5, advice=0.92, grpo=0.89)
-    assert v["W2"].startswith("not judged")
