@@ -53,9 +53,8 @@ def run_teacher_cell(config: dict, cache_dir: str) -> list[dict]:
 
 
 class Arm(GranularityExperiment):
-    """One arm: its training runs, one cell per seed (module docstring)."""
-
-    fields = ()
+    """One arm: its training runs, one cell per seed (module docstring). It owns no config field: the
+    lab's training, process reward and OPSD settings are every arm's and the regime experiments' too."""
 
     def __init__(self, arm: str) -> None:
         self.name = arm
