@@ -72,6 +72,14 @@ def test_m3_the_decayed_prm_gains_on_the_most_mixed_type():
     assert multi.m3_verdict(_mixing(decay=(0.05, -0.02, 0.1))) is NOT_JUDGED  # spans 0: not resolved
     assert multi.m3_verdict(_mixing(decay=(0.05, math.nan, math.nan))) is NOT_JUDGED  # one seed: no interval
     assert multi.m3_verdict(_mixing()) is NOT_JUDGED and multi.m3_measured(_mixing()) is None  # no decayed arm
+
+
+def test_the_multi_verdicts_are_not_judged_where_nothing_was_measured():
+    nan3 = (math.nan,) * 3
+    assert multi.m1_verdict(_mixing((0.3, 0.5, math.nan))) is NOT_JUDGED  # it was a "fails" on a NaN
+    assert multi.m2_verdict(_mixing(share=nan3)) is NOT_JUDGED  # pandas' idxmin raised on all-NA
+    assert multi.m2_verdict(_mixing(mixing=nan3)) is NOT_JUDGED
+    assert multi.m3_verdict(_mixing(mixing=nan3, decay=(0.1, 0.02, 0.2))) is NOT_JUDGED
     said = _said(_mixing(decay=(0.05, -0.02, 0.1)), multi.PREDICTIONS)
     assert said == {"M1": "holds", "M2": "holds", "M3": "not resolved (interval spans 0)"}
     assert _said(_mixing(), multi.PREDICTIONS) == {"M1": "holds", "M2": "holds"}  # M3 left out

@@ -84,6 +84,8 @@ def m1_verdict(tabs: Tables) -> Verdict:
     if mm is None:
         return Verdict.NOT_JUDGED
     mix = mm["base mixing"]
+    if "multi" not in mix or pd.isna(mix["multi"]):
+        return Verdict.NOT_JUDGED  # the multi type's base mixing was not measured
     return Verdict.of(bool(mix["multi"] >= MIXING_GATE) and bool(mix["multi"] > mix.drop("multi").max()))
 
 
@@ -98,8 +100,8 @@ def m2_measured(tabs: Tables) -> str | None:
 def m2_verdict(tabs: Tables) -> Verdict:
     """M2 holds when GRPO's gain over its headroom is smallest on the type of the highest base mixing."""
     mm = _mixing(tabs)
-    if mm is None:
-        return Verdict.NOT_JUDGED
+    if mm is None or mm["grpo gain / headroom"].isna().all() or mm["base mixing"].isna().all():
+        return Verdict.NOT_JUDGED  # nothing measured to compare (pandas' idxmin of all-NA raises)
     return Verdict.of(bool(mm["grpo gain / headroom"].idxmin() == mm["base mixing"].idxmax()))
 
 
@@ -121,7 +123,7 @@ def m3_verdict(tabs: Tables) -> Verdict:
     """M3 holds when the 95% interval of the decayed PRM's gain over GRPO on the most mixed type is above 0,
     fails when it is at or below 0 or its mean is, and is not judged (not resolved) when the interval spans 0."""
     mm = _decay_gains(tabs)
-    if mm is None:
+    if mm is None or mm["base mixing"].isna().all():
         return Verdict.NOT_JUDGED
     d = mm.loc[mm["base mixing"].idxmax()]
     if d["prm_decay - grpo lo"] > 0:
