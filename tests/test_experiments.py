@@ -17,12 +17,16 @@ from creditlab.labs.fork import ForkLabConfig
 from creditlab.labs.granularity import LAB as GRANULARITY
 from creditlab.labs.granularity import SHARED_FIELDS as GRANULARITY_SHARED
 from creditlab.labs.granularity import GranularityConfig
+from creditlab.labs.mismatch import LAB as MISMATCH
+from creditlab.labs.mismatch import SHARED_FIELDS as MISMATCH_SHARED
+from creditlab.labs.mismatch import MismatchConfig
 from creditlab.labs.toolshop import LAB as TOOLSHOP
 from creditlab.labs.toolshop import SHARED_FIELDS as TOOLSHOP_SHARED
 from creditlab.labs.toolshop import ToolshopLabConfig
 
 LABS = [(LAB, CoverageConfig, SHARED_FIELDS), (FORK, ForkLabConfig, FORK_SHARED),
-        (TOOLSHOP, ToolshopLabConfig, TOOLSHOP_SHARED), (GRANULARITY, GranularityConfig, GRANULARITY_SHARED)]
+        (TOOLSHOP, ToolshopLabConfig, TOOLSHOP_SHARED), (GRANULARITY, GranularityConfig, GRANULARITY_SHARED),
+        (MISMATCH, MismatchConfig, MISMATCH_SHARED)]
 
 
 @pytest.mark.parametrize(("lab", "config_type", "shared"), LABS, ids=lambda v: getattr(v, "name", ""))

@@ -1,7 +1,7 @@
 """The base policies that ship with the package (creditlab/train/bases/) match their configs.
 
 A shipped file is a build of its config (``ship_base_policy``; the mismatch lab's rebuild command is in
-``creditlab.labs.mismatch._base_config``): its name is the config's key, its metadata holds the config
+``creditlab.labs.mismatch.config._base_config``): its name is the config's key, its metadata holds the config
 and the imitation loss of the weights on the config's first 64 demonstrations, and the weights load
 into the config's model and give that loss again. A file trained on other demonstrations, of another
 architecture, or renamed, fails here.

@@ -26,19 +26,17 @@ rows depend only on its arguments; every finished cell is stored at once (resuma
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import pandas as pd
 
 from creditlab.core.diagnostics import aulc, rollback
-from creditlab.errors import ConfigError
-from creditlab.lab.experiment import Verdict
+from creditlab.lab.experiment import ExperimentLab, Verdict
 from creditlab.lab.plotting import new_figure, save
-from creditlab.lab.protocol import LabConfig, Table, check_count
+from creditlab.lab.protocol import Table
 from creditlab.lab.report import (
     ci_columns,
     group_means,
@@ -48,276 +46,24 @@ from creditlab.lab.report import (
     small_run_note,
     sort_in_order,
 )
-from creditlab.lab.runner import Cell
-from creditlab.labs._toolshop import BasePolicyConfig, BasePolicyLab, base_knob, fresh_dump, optim_knob, seeds_knob
-from creditlab.models.quant import QUANTIZED
-from creditlab.train.toolshop_base import BaseConfig, base_policy
-from creditlab.train.toolshop_grpo import GRPOConfig, train_grpo_stacked
+from creditlab.labs._toolshop import BasePolicyLab, base_knob, optim_knob, seeds_knob
+from creditlab.labs.mismatch.cells import ENTROPY_BINS, gate_metrics, run_dose_cell, run_stack
+from creditlab.labs.mismatch.config import (
+    ARMS,
+    DIFF,
+    DOSES,
+    GATE_DRIFT,
+    LABELS,
+    ROLLBACK,
+    UNIT,
+    MismatchConfig,
+    arm_triple,
+)
+from creditlab.labs.mismatch.dose import Dose
 
-__all__ = ["ARMS", "DOSES", "LAB", "MismatchConfig", "MismatchLab", "arm_triple", "fp32_band", "gate_metrics",
-           "gate_table", "late_rollbacks", "phase_map", "predictions_table", "run_stack", "score_curve",
-           "verdict_rolls_back"]
-
-#: Arm -> (rollout engine, learner, correction); "P" is the engine precision of the dose.
-ARMS: dict[str, tuple[str, str, str]] = {
-    "fp32": ("fp32", "fp32", "none"),
-    "naive": ("P", "fp32", "none"),
-    "qat": ("P", "P", "none"),
-    "qat_tis": ("P", "P", "tis"),
-    "qat_mis": ("P", "P", "mis"),
-    "qat_prefix": ("P", "P", "prefix"),
-    "qat_global": ("P", "P", "global"),
-    "qat_interq": ("P", "P", "interq"),
-}
-LABELS = {"fp32": "fp32", "naive": "naive", "qat": "QAT", "qat_tis": "QAT+TIS", "qat_mis": "QAT+MIS",
-          "qat_prefix": "QAT+prefix", "qat_global": "QAT+global", "qat_interq": "QAT+InterQ"}
-#: Engine precisions of the dose (``-e`` selects among them): every quantized format of the engine.
-DOSES = QUANTIZED
-DEFAULT_DOSES = ("fp8", "int8", "nvfp4")
-#: Chain lengths (tool calls) of the lab's tasks, for the base policy and for training.
-CHAIN_LENGTHS = (5, 6, 7, 8)
-#: Thought tokens the demonstrator puts before every action (the lab's regime: see the knobs table).
-THOUGHTS = 24
-#: The gate: QAT's prefix drift entering the last turn, before training, must reach this (nats).
-GATE_DRIFT = 0.5
-#: Rollback threshold of the predictions (best - final held-out success).
-ROLLBACK = 0.03
-#: A training cell saves its models, optimizer and rows every this many updates (in the cache
-#: directory's ``checkpoints/``, removed once the cell is stored), so an interrupted cell resumes where
-#: it stopped, with the rows of an uninterrupted one; a cell that dumps rollouts does not.
-CHECKPOINT_EVERY = 25
-UNIT, DIFF = (0.0, 1.0), (-1.0, 1.0)
-METRICS = ("final", "best", "rollback", "aulc")
-
-
-def arm_triple(arm: str, dose: str) -> tuple[str, str, str]:
-    """(rollout engine, learner precision, correction) of ``arm`` at engine precision ``dose``."""
-    if arm not in ARMS:
-        raise ConfigError("arms", f"unknown arm {arm!r}; valid: {', '.join(ARMS)}")
-    e, learner, corr = ARMS[arm]
-    return (dose if e == "P" else e, dose if learner == "P" else learner, corr)
-
-
-@dataclass(frozen=True)
-class MismatchConfig(BasePolicyConfig, LabConfig):
-    """Configuration of the mismatch lab."""
-
-    OPTIONS: ClassVar[dict[str, str]] = {"updates": "grpo.updates"}
-    EXPERIMENTS: ClassVar[tuple[str, ...]] = DOSES
-    SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "smooth", "dose_tasks", "dump_dir")
-
-    base: BaseConfig = field(default_factory=lambda: _base_config())
-    """Supervised warm start of the shared base policy (cached): chains of 5 to 8 tool calls, each
-    action led by :data:`THOUGHTS` uniformly random thought tokens."""
-    grpo: GRPOConfig = field(default_factory=lambda: _grpo_config(updates=400, tasks_per_update=8, group_size=8,
-                                                                  eval_every=10, eval_tasks=256))
-    """Outcome GRPO shared by every arm (its precisions, correction and seed are set per arm)."""
-    seeds: int = 5
-    """Paired seeds per arm (task stream, sampling uniforms, minibatch order)."""
-    arms: tuple[str, ...] = tuple(ARMS)
-    """Arms to train (see ARMS)."""
-    dose_tasks: int = 256
-    """Held-out trajectories of the base policy per engine in the dose table (passed to that cell,
-    so it is in that cell's key, not in the run's identity)."""
-    smooth: int = 3
-    """Evaluation points averaged for final and best success (a window of smooth * eval_every updates);
-    it only changes the tables, so it is not part of the run's identity."""
-    experiments: tuple[str, ...] = DEFAULT_DOSES
-    """Engine precisions of the dose to run (fp8, int8, nvfp4, mxfp4)."""
-    cache_dir: str | None = None
-    """Where the base policy is cached (None: the user cache directory); never changes a number."""
-    dump_dir: str | None = None
-    """Write every training update's rollouts in the ``creditlab diagnose`` schema here (one JSONL
-    file per dose, arm and seed, for the cells this run computes); never changes a number."""
-
-    @classmethod
-    def quick(cls) -> MismatchConfig:
-        """The full run's gate table (the same base policy, which ships with the package, on the same
-        256 tasks: the same numbers) and a short fp32-vs-QAT run at NVFP4 (4 updates, one seed), far
-        too short for the predictions, which are about hundreds of updates."""
-        return cls(grpo=_grpo_config(updates=4, tasks_per_update=4, group_size=4, eval_every=2, eval_tasks=32),
-                   seeds=1, smooth=1, arms=("fp32", "qat"), experiments=("nvfp4",))
-
-    def validate(self) -> None:
-        check_count(self.seeds, "--seeds")
-        if not self.arms or len(set(self.arms)) != len(self.arms):
-            raise ConfigError("arms", f"needs distinct arms, got {list(self.arms)}")
-        for a in self.arms:
-            arm_triple(a, "fp8")
-        if not self.experiments or any(e not in DOSES for e in self.experiments):
-            raise ConfigError("--experiment", f"got {list(self.experiments)}; valid: {', '.join(DOSES)}")
-        g = self.grpo
-        if g.eval_every < 1:
-            raise ConfigError("grpo.eval_every", "the lab scores held-out success over training: must be >= 1")
-        if self.dose_tasks < 1:
-            raise ConfigError("dose_tasks", f"must be >= 1, got {self.dose_tasks}")
-        if self.smooth < 1 or self.smooth > g.updates // g.eval_every + 1:
-            raise ConfigError("smooth", f"must be in [1, {g.updates // g.eval_every + 1}], got {self.smooth}")
-        if g.max_len > self.base.max_len:
-            raise ConfigError("grpo.max_len", f"{g.max_len} exceeds the model's {self.base.max_len}")
-        if self.base.thoughts and g.max_action_len < self.base.thoughts + 6:
-            raise ConfigError("grpo.max_action_len", f"{g.max_action_len} cannot hold {self.base.thoughts} thoughts "
-                                                     "and the longest call (6 tokens)")
-        if tuple(g.chain_lengths) != tuple(self.base.chain_lengths):
-            raise ConfigError("grpo.chain_lengths", "must equal base.chain_lengths (the base policy's tasks)")
-        if g.advantage != "grpo":
-            raise ConfigError("grpo.advantage", "the mismatch lab trains outcome GRPO (advantage='grpo')")
-
-
-def _base_config() -> BaseConfig:
-    """The lab's base policy (full and ``--quick`` runs): the context holds C + 2 turns of (thoughts
-    + call + observation) at C = 8; demonstrations in batches of 64 (each holds about 7x the policy
-    tokens of a demonstration without thoughts); 3000 steps: at the toolshop default of 1000 this
-    base solved 1.6% of held-out tasks (64 tasks, fp32).
-
-    Its build ships with the package (:data:`creditlab.train.toolshop_base.SHIPPED_DIR`), so no run
-    trains it: quicker builds that fit a first ``--quick`` (a few minutes) learn the tasks but not its
-    regime (their QAT drift stayed near 0, docs/mismatch.md). Rebuilt, resumably, by ``python -c "from
-    creditlab.labs.mismatch import MismatchConfig; from creditlab.train.toolshop_base import
-    ship_base_policy; ship_base_policy(MismatchConfig().base, 'base-build', 'mismatch base policy')"``
-    (into the package's directory; tests/test_shipped_bases.py checks it against this config)."""
-    return BaseConfig(chain_lengths=CHAIN_LENGTHS, thoughts=THOUGHTS, max_len=416, batch_size=64, steps=3000)
-
-
-def _grpo_config(**kw) -> GRPOConfig:
-    return GRPOConfig(chain_lengths=CHAIN_LENGTHS, max_len=384, max_action_len=THOUGHTS + 8, **kw)
-
-
-# --------------------------------------------------------------------------------------------
-# cells
-
-
-def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_dir: str,
-              dump_dir: str | None = None) -> list[dict]:
-    """One cell: the arms x seeds of one engine precision trained as one stacked program from the
-    cached base policy. One row per model per update (and the final evaluation row). With
-    ``dump_dir``, every update's rollouts of each model go to ``mismatch-<dose>-<arm>-seed=<s>.jsonl``
-    there, in the ``creditlab diagnose`` schema (learner and engine log-probs, turns)."""
-    from creditlab.models.tiny_lm import StackedTinyLM
-
-    cfg = MismatchConfig.from_dict(config)
-    base = base_policy(cfg.base, cache_dir=cache_dir)
-    members = [(a, s) for a in arms for s in seeds]
-    # consecutive models share a learner precision: one quantizer call per precision (StackedTinyLM)
-    members.sort(key=lambda m: (arm_triple(m[0], dose)[1] == "fp32", list(ARMS).index(m[0]), m[1]))
-    configs = []
-    for a, s in members:
-        engine, learner, corr = arm_triple(a, dose)
-        configs.append(replace(cfg.grpo, rollout_precision=engine, learner_precision=learner, correction=corr, seed=s))
-    stack = StackedTinyLM([base] * len(members))
-    on_rollouts = None
-    if dump_dir:
-        from creditlab.train.toolshop_dump import dump_rollouts
-
-        paths = [fresh_dump(dump_dir, f"mismatch-{dose}-{a}-seed={s}.jsonl") for a, s in members]
-
-        def on_rollouts(k, m, batch, rewards, old):
-            dump_rollouts(batch, rewards, k, paths[m], logprobs=old)
-
-    ck = None
-    if on_rollouts is None:  # a resumed dump would miss the updates before the checkpoint
-        from creditlab.lab.protocol import code_fingerprint
-        from creditlab.lab.runner import digest
-
-        # the cell's arguments and the code: a checkpoint of other code is never resumed
-        key = digest({"dose": dose, "arms": arms, "seeds": seeds, "config": config, "code": code_fingerprint()})
-        ck = Path(cache_dir) / "checkpoints" / f"mismatch-{dose}-{key}.pt"
-    rows = train_grpo_stacked(stack, configs, eval_precision="fp32", on_rollouts=on_rollouts, checkpoint=ck,
-                              checkpoint_every=CHECKPOINT_EVERY)
-    if ck is not None:
-        ck.unlink(missing_ok=True)
-    out = []
-    for (a, s), model_rows in zip(members, rows, strict=True):
-        out += [{"arm": a, "dose": dose, "seed": s, **r} for r in model_rows]
-    return out
-
-
-def run_dose_cell(config: dict, tasks: int, cache_dir: str) -> list[dict]:
-    """The dose before training: K3 between each engine and an fp32 / a QAT learner on the base
-    policy's own trajectories (``tasks`` held-out tasks, one rollout each), and the success of the
-    base policy executed by that engine."""
-    import torch
-
-    from creditlab.core.correction import mismatch_metrics
-    from creditlab.train.toolshop_rollout import EVAL_SEED_OFFSET, make_tasks, rollout, sequence_logprobs
-
-    cfg = MismatchConfig.from_dict(config)
-    g = cfg.grpo
-    model = base_policy(cfg.base, cache_dir=cache_dir)
-    ts = make_tasks(range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + tasks), g.chain_lengths)
-    rows = []
-    with torch.no_grad():
-        for engine in ("fp32", *DOSES):
-            batch = rollout(model, ts, precision=engine, max_len=g.max_len, max_turns=g.max_turns,
-                            max_action_len=g.max_action_len, generator=torch.Generator().manual_seed(0))
-            for learner in (("fp32",) if engine == "fp32" else ("fp32", engine)):
-                old = sequence_logprobs(model, batch.tokens, learner)
-                m = mismatch_metrics(old, batch.rollout_logprobs, batch.policy_mask, batch.valid_mask)
-                last = max(k for k in range(8) if f"mismatch/turn{k}/prefix" in m)
-                rows.append({"engine": engine, "learner": "QAT" if learner == engine != "fp32" else "fp32",
-                             "k3": m["mismatch/k3"], "mean_abs_delta": m["mismatch/mean_abs_delta"],
-                             "seq_k3": m["mismatch/seq_k3"], "prefix_turn0": m["mismatch/turn0/prefix"],
-                             "prefix_last": m[f"mismatch/turn{last}/prefix"],
-                             "current_last": m[f"mismatch/turn{last}/current"], "last_turn": last,
-                             "engine_success": float(batch.success.mean()),
-                             **gate_metrics(old, batch.rollout_logprobs, batch.policy_mask, batch.turn_ids,
-                                            batch.tokens, batch.entropy)})
-    return rows
-
-
-#: Token-entropy bins (nats, of the engine's distribution) of the gate's K3 by entropy.
-ENTROPY_BINS = (0.0, 0.05, 0.3, 1.0, math.inf)
-
-
-def _bin_name(lo: float, hi: float) -> str:
-    return f"k3_H<{hi:g}" if lo == 0 else f"k3_H>{lo:g}" if math.isinf(hi) else f"k3_H{lo:g}-{hi:g}"
-
-
-def gate_metrics(old, rollout_lp, policy_mask, turn_ids, tokens, entropy) -> dict[str, float]:
-    """The preconditions of the lab on one batch of trajectories sampled by the engine:
-
-    * ``policy_tokens``: policy tokens per trajectory (mean), ``thought_tokens`` the thoughts among them;
-    * ``drift_last``: the prefix log ratio entering each trajectory's last turn, ``sum of
-      (learner - engine)`` over the policy tokens of its earlier turns (mean over trajectories; it is
-      negative on average, since the engine drew the tokens: its mean is minus the KL of those
-      tokens' engine distributions from the learner's);
-    * ``k3_H...``: K3 per policy token by the engine's entropy at that token (:data:`ENTROPY_BINS`),
-      and ``share_H...`` each bin's share of the policy tokens; ``k3_thought`` / ``k3_action``: K3 on
-      the thought tokens and on the rest; ``thought_entropy``: the engine's mean entropy on thoughts.
-    """
-    import torch
-
-    from creditlab.envs.toolshop import thought_mask
-
-    pm = policy_mask.bool()
-    delta = (old - rollout_lp).double().masked_fill(~pm, 0.0)
-    k3 = (delta.exp() - 1 - delta).masked_fill(~pm, 0.0)
-    tid = torch.where(pm, turn_ids, torch.full_like(turn_ids, -1))
-    last = tid.max(1, keepdim=True).values
-    has = last[:, 0] >= 0
-    drift = (delta * (pm & (turn_ids < last))).sum(1)
-    thought = pm & thought_mask(tokens)
-    out = {"policy_tokens": float(pm.sum(1).double().mean()), "thought_tokens": float(thought.sum(1).double().mean()),
-           "drift_last": float(drift[has].mean()) if bool(has.any()) else math.nan}
-    n = max(int(pm.sum()), 1)
-    ent = entropy.double() if entropy is not None else None
-    for lo, hi in zip(ENTROPY_BINS[:-1], ENTROPY_BINS[1:], strict=True):
-        name = _bin_name(lo, hi)
-        sel = pm & (ent >= lo) & (ent < hi) if ent is not None else None
-        cnt = int(sel.sum()) if sel is not None else 0
-        out[name] = float(k3[sel].mean()) if cnt else math.nan
-        out[name.replace("k3_", "share_")] = cnt / n
-    action = pm & ~thought
-    out["k3_thought"] = float(k3[thought].mean()) if bool(thought.any()) else math.nan
-    out["k3_action"] = float(k3[action].mean()) if bool(action.any()) else math.nan
-    out["thought_entropy"] = float(ent[thought].mean()) if ent is not None and bool(thought.any()) else math.nan
-    return out
-
-
-
-
-# --------------------------------------------------------------------------------------------
-# scores of a learning curve
+__all__ = ["ARMS", "DOSES", "ENTROPY_BINS", "EXPERIMENT_TABLE", "LAB", "SHARED_FIELDS", "MismatchConfig",
+           "MismatchLab", "arm_triple", "fp32_band", "gate_metrics", "gate_table", "late_rollbacks", "phase_map",
+           "predictions_table", "run_dose_cell", "run_stack", "score_curve", "verdict_rolls_back"]
 
 
 def score_curve(updates: np.ndarray, success: np.ndarray, smooth: int) -> dict[str, float]:
@@ -497,10 +243,6 @@ CURVE_COLUMNS = {"eval/success": "success", "reward/success": "train_success", "
                  "episode/policy_tokens": "policy_tokens"}
 
 
-# --------------------------------------------------------------------------------------------
-# the gate, the predictions and the phase map
-
-
 def gate_table(dose: pd.DataFrame) -> pd.DataFrame:
     """Per engine dose: the base policy's K3 per token, policy tokens per trajectory and prefix drift
     entering the last turn for the naive (fp32 learner) and the QAT learner, K3 by token entropy, and
@@ -620,11 +362,13 @@ def phase_map(summary: pd.DataFrame, gate: pd.DataFrame) -> pd.DataFrame:
     return _ordered(pd.DataFrame(rows), ["drift", "arm"]) if rows else pd.DataFrame()
 
 
-# --------------------------------------------------------------------------------------------
-# the lab
+#: The lab's experiments: one per dose, in the order of :data:`DOSES` (``-e`` selects among them).
+EXPERIMENT_TABLE = tuple(Dose(d) for d in DOSES)
+#: Config fields every dose shares (all of them: a dose has no field of its own).
+SHARED_FIELDS = tuple(f.name for f in dataclasses.fields(MismatchConfig))
 
 
-class MismatchLab(BasePolicyLab):
+class MismatchLab(ExperimentLab, BasePolicyLab):
     """Quantized-rollout GRPO of the toolshop agent under each correction arm (module docstring)."""
 
     name = "mismatch"
@@ -638,6 +382,7 @@ class MismatchLab(BasePolicyLab):
                   "fp32 vs QAT at NVFP4 for 4 updates, one seed: about 60 s on 2 cores, cold or warm (nothing is "
                   "built; load average 2-2.5).")
     config_type = MismatchConfig
+    experiments = EXPERIMENT_TABLE
     gate_groups = ("dose",)
     # One intra-op thread in the CLI process, as the process executor gives each worker: the lab's
     # tensors are small, and a second thread on busy cores waits more than it works (a GRPO update
@@ -658,20 +403,6 @@ class MismatchLab(BasePolicyLab):
             "fp32 engine with the same uniforms for every arm and every evaluation. Final success is the mean "
             f"of the last {cfg.smooth} evaluation points, best the largest mean of {cfg.smooth} consecutive points, "
             "rollback = best - final.")
-
-    def cells(self, cfg: MismatchConfig) -> list[Cell]:
-        ident, ctx = cfg.identity(), cfg.context(dump=True)
-        seeds = list(range(cfg.seeds))
-        cells = [Cell("dose", "base", run_dose_cell, {"config": ident, "tasks": cfg.dose_tasks}, cfg.context())]
-        if "fp32" in cfg.arms:
-            cells.append(Cell("train", "fp32", run_stack, {"dose": "fp32", "arms": ["fp32"], "seeds": seeds,
-                                                           "config": ident}, ctx))
-        quantized = [a for a in cfg.arms if a != "fp32"]
-        if quantized:
-            for dose in cfg.experiments:
-                cells += [Cell("train", f"{dose}/seed={s}", run_stack,
-                               {"dose": dose, "arms": quantized, "seeds": [s], "config": ident}, ctx) for s in seeds]
-        return cells
 
     def gate(self, rows: dict[str, pd.DataFrame], cfg: MismatchConfig) -> Table | None:
         if "dose" not in rows:
@@ -848,9 +579,6 @@ def _read_fingerprint(by_turn: pd.DataFrame) -> str:
             "while the current ratio stays flat is the compounding the prefix corrections target. "
             + "; ".join(parts) + ".")
 
-
-# --------------------------------------------------------------------------------------------
-# plots
 
 COLORS = {"fp32": "black", "naive": "tab:red", "qat": "tab:blue", "qat_tis": "tab:orange", "qat_mis": "tab:brown",
           "qat_prefix": "tab:purple", "qat_global": "tab:olive", "qat_interq": "tab:green"}

@@ -1,0 +1,140 @@
+"""The mismatch lab's cells: the gate's measurement of the base policy at every dose, and the stacked
+training runs of the arms."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from creditlab.labs._toolshop import fresh_dump
+from creditlab.labs.mismatch.config import ARMS, CHECKPOINT_EVERY, DOSES, MismatchConfig, arm_triple
+from creditlab.train.toolshop_base import base_policy
+from creditlab.train.toolshop_grpo import train_grpo_stacked
+
+
+def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_dir: str,
+              dump_dir: str | None = None) -> list[dict]:
+    """One cell: the arms x seeds of one engine precision trained as one stacked program from the
+    cached base policy. One row per model per update (and the final evaluation row). With
+    ``dump_dir``, every update's rollouts of each model go to ``mismatch-<dose>-<arm>-seed=<s>.jsonl``
+    there, in the ``creditlab diagnose`` schema (learner and engine log-probs, turns)."""
+    from creditlab.models.tiny_lm import StackedTinyLM
+
+    cfg = MismatchConfig.from_dict(config)
+    base = base_policy(cfg.base, cache_dir=cache_dir)
+    members = [(a, s) for a in arms for s in seeds]
+    # consecutive models share a learner precision: one quantizer call per precision (StackedTinyLM)
+    members.sort(key=lambda m: (arm_triple(m[0], dose)[1] == "fp32", list(ARMS).index(m[0]), m[1]))
+    configs = []
+    for a, s in members:
+        engine, learner, corr = arm_triple(a, dose)
+        configs.append(replace(cfg.grpo, rollout_precision=engine, learner_precision=learner, correction=corr, seed=s))
+    stack = StackedTinyLM([base] * len(members))
+    on_rollouts = None
+    if dump_dir:
+        from creditlab.train.toolshop_dump import dump_rollouts
+
+        paths = [fresh_dump(dump_dir, f"mismatch-{dose}-{a}-seed={s}.jsonl") for a, s in members]
+
+        def on_rollouts(k, m, batch, rewards, old):
+            dump_rollouts(batch, rewards, k, paths[m], logprobs=old)
+
+    ck = None
+    if on_rollouts is None:  # a resumed dump would miss the updates before the checkpoint
+        from creditlab.lab.protocol import code_fingerprint
+        from creditlab.lab.runner import digest
+
+        # the cell's arguments and the code: a checkpoint of other code is never resumed
+        key = digest({"dose": dose, "arms": arms, "seeds": seeds, "config": config, "code": code_fingerprint()})
+        ck = Path(cache_dir) / "checkpoints" / f"mismatch-{dose}-{key}.pt"
+    rows = train_grpo_stacked(stack, configs, eval_precision="fp32", on_rollouts=on_rollouts, checkpoint=ck,
+                              checkpoint_every=CHECKPOINT_EVERY)
+    if ck is not None:
+        ck.unlink(missing_ok=True)
+    out = []
+    for (a, s), model_rows in zip(members, rows, strict=True):
+        out += [{"arm": a, "dose": dose, "seed": s, **r} for r in model_rows]
+    return out
+
+
+def run_dose_cell(config: dict, tasks: int, cache_dir: str) -> list[dict]:
+    """The dose before training: K3 between each engine and an fp32 / a QAT learner on the base
+    policy's own trajectories (``tasks`` held-out tasks, one rollout each), and the success of the
+    base policy executed by that engine."""
+    import torch
+
+    from creditlab.core.correction import mismatch_metrics
+    from creditlab.train.toolshop_rollout import EVAL_SEED_OFFSET, make_tasks, rollout, sequence_logprobs
+
+    cfg = MismatchConfig.from_dict(config)
+    g = cfg.grpo
+    model = base_policy(cfg.base, cache_dir=cache_dir)
+    ts = make_tasks(range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + tasks), g.chain_lengths)
+    rows = []
+    with torch.no_grad():
+        for engine in ("fp32", *DOSES):
+            batch = rollout(model, ts, precision=engine, max_len=g.max_len, max_turns=g.max_turns,
+                            max_action_len=g.max_action_len, generator=torch.Generator().manual_seed(0))
+            for learner in (("fp32",) if engine == "fp32" else ("fp32", engine)):
+                old = sequence_logprobs(model, batch.tokens, learner)
+                m = mismatch_metrics(old, batch.rollout_logprobs, batch.policy_mask, batch.valid_mask)
+                last = max(k for k in range(8) if f"mismatch/turn{k}/prefix" in m)
+                rows.append({"engine": engine, "learner": "QAT" if learner == engine != "fp32" else "fp32",
+                             "k3": m["mismatch/k3"], "mean_abs_delta": m["mismatch/mean_abs_delta"],
+                             "seq_k3": m["mismatch/seq_k3"], "prefix_turn0": m["mismatch/turn0/prefix"],
+                             "prefix_last": m[f"mismatch/turn{last}/prefix"],
+                             "current_last": m[f"mismatch/turn{last}/current"], "last_turn": last,
+                             "engine_success": float(batch.success.mean()),
+                             **gate_metrics(old, batch.rollout_logprobs, batch.policy_mask, batch.turn_ids,
+                                            batch.tokens, batch.entropy)})
+    return rows
+
+
+#: Token-entropy bins (nats, of the engine's distribution) of the gate's K3 by entropy.
+ENTROPY_BINS = (0.0, 0.05, 0.3, 1.0, math.inf)
+
+
+def _bin_name(lo: float, hi: float) -> str:
+    return f"k3_H<{hi:g}" if lo == 0 else f"k3_H>{lo:g}" if math.isinf(hi) else f"k3_H{lo:g}-{hi:g}"
+
+
+def gate_metrics(old, rollout_lp, policy_mask, turn_ids, tokens, entropy) -> dict[str, float]:
+    """The preconditions of the lab on one batch of trajectories sampled by the engine:
+
+    * ``policy_tokens``: policy tokens per trajectory (mean), ``thought_tokens`` the thoughts among them;
+    * ``drift_last``: the prefix log ratio entering each trajectory's last turn, ``sum of
+      (learner - engine)`` over the policy tokens of its earlier turns (mean over trajectories; it is
+      negative on average, since the engine drew the tokens: its mean is minus the KL of those
+      tokens' engine distributions from the learner's);
+    * ``k3_H...``: K3 per policy token by the engine's entropy at that token (:data:`ENTROPY_BINS`),
+      and ``share_H...`` each bin's share of the policy tokens; ``k3_thought`` / ``k3_action``: K3 on
+      the thought tokens and on the rest; ``thought_entropy``: the engine's mean entropy on thoughts.
+    """
+    import torch
+
+    from creditlab.envs.toolshop import thought_mask
+
+    pm = policy_mask.bool()
+    delta = (old - rollout_lp).double().masked_fill(~pm, 0.0)
+    k3 = (delta.exp() - 1 - delta).masked_fill(~pm, 0.0)
+    tid = torch.where(pm, turn_ids, torch.full_like(turn_ids, -1))
+    last = tid.max(1, keepdim=True).values
+    has = last[:, 0] >= 0
+    drift = (delta * (pm & (turn_ids < last))).sum(1)
+    thought = pm & thought_mask(tokens)
+    out = {"policy_tokens": float(pm.sum(1).double().mean()), "thought_tokens": float(thought.sum(1).double().mean()),
+           "drift_last": float(drift[has].mean()) if bool(has.any()) else math.nan}
+    n = max(int(pm.sum()), 1)
+    ent = entropy.double() if entropy is not None else None
+    for lo, hi in zip(ENTROPY_BINS[:-1], ENTROPY_BINS[1:], strict=True):
+        name = _bin_name(lo, hi)
+        sel = pm & (ent >= lo) & (ent < hi) if ent is not None else None
+        cnt = int(sel.sum()) if sel is not None else 0
+        out[name] = float(k3[sel].mean()) if cnt else math.nan
+        out[name.replace("k3_", "share_")] = cnt / n
+    action = pm & ~thought
+    out["k3_thought"] = float(k3[thought].mean()) if bool(thought.any()) else math.nan
+    out["k3_action"] = float(k3[action].mean()) if bool(action.any()) else math.nan
+    out["thought_entropy"] = float(ent[thought].mean()) if ent is not None and bool(thought.any()) else math.nan
+    return out

@@ -1,0 +1,137 @@
+"""The mismatch lab's configuration, arms and constants."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from creditlab.errors import ConfigError
+from creditlab.lab.protocol import LabConfig, check_count
+from creditlab.labs._toolshop import BasePolicyConfig
+from creditlab.models.quant import QUANTIZED
+from creditlab.train.toolshop_base import BaseConfig
+from creditlab.train.toolshop_grpo import GRPOConfig
+
+#: Arm -> (rollout engine, learner, correction); "P" is the engine precision of the dose.
+ARMS: dict[str, tuple[str, str, str]] = {
+    "fp32": ("fp32", "fp32", "none"),
+    "naive": ("P", "fp32", "none"),
+    "qat": ("P", "P", "none"),
+    "qat_tis": ("P", "P", "tis"),
+    "qat_mis": ("P", "P", "mis"),
+    "qat_prefix": ("P", "P", "prefix"),
+    "qat_global": ("P", "P", "global"),
+    "qat_interq": ("P", "P", "interq"),
+}
+LABELS = {"fp32": "fp32", "naive": "naive", "qat": "QAT", "qat_tis": "QAT+TIS", "qat_mis": "QAT+MIS",
+          "qat_prefix": "QAT+prefix", "qat_global": "QAT+global", "qat_interq": "QAT+InterQ"}
+#: Engine precisions of the dose (``-e`` selects among them): every quantized format of the engine.
+DOSES = QUANTIZED
+DEFAULT_DOSES = ("fp8", "int8", "nvfp4")
+#: Chain lengths (tool calls) of the lab's tasks, for the base policy and for training.
+CHAIN_LENGTHS = (5, 6, 7, 8)
+#: Thought tokens the demonstrator puts before every action (the lab's regime: see the knobs table).
+THOUGHTS = 24
+#: The gate: QAT's prefix drift entering the last turn, before training, must reach this (nats).
+GATE_DRIFT = 0.5
+#: Rollback threshold of the predictions (best - final held-out success).
+ROLLBACK = 0.03
+#: A training cell saves its models, optimizer and rows every this many updates (in the cache
+#: directory's ``checkpoints/``, removed once the cell is stored), so an interrupted cell resumes where
+#: it stopped, with the rows of an uninterrupted one; a cell that dumps rollouts does not.
+CHECKPOINT_EVERY = 25
+UNIT, DIFF = (0.0, 1.0), (-1.0, 1.0)
+METRICS = ("final", "best", "rollback", "aulc")
+
+
+def arm_triple(arm: str, dose: str) -> tuple[str, str, str]:
+    """(rollout engine, learner precision, correction) of ``arm`` at engine precision ``dose``."""
+    if arm not in ARMS:
+        raise ConfigError("arms", f"unknown arm {arm!r}; valid: {', '.join(ARMS)}")
+    e, learner, corr = ARMS[arm]
+    return (dose if e == "P" else e, dose if learner == "P" else learner, corr)
+
+
+@dataclass(frozen=True)
+class MismatchConfig(BasePolicyConfig, LabConfig):
+    """Configuration of the mismatch lab."""
+
+    OPTIONS: ClassVar[dict[str, str]] = {"updates": "grpo.updates"}
+    EXPERIMENTS: ClassVar[tuple[str, ...]] = DOSES
+    SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "smooth", "dose_tasks", "dump_dir")
+
+    base: BaseConfig = field(default_factory=lambda: _base_config())
+    """Supervised warm start of the shared base policy (cached): chains of 5 to 8 tool calls, each
+    action led by :data:`THOUGHTS` uniformly random thought tokens."""
+    grpo: GRPOConfig = field(default_factory=lambda: _grpo_config(updates=400, tasks_per_update=8, group_size=8,
+                                                                  eval_every=10, eval_tasks=256))
+    """Outcome GRPO shared by every arm (its precisions, correction and seed are set per arm)."""
+    seeds: int = 5
+    """Paired seeds per arm (task stream, sampling uniforms, minibatch order)."""
+    arms: tuple[str, ...] = tuple(ARMS)
+    """Arms to train (see ARMS)."""
+    dose_tasks: int = 256
+    """Held-out trajectories of the base policy per engine in the dose table (passed to that cell,
+    so it is in that cell's key, not in the run's identity)."""
+    smooth: int = 3
+    """Evaluation points averaged for final and best success (a window of smooth * eval_every updates);
+    it only changes the tables, so it is not part of the run's identity."""
+    experiments: tuple[str, ...] = DEFAULT_DOSES
+    """Engine precisions of the dose to run (fp8, int8, nvfp4, mxfp4)."""
+    cache_dir: str | None = None
+    """Where the base policy is cached (None: the user cache directory); never changes a number."""
+    dump_dir: str | None = None
+    """Write every training update's rollouts in the ``creditlab diagnose`` schema here (one JSONL
+    file per dose, arm and seed, for the cells this run computes); never changes a number."""
+
+    @classmethod
+    def quick(cls) -> MismatchConfig:
+        """The full run's gate table (the same base policy, which ships with the package, on the same
+        256 tasks: the same numbers) and a short fp32-vs-QAT run at NVFP4 (4 updates, one seed), far
+        too short for the predictions, which are about hundreds of updates."""
+        return cls(grpo=_grpo_config(updates=4, tasks_per_update=4, group_size=4, eval_every=2, eval_tasks=32),
+                   seeds=1, smooth=1, arms=("fp32", "qat"), experiments=("nvfp4",))
+
+    def validate(self) -> None:
+        check_count(self.seeds, "--seeds")
+        if not self.arms or len(set(self.arms)) != len(self.arms):
+            raise ConfigError("arms", f"needs distinct arms, got {list(self.arms)}")
+        for a in self.arms:
+            arm_triple(a, "fp8")
+        if not self.experiments or any(e not in DOSES for e in self.experiments):
+            raise ConfigError("--experiment", f"got {list(self.experiments)}; valid: {', '.join(DOSES)}")
+        g = self.grpo
+        if g.eval_every < 1:
+            raise ConfigError("grpo.eval_every", "the lab scores held-out success over training: must be >= 1")
+        if self.dose_tasks < 1:
+            raise ConfigError("dose_tasks", f"must be >= 1, got {self.dose_tasks}")
+        if self.smooth < 1 or self.smooth > g.updates // g.eval_every + 1:
+            raise ConfigError("smooth", f"must be in [1, {g.updates // g.eval_every + 1}], got {self.smooth}")
+        if g.max_len > self.base.max_len:
+            raise ConfigError("grpo.max_len", f"{g.max_len} exceeds the model's {self.base.max_len}")
+        if self.base.thoughts and g.max_action_len < self.base.thoughts + 6:
+            raise ConfigError("grpo.max_action_len", f"{g.max_action_len} cannot hold {self.base.thoughts} thoughts "
+                                                     "and the longest call (6 tokens)")
+        if tuple(g.chain_lengths) != tuple(self.base.chain_lengths):
+            raise ConfigError("grpo.chain_lengths", "must equal base.chain_lengths (the base policy's tasks)")
+        if g.advantage != "grpo":
+            raise ConfigError("grpo.advantage", "the mismatch lab trains outcome GRPO (advantage='grpo')")
+
+
+def _base_config() -> BaseConfig:
+    """The lab's base policy (full and ``--quick`` runs): the context holds C + 2 turns of (thoughts
+    + call + observation) at C = 8; demonstrations in batches of 64 (each holds about 7x the policy
+    tokens of a demonstration without thoughts); 3000 steps: at the toolshop default of 1000 this
+    base solved 1.6% of held-out tasks (64 tasks, fp32).
+
+    Its build ships with the package (:data:`creditlab.train.toolshop_base.SHIPPED_DIR`), so no run
+    trains it: quicker builds that fit a first ``--quick`` (a few minutes) learn the tasks but not its
+    regime (their QAT drift stayed near 0, docs/mismatch.md). Rebuilt, resumably, by ``python -c "from
+    creditlab.labs.mismatch import MismatchConfig; from creditlab.train.toolshop_base import
+    ship_base_policy; ship_base_policy(MismatchConfig().base, 'base-build', 'mismatch base policy')"``
+    (into the package's directory; tests/test_shipped_bases.py checks it against this config)."""
+    return BaseConfig(chain_lengths=CHAIN_LENGTHS, thoughts=THOUGHTS, max_len=416, batch_size=64, steps=3000)
+
+
+def _grpo_config(**kw) -> GRPOConfig:
+    return GRPOConfig(chain_lengths=CHAIN_LENGTHS, max_len=384, max_action_len=THOUGHTS + 8, **kw)
