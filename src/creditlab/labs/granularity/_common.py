@@ -21,6 +21,7 @@ from creditlab.lab.experiment import Experiment, Verdict
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import Table
 from creditlab.lab.report import group_means, paired_diff, sort_in_order
+from creditlab.lab.runner import Cell
 from creditlab.labs._toolshop import fresh_dump
 from creditlab.labs.granularity.config import ARMS, MULTI_TYPES, TASK_TYPES, GranularityConfig
 from creditlab.labs.granularity.world import batch_stats, evaluate_types, process_scores
@@ -121,6 +122,17 @@ def setting_of(cfg: GranularityConfig, setting: str) -> tuple[BaseConfig, GRPOCo
     if setting in ("default", "sweep"):
         return cfg.base, cfg.grpo, TASK_TYPES
     raise InputError(f"setting: {setting!r} is not one of {SETTINGS}")
+
+
+def gated_runs(cfg: GranularityConfig, name: str, gate_fn: Callable[..., list[dict]], arms: tuple[str, ...]
+               ) -> list[Cell]:
+    """The cells of a regime experiment with a gate: its gate (group ``gates``, measured before any run), then
+    every arm of ``arms`` at each seed, trained in the experiment's own setting ``name``."""
+    own = run_config(cfg)
+    gate = Cell("gates", name, gate_fn, {"config": cfg.identity(), "gate": name}, cfg.context())
+    return [gate, *(Cell(name, f"{arm}/seed={s}", run_arm, {"config": own, "arm": arm, "seed": s, "setting": name},
+                         cfg.context(dump=True))
+                    for s in range(cfg.seeds) for arm in arms)]
 
 
 def dump_name(arm: str, seed: int, setting: str = "default", repeat: float | None = None) -> str:

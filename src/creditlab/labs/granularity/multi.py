@@ -31,8 +31,7 @@ from creditlab.labs.granularity._common import (
     _curves,
     _means,
     _summary,
-    run_arm,
-    run_config,
+    gated_runs,
     say,
     setting_of,
 )
@@ -162,11 +161,7 @@ class Multi(GranularityExperiment):
             raise ConfigError("multi_max_len", f"{cfg.multi_max_len} exceeds the model's {cfg.multi_base.max_len}")
 
     def cells(self, cfg: GranularityConfig) -> list[Cell]:
-        own = run_config(cfg)
-        gate = Cell("gates", "multi", run_gate_cell, {"config": cfg.identity(), "gate": "multi"}, cfg.context())
-        return [gate, *(Cell("multi", f"{arm}/seed={s}", run_arm, {"config": own, "arm": arm, "seed": s,
-                                                                    "setting": "multi"}, cfg.context(dump=True))
-                        for s in range(cfg.seeds) for arm in MULTI_ARMS)]
+        return gated_runs(cfg, self.name, run_gate_cell, MULTI_ARMS)
 
     def gate_rows(self, gates: pd.DataFrame, cfg: GranularityConfig) -> list[dict]:
         rows = []

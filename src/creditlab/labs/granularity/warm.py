@@ -32,8 +32,7 @@ from creditlab.labs.granularity._common import (
     _plot_opsd,
     _read_teachers,
     _summary,
-    run_arm,
-    run_config,
+    gated_runs,
     say,
     setting_of,
 )
@@ -197,11 +196,7 @@ class Warm(GranularityExperiment):
             raise ConfigError("warm_base.privileged", f"must be in (0, 1], got {cfg.warm_base.privileged}")
 
     def cells(self, cfg: GranularityConfig) -> list[Cell]:
-        own = run_config(cfg)
-        gate = Cell("gates", "warm", run_gate_cell, {"config": cfg.identity(), "gate": "warm"}, cfg.context())
-        return [gate, *(Cell("warm", f"{arm}/seed={s}", run_arm, {"config": own, "arm": arm, "seed": s,
-                                                                   "setting": "warm"}, cfg.context(dump=True))
-                        for s in range(cfg.seeds) for arm in WARM_ARMS)]
+        return gated_runs(cfg, self.name, run_gate_cell, WARM_ARMS)
 
     def gate_rows(self, gates: pd.DataFrame, cfg: GranularityConfig) -> list[dict]:
         if not gates["gate"].eq("teacher").any():
