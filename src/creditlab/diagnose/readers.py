@@ -583,7 +583,7 @@ def _is_verl(names: set[str]) -> bool:
     return set(VERL_KEYS) <= names and ("gts" in names or "group" not in names)
 
 
-def _text_column(rows: list[dict], name: str, what: str, where: _Where) -> list[str]:
+def _required_text(rows: list[dict], name: str, what: str, where: _Where) -> list[str]:
     """The string field ``name`` of every row; an :class:`InputError` naming the row and field otherwise."""
     out = []
     for i, r in enumerate(rows):
@@ -597,13 +597,13 @@ def _text_column(rows: list[dict], name: str, what: str, where: _Where) -> list[
 def _from_verl(rows: list[dict], where: _Where) -> _Part:
     n = len(rows)
     step = _int_column([r.get("step") for r in rows], "step", where)
-    group = _text_column(rows, "input", "the prompt text", where)
+    group = _required_text(rows, "input", "the prompt text", where)
     uids = [r.get("uid") for r in rows]
     found = [_VERL_UID.match(u) if isinstance(u, str) else None for u in uids]
     if all(found):  # the v1 trainer: the group is the prompt's uid (the outputs of a session differ in input)
         group = [m.group(1) for m in found]
     reward = _float_column([r.get("score") for r in rows], "score", where, required=True)
-    response = _text_column(rows, "output", "the response text", where)
+    response = _required_text(rows, "output", "the response text", where)
     scalars = {"response_length": np.asarray([len(v) for v in response], dtype=np.float64)}
     for name in ("precision", "recall"):
         if any(name in r for r in rows):
