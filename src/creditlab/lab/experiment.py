@@ -20,7 +20,10 @@ What an experiment provides (subclass :class:`Experiment`; every method but ``ce
 * ``tables(rows, config)``: its tables from the rows of its groups (``rows`` maps every group of the run
   to its rows);
 * ``plots(tables, config, out)``: its PNG files, from every table made so far;
-* ``interpret(tables, config)``: the reading of each of its report tables.
+* ``interpret(tables, config)``: the reading of each of its report tables;
+* ``predictions_text(config)``: its predictions as written before a full run, one text each (the
+  same texts its docs page states): :func:`~creditlab.lab.protocol.run_lab` records them, with their
+  hash and the source's git commit, in the run's manifest at the start of every run.
 
 A prediction written before a run is judged by a small pure function from tables to a
 :class:`Verdict` (``holds``, ``fails`` or ``not judged``: the run cannot tell, e.g. its gate failed or
@@ -87,6 +90,12 @@ class Experiment:
         """The reading of each of this experiment's report tables (``tables``: every table of the run)."""
         return {}
 
+    def predictions_text(self, config: Any) -> tuple[str, ...]:
+        """Its predictions as they were written before a full run, one text each, word for word as its
+        docs page states them (none by default). A run records them at its start, before any cell runs
+        (the manifest's ``predictions``), and its report says if they were edited after that."""
+        return ()
+
 
 class ExperimentLab:
     """The ``cells`` / ``tables`` / ``plots`` / ``interpret`` of a lab built from :class:`Experiment` s.
@@ -140,3 +149,9 @@ class ExperimentLab:
         for e in self.selected(config):
             text.update(e.interpret(tables, config))
         return text
+
+    def predictions(self, config: Any) -> dict[str, tuple[str, ...]]:
+        """The predictions of every experiment that states some (selected or not: a later run into the same
+        ``--out`` may select another, and its predictions were fixed at the first start), by experiment
+        name, in the order of the lab's table."""
+        return {e.name: texts for e in self.experiments if (texts := tuple(e.predictions_text(config)))}

@@ -12,13 +12,17 @@ A lab is one module with one object implementing :class:`Lab`:
 * ``interpret(tables, config)``: a few sentences per report table: what it shows, and whether the
   run is too small to tell;
 * optionally ``prepare(config, progress)``: one-off work in the driver before the cells run (e.g.
-  building a cached base policy that every cell loads), with its own progress display.
+  building a cached base policy that every cell loads), with its own progress display;
+* optionally ``predictions(config)``: the predictions written before a full run, as the lab states
+  them (section, e.g. an experiment's name -> its texts); :func:`run_lab` records them at the start
+  of a run (:func:`predictions_record`).
 
 :func:`run_lab` owns everything else: the output directory, its lock and its manifest (a rerun into an
 ``--out`` made with another configuration refuses, or starts clean with ``fresh=True``; a second run
 into an ``--out`` that a run is writing is refused), the results store (every finished cell persisted at
 once, a rerun computes only the missing cells), the executor, progress, the parquet + markdown tables,
-the plots and ``report.md``.
+the plots and ``report.md``, and the record of when the run started and of the predictions it was
+started with (their text, its sha256 and the git commit of the lab's source), which a resume keeps.
 
 Adding a lab is one module and one line of the table in :mod:`creditlab.labs` (see ``docs/contributing.md``);
 the CLI gives it a sub-command with the options every lab has, plus the lab's own :class:`LabOption` s.
@@ -32,10 +36,13 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -47,7 +54,8 @@ from creditlab.lab.report import to_markdown
 from creditlab.lab.runner import Cell, Executor, run_cells
 from creditlab.lab.store import ResultStore
 
-__all__ = ["Lab", "LabConfig", "LabOption", "LabResult", "Table", "check_count", "run_lab"]
+__all__ = ["Lab", "LabConfig", "LabOption", "LabResult", "Table", "check_count", "lab_predictions",
+           "predictions_record", "run_lab", "source_commit"]
 
 MANIFEST = "lab.json"
 #: Version of the manifest layout (bump when the store or manifest format changes).
@@ -204,6 +212,12 @@ class Lab(Protocol):
     has :func:`run_lab` run those cells first and show the gate table (through ``status``) before
     any other cell runs; the gate table is also one of ``tables``.
 
+    Predictions: a lab with ``predictions(config) -> {section: (text, ...)}`` (an :class:`ExperimentLab
+    <creditlab.lab.experiment.ExperimentLab>` has it: each experiment's ``predictions_text``) has
+    :func:`run_lab` record their text, its sha256 and the git commit of the lab's source in the manifest
+    when a run starts, before any cell runs; ``report.md`` cites that record and says so if the text was
+    edited after the run started.
+
     Optional attributes the CLI reads: ``help`` (the sub-command's help text; default ``summary``),
     ``quick_help`` (the help of ``--quick``: what it runs and how long it takes, cold and warm),
     ``options`` (a tuple of :class:`LabOption`, the lab's own flags) and ``threads`` (torch intra-op
@@ -275,6 +289,158 @@ def _check_code(out: Path, old: dict, code: dict[str, str], keep_cells: bool) ->
                                "reuse the stored cells (the report then says that the run mixes code)")
 
 
+# --------------------------------------------------------------------------------------------
+# the record of a run's start and of its predictions
+
+#: Seconds one ``git`` call of :func:`source_commit` may take.
+GIT_TIMEOUT = 10.0
+
+
+def _now() -> str:
+    """The UTC time, ISO 8601 to the second (``2026-12-03T04:05:06Z``)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _sha256(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
+
+
+def _git(cwd: Path, *args: str) -> str:
+    """The stdout of ``git args`` run in ``cwd``; :class:`OSError` / :class:`subprocess.SubprocessError` on failure."""
+    done = subprocess.run(["git", "--no-optional-locks", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=GIT_TIMEOUT, check=True, env={**os.environ, "LC_ALL": "C"})
+    return done.stdout.rstrip("\n")
+
+
+def source_commit(file: str | Path | None, tree: str | Path | None = None) -> dict[str, Any]:
+    """The git commit ``file`` (a lab's module) was run from, if it is a file tracked by a git checkout:
+    ``{"commit", "commit_time", "dirty", "changed", "why"}``. ``dirty`` says whether ``tree`` (the
+    package the file belongs to; default: its folder) differs from that commit (changed or untracked
+    files, the first 20 of them in ``changed``): then the commit alone does not hold the text that ran.
+    Without a commit (an installed copy, no git, a file that git does not track), ``commit`` is None
+    and ``why`` says why."""
+    rec: dict[str, Any] = {"commit": None, "commit_time": None, "dirty": None, "changed": [], "why": None}
+    if file is None or not Path(file).is_file():
+        rec["why"] = "the lab's module has no source file"
+        return rec
+    file = Path(file).resolve()
+    tree = Path(tree).resolve() if tree is not None else file.parent
+    try:
+        try:
+            top = Path(_git(file.parent, "rev-parse", "--show-toplevel"))
+        except subprocess.CalledProcessError:
+            rec["why"] = "the lab's source is not in a git checkout (an installed copy)"
+            return rec
+        try:
+            _git(top, "ls-files", "--error-unmatch", "--", str(file))
+        except subprocess.CalledProcessError:
+            rec["why"] = "the lab's source file is not tracked by the git checkout it lies in (an installed copy)"
+            return rec
+        try:
+            rec["commit"] = _git(top, "rev-parse", "HEAD")
+        except subprocess.CalledProcessError:
+            rec["why"] = "the git checkout of the lab's source has no commit yet"
+            return rec
+        rec["commit_time"] = _git(top, "show", "-s", "--format=%cI", "HEAD")
+        lines = [ln for ln in _git(top, "status", "--porcelain=v1", "--untracked-files=normal", "--", str(tree))
+                 .splitlines() if ln.strip()]
+    except FileNotFoundError:
+        rec["why"] = "git is not installed"
+        return rec
+    except subprocess.TimeoutExpired:
+        rec.update(commit=None, commit_time=None, why=f"git did not answer within {GIT_TIMEOUT:g} s")
+        return rec
+    except (OSError, subprocess.SubprocessError) as err:
+        rec.update(commit=None, commit_time=None, why=f"git failed ({type(err).__name__}: {err})")
+        return rec
+    rec["dirty"] = bool(lines)
+    rec["changed"] = [ln[3:] for ln in lines[:20]]
+    return rec
+
+
+def _lab_source(lab: Lab) -> tuple[str | None, str | None]:
+    """The file of the module defining ``lab``'s class, and the folder of its top-level package (what a
+    dirty tree is looked for in)."""
+    module = sys.modules.get(type(lab).__module__)
+    file = getattr(module, "__file__", None)
+    top = sys.modules.get(type(lab).__module__.split(".", 1)[0])
+    paths = list(getattr(top, "__path__", None) or [])
+    tree = paths[0] if paths else (str(Path(file).parent) if file else None)
+    return file, tree
+
+
+def lab_predictions(lab: Lab, config: Any) -> dict[str, list[str]]:
+    """``lab.predictions(config)`` checked: section name -> its prediction texts ({} for a lab without
+    ``predictions``)."""
+    get = getattr(lab, "predictions", None)
+    if get is None:
+        return {}
+    raw = get(config)
+    if not isinstance(raw, Mapping):
+        raise CreditlabError(f"lab {lab.name!r}: predictions(config) must map a section to its texts, got "
+                             f"{type(raw).__name__}")
+    out: dict[str, list[str]] = {}
+    for name, texts in raw.items():
+        if isinstance(texts, str) or not all(isinstance(t, str) and t.strip() for t in texts):
+            raise CreditlabError(f"lab {lab.name!r}: the predictions of {name!r} must be a sequence of non-empty "
+                                 "texts")
+        out[str(name)] = list(texts)
+    return out
+
+
+def predictions_record(lab: Lab, config: Any, stored_cells: int = 0) -> dict[str, Any]:
+    """What a run records of its predictions when it starts: their texts by section, the sha256 of all of
+    them and of each section, the time (UTC), how many cells were already stored then (0 when a run
+    starts: the record comes before any cell), and the git commit of the lab's source
+    (:func:`source_commit`)."""
+    sections = lab_predictions(lab, config)
+    file, tree = _lab_source(lab)
+    return {"sha256": _sha256(sections), "recorded_at": _now(), "stored_cells": stored_cells,
+            "sections": {name: {"sha256": _sha256(texts), "texts": texts} for name, texts in sections.items()},
+            "source": {"module": type(lab).__module__, **source_commit(file, tree)}}
+
+
+def _edited(recorded: Mapping[str, Any], now: Mapping[str, list[str]]) -> list[str]:
+    """The sections whose text differs from the recorded one (added and removed ones included)."""
+    old = {name: sec.get("sha256") for name, sec in (recorded.get("sections") or {}).items()}
+    new = {name: _sha256(texts) for name, texts in now.items()}
+    return _changed(old, new)
+
+
+def _stored_cells(out: Path) -> int:
+    cells = out / "store" / "cells"
+    return sum(1 for _ in cells.glob("*.parquet")) if cells.is_dir() else 0
+
+
+def _start_record(lab: Lab, config: Any, out: Path, old: dict | None,
+                  status: Callable[[str], None] | None) -> dict[str, Any]:
+    """The manifest's record of the run's start: ``started_at`` and ``predictions`` (a resume keeps the
+    first start's), and ``predictions_edited`` when the predictions now differ from the recorded ones."""
+    if old is not None and old.get("predictions") is not None:
+        rec = {"started_at": old.get("started_at"), "predictions": old["predictions"]}
+    else:  # a new run, or one whose manifest predates the record (its stored cells came first)
+        stored = _stored_cells(out) if old is not None else 0
+        rec = {"started_at": _now() if not stored else old.get("started_at") if old else None,
+               "predictions": predictions_record(lab, config, stored)}
+    return _check_predictions(rec, lab, config, status)
+
+
+def _check_predictions(rec: dict[str, Any], lab: Lab, config: Any,
+                       status: Callable[[str], None] | None) -> dict[str, Any]:
+    """``rec`` with ``predictions_edited`` set to the sections whose text differs now from the recorded one
+    (absent when none)."""
+    now = lab_predictions(lab, config)
+    edited = _edited(rec["predictions"], now)
+    rec = {k: v for k, v in rec.items() if k != "predictions_edited"}
+    if edited:
+        rec["predictions_edited"] = {"sections": edited, "sha256": _sha256(now), "seen_at": _now()}
+        if status is not None:
+            status(f"{lab.name} lab: the predictions of {', '.join(edited)} were edited after this run started "
+                   f"({rec['predictions']['recorded_at']}); the manifest keeps the recorded text, and the report "
+                   "says so")
+    return rec
+
+
 def _check_out(out: Path, lab: Lab, config: LabConfig, fresh: bool) -> dict | None:
     """Refuse an ``--out`` that holds another lab or another configuration; returns the old manifest."""
     if out.exists() and not out.is_dir():
@@ -343,12 +509,14 @@ def _check_free(out: Path, names: list[str]) -> None:
 
 
 def _write_manifest(out: Path, lab: Lab, config: LabConfig, outputs: list[str], code: dict[str, str],
-                    mixed: list[str]) -> None:
+                    mixed: list[str], record: Mapping[str, Any]) -> None:
+    """``lab.json``: what a resume must match (``identity``, the versions, ``code``), the files the run wrote,
+    and ``record`` (:func:`_start_record`: the start and the predictions; not part of the identity)."""
     from creditlab import __version__
 
     data = {"lab": lab.name, "manifest_version": MANIFEST_VERSION, "creditlab_version": __version__,
             "identity": config.identity(), "config": config.to_dict(), "outputs": sorted(outputs),
-            "code": code, "mixed_code": mixed}
+            "code": code, "mixed_code": mixed, **record}
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
     tmp.replace(out / MANIFEST)
@@ -422,13 +590,14 @@ def _run_locked(lab: Lab, config: LabConfig, out: Path, executor: Executor | Non
     if old is not None and not fresh:
         mixed = sorted(set(old.get("mixed_code", [])) | set(_check_code(out, old, code, keep_cells)))
     cells = lab.cells(config)
+    record = _start_record(lab, config, out, None if fresh else old, status)  # before prepare and any cell
     _clean(out, old, everything=fresh)
     prepare = getattr(lab, "prepare", None)
     if prepare is not None:
         prepare(config, progress)
     out.mkdir(parents=True, exist_ok=True)
     store = ResultStore(out / "store")
-    _write_manifest(out, lab, config, [], code, mixed)  # an interrupted run is resumable from here on
+    _write_manifest(out, lab, config, [], code, mixed, record)  # an interrupted run is resumable from here on
     before = store.done()
     gate_groups = tuple(getattr(lab, "gate_groups", ()))
     first = [c for c in cells if c.group in gate_groups]
@@ -465,10 +634,11 @@ def _run_locked(lab: Lab, config: LabConfig, out: Path, executor: Executor | Non
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     written += [p.name for p in plots]
+    record = _check_predictions(record, lab, config, None)  # again at the end: a lab may read them from a file
     report = out / "report.md"
-    report.write_text(_report(lab, config, tables, texts, plots, mixed))
+    report.write_text(_report(lab, config, tables, texts, plots, mixed, record))
     written.append(report.name)
-    _write_manifest(out, lab, config, written, code, mixed)
+    _write_manifest(out, lab, config, written, code, mixed, {**record, "finished_at": _now()})
     if status is not None:
         status(f"{lab.name} lab: {computed} cell(s) computed, {len(cells) - computed} read back from {out}/store")
     return LabResult(tables=tables, plots=plots, report=report, computed=computed)
@@ -485,12 +655,56 @@ def _rows_by_group(frame: pd.DataFrame, cells: list[Cell]) -> dict[str, pd.DataF
     return rows
 
 
+def _cited(names: Iterable[str], config: LabConfig) -> list[str]:
+    """The sections of predictions a report judges: an experiment's when the run selects it, any other always."""
+    chosen = set(getattr(config, "experiments", ()) or ())
+    return [n for n in names if n not in type(config).EXPERIMENTS or n in chosen]
+
+
+def _predictions_note(record: Mapping[str, Any], config: LabConfig) -> list[str]:
+    """The report's paragraph citing the manifest's record of the predictions ([] when it judges none)."""
+    pred = record["predictions"]
+    cited = _cited(pred.get("sections") or {}, config)
+    ed = record.get("predictions_edited") or {}
+    edited = _cited(ed.get("sections", []), config)
+    if not cited and not edited:
+        return []
+    src = pred.get("source") or {}
+    if src.get("commit"):
+        changed = list(src.get("changed") or [])
+        more = f", +{len(changed) - 5} more" if len(changed) > 5 else ""
+        at = (f"the lab's source at git commit `{src['commit'][:12]}` (committed {src.get('commit_time')}; "
+              + (f"with uncommitted changes ({', '.join(changed[:5])}{more}), so the recorded text, not the "
+                 "commit, is what was fixed)" if src.get("dirty") else "no uncommitted changes)"))
+    else:
+        at = f"no git commit recorded: {src.get('why') or 'unknown why'}"
+    when = pred["recorded_at"]
+    if pred.get("stored_cells"):
+        timing = (f"at {when}, on a resume: {pred['stored_cells']} cell(s) of this run were stored by then "
+                  "(it began before creditlab recorded a run's predictions), so this record does not show that "
+                  "the predictions came before them")
+    else:
+        timing = f"when this run started, at {when}, before any of its cells ran"
+    which = "; ".join(f"{n}: {len(pred['sections'][n]['texts'])}" for n in cited) or "none judged here"
+    text = (f"**Predictions, recorded at the start**: this run recorded the text of its predictions ({which}) in "
+            f"`lab.json` (`predictions`) {timing}: sha256 `{pred['sha256'][:12]}`, {at}.")
+    if edited:
+        text += (f" **The predictions were edited after this run started**: the text of {', '.join(edited)} "
+                 f"differs from the recorded one (sha256 now `{ed['sha256'][:12]}`, seen {ed['seen_at']}). The "
+                 "tables below judge the current text; the recorded one, fixed when the run started, is in "
+                 "`lab.json`.")
+    else:
+        text += " The text has not been edited since."
+    return [text, ""]
+
+
 def _report(lab: Lab, config: LabConfig, tables: dict[str, Table], texts: dict[str, str], plots: list[Path],
-            mixed: list[str]) -> str:
+            mixed: list[str], record: Mapping[str, Any]) -> str:
     lines = [f"# {lab.name} lab", "", lab.describe(config).strip(), ""]
     if mixed:
         lines += [f"**This run mixes code**: some stored cells were computed before these modules changed and "
                   f"were reused (--keep-cells): {', '.join(mixed)}. Rerun with --fresh for numbers of one code.", ""]
+    lines += _predictions_note(record, config)
     for name, t in tables.items():
         if not t.report:
             continue

@@ -77,6 +77,18 @@ def run_capability_cell(C: int, targets: list[float], seeds: int, train: dict, l
 CAPABILITY_PREDICTIONS = {0.25: "null: per_turn - shuffled interval contains 0",
                           0.70: "per_turn < uniform, and per_turn - shuffled inside the band"}
 
+#: The capability experiment's predictions as written before its full run (docs/coverage-report.md,
+#: "Predictions (written before the full run)"), word for word: what a run records at its start.
+CAPABILITY_STATED = (
+    "1. **A null at 25%** (the paper's capability floor), at C = 6 and at C = 8: the 95% interval of "
+    "per_turn − shuffled contains 0. Falsified at a C where it excludes 0.",
+    "2. **per_turn < uniform at 70%**, at C = 6 and at C = 8: the 95% interval of per_turn − uniform lies "
+    "below 0. Falsified at a C where its upper end is >= 0.",
+    "3. **The equivalence holds at 70%**, at C = 6 and at C = 8: the 95% interval of per_turn − shuffled "
+    "lies inside ±0.25 × (uniform − binary). Falsified at a C where it reaches past either end of the "
+    "band (or the band is empty).",
+)
+
 
 def capability_gate(df: pd.DataFrame, cfg: CoverageConfig) -> pd.DataFrame:
     """Per (C, target): the completion the bases achieved (seeds that reached the target), the
@@ -263,6 +275,9 @@ class Capability(Experiment):
             raise ConfigError("capability_margin", f"must be > 0, got {cfg.capability_margin}")
         if not 0.0 <= cfg.capability_gate_reached <= 1.0 or cfg.capability_gate_overshoot < 0:
             raise ConfigError("capability_gate_reached", "gate share must be in [0, 1] and the overshoot >= 0")
+
+    def predictions_text(self, cfg: CoverageConfig) -> tuple[str, ...]:
+        return CAPABILITY_STATED
 
     def cells(self, cfg: CoverageConfig) -> list[Cell]:
         return [Cell("capability", f"final/C={C}", run_capability_cell,

@@ -156,6 +156,24 @@ def noise_cells(cfg: ForkLabConfig, flips: dict[float, float]) -> list[Cell]:
             for target, flip in flips.items() for seed in range(cfg.noise_seeds) for arm in cfg.noise_arms]
 
 
+#: The predictions of this experiment as written before its full run (docs/fork.md, "Predictions (written
+#: before the full run)"), word for word: what a run records at its start.
+NOISE_STATED = (
+    "1. **FORK's lead over recall-only keeps its sign at r ≈ 0.714** (the product plan's test): the "
+    "paired difference FORK − recall-only in true F1 and in win rate has its 95% interval above 0 at "
+    "every target r, 0.714 and 0.55 included. *Falsified* if at r ≈ 0.714 either interval contains 0 or "
+    "lies below it.",
+    "2. **FORK's lead over the mean does not exist to keep in this world.** In the `train` experiment "
+    "FORK and the mean end within 0.01 F1 of each other, and in the quick run of `noise` FORK − mean is "
+    "within noise at every r (F1 −0.006 exact, 0.000 at r 0.714). I expect FORK − mean within noise "
+    "(interval containing 0) at every r, so the plan's \"lead over the plain mean keeps its sign\" can be "
+    "neither confirmed nor falsified here. *Falsified* (for FORK) if FORK − mean in true F1 or win rate "
+    "has an interval below 0 at r ≈ 0.714.",
+    "3. **Noise costs FORK little**: its true F1 at r ≈ 0.714 within 0.05 of its exact-judge F1. "
+    "*Falsified* if it drops by more.",
+)
+
+
 class Noise(Experiment):
     """Training on a noisy judge at target correlations with the truth."""
 
@@ -176,6 +194,9 @@ class Noise(Experiment):
             raise ConfigError("noise_flips", f"flip rates in [0, 0.5], 0 included; got {list(flips)}")
         if not cfg.noise_targets or any(not (0.0 < t <= 1.0) for t in cfg.noise_targets):
             raise ConfigError("noise_targets", f"correlations in (0, 1]; got {list(cfg.noise_targets)}")
+
+    def predictions_text(self, cfg: ForkLabConfig) -> tuple[str, ...]:
+        return NOISE_STATED
 
     def cells(self, cfg: ForkLabConfig) -> list[Cell]:
         gate = chosen_flips(noise_calibration(cfg), cfg.noise_targets)

@@ -72,6 +72,21 @@ def _plot_pitfalls(t: pd.DataFrame, out: Path) -> Path:
     return save(fig, out / "fork_pitfalls.png")
 
 
+#: The predictions of this experiment as written before its full run (docs/fork.md, "Predictions (written
+#: before the full run)"), word for word: what a run records at its start.
+PITFALLS_STATED = (
+    "5. **Pitfalls**, the plan's prediction: FORK raises absence-rubric satisfaction, recall-only lowers "
+    "it. What I expect from the quick run is a split by setting. With the absence rubric **left out of "
+    "the reward** (0 points), recall-only lowers satisfaction (towards 0: sweeps are free recall) and "
+    "FORK raises it (towards 1: a sweep is an incorrect unit, which precision charges): the plan's "
+    "prediction holds. With it **in the reward at 1 point**, every arm, recall-only included, raises it "
+    "to about 1: recall-only can hedge with repeated guesses for free, so a sweep gains it less recall "
+    "than the pitfall costs; the recall-only half of the plan's prediction fails there. *Falsified* (the "
+    "part about FORK) if FORK's satisfaction change has an interval below 0 in either setting; the "
+    "recall-only part is falsified in a setting where recall-only's change has an interval above 0.",
+)
+
+
 class Pitfalls(Experiment):
     """Absence-rubric satisfaction before and after training, in a world with pitfalls."""
 
@@ -87,6 +102,9 @@ class Pitfalls(Experiment):
             raise ConfigError("pitfall_arms", "needs at least one arm")
         if not cfg.pitfall_weights or any(not (math.isfinite(w) and w >= 0) for w in cfg.pitfall_weights):
             raise ConfigError("pitfall_weights", f"points finite and >= 0; got {list(cfg.pitfall_weights)}")
+
+    def predictions_text(self, cfg: ForkLabConfig) -> tuple[str, ...]:
+        return PITFALLS_STATED
 
     def cells(self, cfg: ForkLabConfig) -> list[Cell]:
         ident = cfg.identity()

@@ -26,11 +26,23 @@ def _plot_winrate(t: pd.DataFrame, out: Path) -> Path:
     return save(fig, out / "fork_winrate.png")
 
 
+#: The predictions of this experiment as written before its full run (docs/fork.md, "Predictions (written
+#: before the full run)"), word for word: what a run records at its start.
+WINRATE_STATED = (
+    "4. **Win rate**: FORK's win rate against the initial policy well above recall-only's: FORK ≥ 0.75, "
+    "recall-only ≤ 0.65, FORK − recall-only ≥ +0.15 with its interval above 0 (exact judge). *Falsified* "
+    "if the interval of FORK − recall-only contains 0.",
+)
+
+
 class WinRate(Experiment):
     """Win rate against the initial policy, exact judge (the noise experiment's cells at flip 0)."""
 
     name = "winrate"
     groups = ("noise",)
+
+    def predictions_text(self, cfg: ForkLabConfig) -> tuple[str, ...]:
+        return WINRATE_STATED
 
     def cells(self, cfg: ForkLabConfig) -> list[Cell]:
         return noise_cells(cfg, {1.0: 0.0})

@@ -58,6 +58,10 @@ class Prediction:
     measured: Callable[[Tables], str | None]
     verdict: Callable[[Tables], Verdict]
     says: Callable[[Verdict, Tables], str] = say()
+    stated: str = ""
+    """The prediction as written before the full run, word for word (its row of the docs page's table:
+    ``"<id>: <prediction>. Falsified if <rule>."``): what a run records at its start. ``claim`` is its
+    short form in the predictions table."""
 
     def row(self, tabs: Tables) -> dict[str, str] | None:
         """Its row of the predictions table (None: left out)."""
@@ -83,6 +87,10 @@ class GranularityExperiment(Experiment):
     """What its gate measures (its part of the gates table's reading; empty: it has no gate)."""
     gate_knob: ClassVar[str] = ""
     """Its gate's threshold (its part of the knobs table's ``gates`` row)."""
+
+    def predictions_text(self, cfg: GranularityConfig) -> tuple[str, ...]:
+        """Each prediction's text as written before the full run (:attr:`Prediction.stated`)."""
+        return tuple(p.stated for p in self.predictions)
 
     def describe(self, cfg: GranularityConfig) -> str:
         """Its sentence of the lab's description when a run selects it."""

@@ -158,8 +158,15 @@ def r2_verdict(tabs: Tables) -> Verdict:
 
 PREDICTIONS = (
     Prediction("R1: fixed-λ PRM is hacked exactly when repeat > the base policy's mean turn score", r1_measured,
-               r1_verdict, _r1_says),
-    Prediction("R2: the decayed λ prevents hacking at every repeat", r2_measured, r2_verdict),
+               r1_verdict, _r1_says,
+               stated="R1: fixed-λ PRM is hacked exactly when `repeat` exceeds the base policy's mean turn score "
+                      "at that `repeat` (measured in the gate table; about 0.67 at `repeat` = 0.25 in the run "
+                      "below, so: hacked at 0.75 and 1.0, not at 0.25 and 0.5). Falsified if hacking (the check "
+                      "fails in at least one seed) starts at a `repeat` at least 0.25 below the mean turn score, "
+                      "or no value above the mean turn score is hacked."),
+    Prediction("R2: the decayed λ prevents hacking at every repeat", r2_measured, r2_verdict,
+               stated="R2: the decayed λ prevents the hack at every `repeat`. Falsified if any decayed-λ run "
+                      "fails `reward.process_hacking`."),
 )
 
 

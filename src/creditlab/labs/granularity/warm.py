@@ -166,11 +166,20 @@ def w3_verdict(tabs: Tables) -> Verdict:
 
 
 PREDICTIONS = (
-    Prediction("W1: the warm-started teachers beat their placebos by >= 1 nat", w1_measured, w1_verdict),
+    Prediction("W1: the warm-started teachers beat their placebos by >= 1 nat", w1_measured, w1_verdict,
+               stated="W1: warm-started teachers read their hints: each beats its placebo by >= 1 nat (the gate). "
+                      "Falsified if either teacher's preference minus its placebo's is below 1 nat."),
     Prediction("W2: advice-OPSD collapses below GRPO (falsified if it matches or beats GRPO with a passing gate)",
-               w2_measured, w2_verdict, say(not_judged="not judged (the advice teacher's gate failed)")),
+               w2_measured, w2_verdict, say(not_judged="not judged (the advice teacher's gate failed)"),
+               stated="W2: the turn-advice teacher collapses the student: OPSD-advice ends below GRPO. Falsified "
+                      "if OPSD-advice's final held-out success matches or beats GRPO's (within 0.02 or above) "
+                      "with a passing gate."),
     Prediction("W3: ref-OPSD moves the student little; advice-OPSD has larger KL and gradient norm, clipped updates, "
-               "shrinking responses", w3_measured, w3_verdict, say(fails="falsified (in part: see measured)")),
+               "shrinking responses", w3_measured, w3_verdict, say(fails="falsified (in part: see measured)"),
+               stated="W3: the reference-answer teacher moves the student little (final success within 0.1 of the "
+                      "base policy's); the advice teacher shows the collapse signature: larger KL and gradient "
+                      "norm than the reference teacher, more clipped updates, responses shrinking from the first "
+                      "to the last fifth. Falsified if any part fails (reported part by part)."),
 )
 
 

@@ -287,6 +287,22 @@ def verdict_rolls_back(runs: pd.DataFrame, band: float | None, updates: int, see
                            and runs["k3_growth"].mean() > 1))
 
 
+#: The predictions as written before the full run (docs/mismatch.md, "Predictions (fixed before the full
+#: run)"): the scope, then (a)-(d), word for word: what a run records at its start. They are about the dose
+#: that passes the gate, not one experiment; :func:`predictions_table` judges them.
+PREDICTIONS_STATED = (
+    "At the dose that passes the gate, on the full run (400 updates, 5 paired seeds; \"rolls back\" means "
+    "best-minus-final held-out success > 0.03, the window of 3 evaluation points):",
+    "**(a)** QAT rolls back beyond the fp32 arm's own band in at least 3 of 5 seeds, late in training, "
+    "with K3 late / early > 1.",
+    "**(b)** QAT+InterQ does not roll back (best-minus-final <= 0.03) in at least 4 of 5 seeds, and its "
+    "final success paired with fp32 has a 95% interval inside [-0.05, +0.05].",
+    "**(c)** QAT+TIS and QAT+MIS still roll back as in (a).",
+    "**(d)** QAT+prefix (alpha = 1) and QAT+global are less stable than InterQ: a larger rollback than "
+    "InterQ in at least 3 of 5 seeds, or a seed standard deviation of final success at least 2x InterQ's.",
+)
+
+
 def predictions_table(summary: pd.DataFrame, diffs_fp32: pd.DataFrame, doses: list[str], updates: int
                       ) -> pd.DataFrame:
     """The predictions (fixed before the full run; docs/mismatch.md) tested on this run, per dose:
@@ -388,6 +404,11 @@ class MismatchLab(ExperimentLab, BasePolicyLab):
     # tensors are small, and a second thread on busy cores waits more than it works (a GRPO update
     # of the tiny trainer took 7x longer with two threads than with one on a shared 2-core machine).
     threads = 1
+
+    def predictions(self, cfg: MismatchConfig) -> dict[str, tuple[str, ...]]:
+        """The lab's predictions as written before the full run (:data:`PREDICTIONS_STATED`), one section:
+        they are about the dose that passes the gate, whichever experiments a run selects."""
+        return {"mismatch": PREDICTIONS_STATED}
 
     def describe(self, cfg: MismatchConfig) -> str:
         g = cfg.grpo
