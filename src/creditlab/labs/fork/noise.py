@@ -245,8 +245,10 @@ class Noise(Experiment):
         text["fork_noise"] = (
             "Each arm trains on the noisy judge's verdicts and is evaluated on the exact ones (F1 of true precision "
             "and recall; win rate against the initial policy by true quality). judge_r_final: the noisy judge's r "
-            "on the final policy's own responses. Prediction: FORK's lead over recall-only and over the mean keeps "
-            f"its sign at r = {PAPER_R}. " + "; ".join(parts) + "." + small_run_note(cfg.noise_seeds))
+            "on the final policy's own responses. Predictions 1-3 (their text is in lab.json): FORK's lead over "
+            f"recall-only keeps its sign at r = {PAPER_R}; FORK - mean stays within noise at every r; FORK's true F1 "
+            f"at r = {PAPER_R} is within 0.05 of its exact-judge F1. " + "; ".join(parts) + "."
+            + small_run_note(cfg.noise_seeds))
         text["fork_noise_paired"] = " ".join(read_diff(g, ["target_r", "metric"], what)
                                              for what, g in d.groupby("diff", sort=False))
         return text

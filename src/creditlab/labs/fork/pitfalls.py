@@ -128,7 +128,9 @@ class Pitfalls(Experiment):
             "violates the prompt's absence rubric (0 points: the absence rubric is left out of the reward's rubric, "
             "only the evaluation knows it). absence = share of responses satisfying it (change from the initial "
             "policy, paired by seed). " + "; ".join(parts)
-            + ". Prediction: FORK raises absence satisfaction, recall-only lowers it."
+            + ". Prediction 5 (its text is in lab.json): FORK raises absence satisfaction in both settings; "
+            "recall-only lowers it where the absence rubric is left out of the reward (0 points) and, like every "
+            "arm, raises it where the rubric is in the reward."
             + small_run_note(cfg.pitfall_seeds))}
         if "fork_pitfalls_paired" in tabs:
             text["fork_pitfalls_paired"] = read_diff(tabs["fork_pitfalls_paired"].frame, ["pitfall_points", "metric"],

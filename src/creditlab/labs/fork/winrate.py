@@ -73,7 +73,8 @@ class WinRate(Experiment):
             "initial policy's response to the same prompt (ties count half; true quality = points of the facts stated "
             f"correctly - {cfg.quality_wrong:g} per incorrect unit - {cfg.quality_pitfall:g} for a pitfall; padding "
             "earns nothing). " + "; ".join(f"{a}: {r['win_rate']:.3f}" for a, r in w.iterrows())
-            + ". Prediction: FORK's win rate well above recall-only's." + small_run_note(cfg.noise_seeds)),
+            + ". Prediction 4 (its text is in lab.json): FORK's win rate well above recall-only's (FORK - "
+            "recall-only >= +0.15, its interval above 0)." + small_run_note(cfg.noise_seeds)),
             "fork_winrate_paired": read_diff(d, ["metric"], "fork - other")}
 
 
