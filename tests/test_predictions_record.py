@@ -226,8 +226,8 @@ def test_the_guides_coin_lab_records_its_prediction(tmp_path):
 
 
 def _git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.org", *args], cwd=cwd, check=True,
-                          capture_output=True, text=True).stdout.strip()
+    who = ["-c", "user.name=t", "-c", "user.email=t@example.org", "-c", "commit.gpgsign=false"]
+    return subprocess.run(["git", *who, *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
 
 
 @pytest.mark.skipif(not HAS_GIT, reason="needs git")
