@@ -320,3 +320,22 @@ def test_other_experiments_do_not_see_the_new_one():
     keys_old = {c.key for c in LAB.cells(old)}
     keys_new = {c.key for c in LAB.cells(new)}
     assert keys_old < keys_new and {k.split("/")[0] for k in keys_new - keys_old} == {"capability"}
+
+
+def test_each_capability_verdict_holds_fails_or_is_not_judged():
+    from creditlab.labs.coverage.capability import capability_verdict, verdict_below, verdict_equivalent, verdict_null
+
+    nan = float("nan")
+    assert verdict_null(-0.01, 0.02) == "holds" and verdict_null(0.001, 0.02) == "fails"
+    assert verdict_null(nan, nan) == "not judged"  # one seed: no interval (it read as 'does not hold')
+    assert verdict_below(-0.001) == "holds" and verdict_below(0.0) == "fails" and verdict_below(nan) == "not judged"
+    assert verdict_equivalent(-0.01, 0.01, 0.02) == "holds" and verdict_equivalent(-0.03, 0.01, 0.02) == "fails"
+    assert verdict_equivalent(-0.01, 0.01, -0.02) == "fails"  # an empty band: uniform <= binary
+    assert verdict_equivalent(-0.01, 0.01, nan) == "not judged"
+    # 25%: prediction 1; 70%: predictions 2 and 3 together; any other target predicts nothing
+    assert capability_verdict(0.25, -0.01, 0.02, 0.5, 0.02) == "holds"
+    assert capability_verdict(0.70, -0.01, 0.01, -0.001, 0.02) == "holds"
+    assert capability_verdict(0.70, -0.01, 0.01, 0.001, 0.02) == "fails"  # per_turn not below uniform
+    assert capability_verdict(0.70, -0.03, 0.01, nan, 0.02) == "fails"  # outside the band decides it
+    assert capability_verdict(0.70, -0.01, 0.01, nan, 0.02) == "not judged"
+    assert capability_verdict(0.5, -0.01, 0.01, -0.001, 0.02) == "not judged"

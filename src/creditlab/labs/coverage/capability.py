@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from creditlab.errors import ConfigError
-from creditlab.lab.experiment import Experiment
+from creditlab.lab.experiment import Experiment, Verdict
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import Table
 from creditlab.lab.report import mean_ci, read_diff, small_run_note, sort_in_order, summarize
@@ -128,6 +128,42 @@ def _paired(w: pd.DataFrame, a: str, b: str) -> tuple[float, float, float]:
     return mean_ci((w[a] - w[b]).to_numpy(), bounds=(-2.0, 2.0))
 
 
+def _judged(*values: float) -> bool:
+    return not any(np.isnan(v) for v in values)
+
+
+def verdict_null(lo: float, hi: float) -> Verdict:
+    """Prediction 1: the 95% interval of per_turn - shuffled contains 0 (not judged without an interval)."""
+    return Verdict.of(bool(lo <= 0.0 <= hi)) if _judged(lo, hi) else Verdict.NOT_JUDGED
+
+
+def verdict_below(pu_hi: float) -> Verdict:
+    """Prediction 2: the 95% interval of per_turn - uniform lies below 0."""
+    return Verdict.of(bool(pu_hi < 0)) if _judged(pu_hi) else Verdict.NOT_JUDGED
+
+
+def verdict_equivalent(lo: float, hi: float, band: float) -> Verdict:
+    """Prediction 3: the 95% interval of per_turn - shuffled lies inside +/- band (fails on an empty band)."""
+    if not _judged(lo, hi, band):
+        return Verdict.NOT_JUDGED
+    return Verdict.of(bool(band > 0 and lo > -band and hi < band))
+
+
+def capability_verdict(target: float, lo: float, hi: float, pu_hi: float, band: float) -> Verdict:
+    """The verdict of what the capability experiment predicts at ``target`` (:data:`CAPABILITY_PREDICTIONS`):
+    prediction 1 at 25%, predictions 2 and 3 together at 70% (holds when both hold, fails when either fails,
+    else not judged); not judged at any other target."""
+    key = round(float(target), 6)
+    if key == 0.25:
+        return verdict_null(lo, hi)
+    if key == 0.70:
+        both = (verdict_below(pu_hi), verdict_equivalent(lo, hi, band))
+        if Verdict.FAILS in both:
+            return Verdict.FAILS
+        return Verdict.HOLDS if both == (Verdict.HOLDS, Verdict.HOLDS) else Verdict.NOT_JUDGED
+    return Verdict.NOT_JUDGED
+
+
 def capability_test(arms: pd.DataFrame, cfg: CoverageConfig) -> pd.DataFrame:
     """Per (C, target): per_turn - shuffled (paired mean, 95% interval) against the equivalence band
     +/- margin x (uniform - binary), per_turn - uniform, and the verdicts the predictions name."""
@@ -143,12 +179,14 @@ def capability_test(arms: pd.DataFrame, cfg: CoverageConfig) -> pd.DataFrame:
         below = bool(pu_hi < 0)
         key = round(float(target), 6)
         predicted = CAPABILITY_PREDICTIONS.get(key, "-")
-        holds = {0.25: null, 0.70: below and equivalent}.get(key, np.nan)
+        verdict = capability_verdict(target, lo, hi, pu_hi, band)
+        holds = verdict is Verdict.HOLDS if predicted != "-" else np.nan
         out.append({"C": int(C), "target": float(target), "achieved": float(arms.loc[
             (arms["C"] == C) & (arms["target"] == target) & (arms["arm"] == "uniform"), "completion"].mean()),
             "n": len(w), "per_turn-shuffled": ps, "lo": lo, "hi": hi, "uniform-binary": ub, "band": band,
             "equivalent": equivalent, "null": null, "per_turn-uniform": pu, "pu_lo": pu_lo, "pu_hi": pu_hi,
-            "per_turn<uniform": below, "predicted": predicted, "holds": holds})
+            "per_turn<uniform": below, "predicted": predicted, "holds": holds,
+            "verdict": verdict.value if predicted != "-" else "-"})
     return pd.DataFrame(out)
 
 
@@ -191,8 +229,8 @@ def capability_text(tabs: dict[str, Table], cfg: CoverageConfig) -> dict[str, st
     for _, r in tabs["capability_test"].frame.iterrows():
         band = (f"the band +/-{r['band']:.2g} (uniform - binary = {r['uniform-binary']:+.2g})" if r["band"] > 0
                 else f"an empty band (uniform - binary = {r['uniform-binary']:+.2g} <= 0)")
-        verdict = ("" if r["predicted"] == "-" else
-                   f" Predicted: {r['predicted']}; {'holds' if r['holds'] else 'does not hold'}.")
+        said = {"holds": "holds", "fails": "does not hold", "not judged": "not judged (no interval)"}
+        verdict = "" if r["predicted"] == "-" else f" Predicted: {r['predicted']}; {said[r['verdict']]}."
         parts.append(f"{_point(r)}: per_turn - shuffled {r['per_turn-shuffled']:+.4f} [{r['lo']:+.4f}, "
                      f"{r['hi']:+.4f}], {'inside' if r['equivalent'] else 'not inside'} {band}; per_turn - uniform "
                      f"{r['per_turn-uniform']:+.4f} [{r['pu_lo']:+.4f}, {r['pu_hi']:+.4f}].{verdict}")
