@@ -108,19 +108,10 @@ class ExperimentLab:
 
     experiments: ClassVar[Sequence[Experiment]] = ()
 
-    @classmethod
-    def experiment_names(cls) -> tuple[str, ...]:
-        return tuple(e.name for e in cls.experiments)
-
     def selected(self, config: Any) -> list[Experiment]:
         """The experiments ``config.experiments`` selects, in the order of the lab's table."""
         chosen = set(config.experiments)
         return [e for e in self.experiments if e.name in chosen]
-
-    def validate_experiments(self, config: Any) -> None:
-        """Every experiment's own checks (selected or not: the config holds every field)."""
-        for e in self.experiments:
-            e.validate(config)
 
     def cells(self, config: Any) -> list[Cell]:
         """The selected experiments' cells in table order; a cell two of them make (same key) once."""

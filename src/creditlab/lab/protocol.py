@@ -420,7 +420,7 @@ def _start_record(lab: Lab, config: Any, out: Path, old: dict | None,
         rec = {"started_at": old.get("started_at"), "predictions": old["predictions"]}
     else:  # a new run, or one whose manifest predates the record (its stored cells came first)
         stored = _stored_cells(out) if old is not None else 0
-        rec = {"started_at": _now() if not stored else old.get("started_at") if old else None,
+        rec = {"started_at": old.get("started_at") if stored else _now(),  # cells stored before: not a start
                "predictions": predictions_record(lab, config, stored)}
     return _check_predictions(rec, lab, config, status)
 
@@ -442,9 +442,8 @@ def _check_predictions(rec: dict[str, Any], lab: Lab, config: Any,
 
 
 def _check_out(out: Path, lab: Lab, config: LabConfig, fresh: bool) -> dict | None:
-    """Refuse an ``--out`` that holds another lab or another configuration; returns the old manifest."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError("--out", f"{out} exists and is not a directory")
+    """Refuse an ``--out`` that holds another lab or another configuration; returns the old manifest
+    (``out`` is a directory or absent: :func:`run_lab` checked it before taking its lock)."""
     manifest = out / MANIFEST
     if not manifest.exists():
         if out.exists() and any(out.iterdir()):
