@@ -257,3 +257,58 @@ def test_fp32_block_quantizers_are_the_cast_and_table_formulas_bit_for_bit(block
     s = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 127.0
     want = torch.clamp(torch.round(x / s), -127.0, 127.0) * s
     assert torch.equal(quant_int8_per_row(x).view(torch.int32), want.view(torch.int32))
+
+
+# ------------------------------------------------------------------------------------------------
+# EngineFormat: the engine format, parsed once where it enters
+
+
+def test_engine_format_is_its_name_everywhere_a_key_or_table_reads_it():
+    import json
+    import pickle
+
+    from creditlab.lab.runner import digest
+    from creditlab.models.quant import PRECISIONS, EngineFormat
+
+    for name in PRECISIONS:
+        f = EngineFormat.parse(name)
+        assert f == name and hash(f) == hash(name) and f"{f}" == name and repr(f) == repr(name)
+        assert json.dumps({"dose": f}) == json.dumps({"dose": name})
+        assert digest({"dose": f}) == digest({"dose": name})  # cell keys unchanged
+        back = pickle.loads(pickle.dumps(f))
+        assert back == name and isinstance(back, EngineFormat)
+        assert EngineFormat.parse(f) is f  # parsing a parsed format is free
+
+
+def test_engine_format_properties():
+    from creditlab.models.quant import FP4_BLOCK, QUANTIZED, EngineFormat
+
+    q = {p: EngineFormat(p) for p in ("fp32", "bf16", "fp8", "int8", "nvfp4", "mxfp4")}
+    assert [p for p, f in q.items() if f.quantized] == list(QUANTIZED)
+    assert {p: f.fp4_block for p, f in q.items() if f.fp4_block} == FP4_BLOCK
+    assert {p: f.kv_cache for p, f in q.items()} == {"fp32": "fp32", "bf16": "bf16", "fp8": "fp8", "int8": "fp32",
+                                                       "nvfp4": "fp8", "mxfp4": "fp8"}
+    # quant_kv stores what kv_cache says
+    x = torch.randn(2, 2, 5, 8, generator=torch.Generator().manual_seed(0))
+    for p, f in q.items():
+        assert torch.equal(quant_kv(x, p), quant_kv(x, f.kv_cache)), p
+
+
+@pytest.mark.parametrize("bad", ["fp6", "FP8", "", None, 8])
+def test_engine_format_error_names_the_field_it_came_from(bad):
+    from creditlab.models.quant import EngineFormat
+    from creditlab.train.toolshop_grpo import GRPOConfig
+
+    with pytest.raises(ConfigError, match=r"^--dose: unknown precision"):
+        EngineFormat.parse(bad, "--dose")
+    with pytest.raises(ConfigError, match=r"^rollout_precision: unknown precision"):
+        GRPOConfig(rollout_precision=bad)
+
+
+def test_a_config_holds_its_formats_parsed():
+    from creditlab.models.quant import EngineFormat
+    from creditlab.train.toolshop_grpo import GRPOConfig
+
+    c = GRPOConfig(rollout_precision="nvfp4", learner_precision="fp32")
+    assert isinstance(c.rollout_precision, EngineFormat) and c.rollout_precision.quantized
+    assert not c.learner_precision.quantized

@@ -53,7 +53,7 @@ __all__ = [
     "PRECISIONS",
     "QUANTIZED",
     "FUSE_MIN_NUMEL",
-    "check_precision",
+    "EngineFormat",
     "fused_kernel",
     "fp4_e2m1_round",
     "fp8_e4m3_round",
@@ -79,10 +79,50 @@ QUANTIZED = ("fp8", "int8", "nvfp4", "mxfp4")
 _TINY = 1e-30
 
 
-def check_precision(precision: str) -> str:
-    if precision not in PRECISIONS:
-        raise ConfigError("precision", f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
-    return precision
+class EngineFormat(str):
+    """An engine's number format (one of :data:`PRECISIONS`), parsed once where it enters: a config field,
+    a CLI flag or a public entry point. It is the format's name as a ``str`` (equal to it, hashed, printed,
+    pickled and written to JSON as it), so cell keys, manifests and tables read the same; what the code
+    asks of a format is a property here instead of a membership test at each use.
+
+    A lab's dose, a trainer's ``rollout_precision`` / ``learner_precision`` and a model's ``precision``
+    are all an :class:`EngineFormat`: :meth:`parse` names the field the value came from in its error,
+    and returns a value that is already parsed as it is (the entry points below a config re-parse for
+    direct callers at the cost of one ``isinstance``).
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, value: str = "fp32", field: str = "precision") -> EngineFormat:
+        if isinstance(value, EngineFormat):
+            return value
+        if not isinstance(value, str) or value not in PRECISIONS:
+            raise ConfigError(field, f"unknown precision {value!r}; valid: {', '.join(PRECISIONS)}")
+        return super().__new__(cls, value)
+
+    @classmethod
+    def parse(cls, value: str, field: str = "precision") -> EngineFormat:
+        """``value`` as a format; a :class:`ConfigError` naming ``field`` if it is not one."""
+        return cls(value, field)
+
+    def __getnewargs__(self) -> tuple[str]:
+        return (str(self),)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the engine runs low-bit GEMMs (weights and activations on a quantized grid)."""
+        return self in QUANTIZED
+
+    @property
+    def fp4_block(self) -> int | None:
+        """Elements sharing one scale for an FP4 format (:data:`FP4_BLOCK`); None for the others."""
+        return FP4_BLOCK.get(self)
+
+    @property
+    def kv_cache(self) -> str:
+        """The format the KV cache stores keys and values in (:func:`quant_kv`): ``fp8`` for the fp8 and
+        FP4 engines, ``bf16`` for bf16, exact (``fp32``) for int8 (W8A8 only) and fp32."""
+        return "fp8" if self in ("fp8", "nvfp4", "mxfp4") else "bf16" if self == "bf16" else "fp32"
 
 
 def ste(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -283,7 +323,7 @@ def quant_weight(w: torch.Tensor, precision: str, *, block: int = 32) -> torch.T
         return ste(w, quant_int8_per_row(w))
     if precision in FP4_BLOCK:  # blocks of the input features of each output row
         return ste(w, _fp4(w, precision))
-    check_precision(precision)
+    EngineFormat.parse(precision)
     raise AssertionError  # unreachable
 
 
@@ -298,7 +338,7 @@ def quant_act(x: torch.Tensor, precision: str, *, fused: bool | None = None) -> 
     if precision == "bf16":
         return ste(x, quant_bf16(x))
     if precision not in QUANTIZED:
-        check_precision(precision)
+        EngineFormat.parse(precision)
     return ste(x, _dispatch(precision, x, fused))
 
 
@@ -385,5 +425,5 @@ def quant_kv(x: torch.Tensor, precision: str, *, fused: bool | None = None) -> t
         return ste(x, _dispatch("fp8", x, fused))  # W4A4-KV8 / W8A8-KV8: an FP8 cache
     if precision == "bf16":
         return ste(x, quant_bf16(x))
-    check_precision(precision)
+    EngineFormat.parse(precision)
     return x

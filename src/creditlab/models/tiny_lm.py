@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from creditlab.errors import ConfigError, InputError
-from creditlab.models.quant import QUANTIZED, check_precision, quant_act, quant_bf16, quant_kv, quant_weight
+from creditlab.models.quant import EngineFormat, quant_act, quant_bf16, quant_kv, quant_weight
 
 __all__ = ["KVCache", "StackedKVCache", "StackedTinyLM", "TinyLM", "TinyLMConfig"]
 
@@ -81,7 +81,7 @@ class KVCache:
 
     def __init__(self, model: TinyLM, batch: int, precision: str, max_len: int | None = None):
         cfg = model.cfg
-        self.precision = check_precision(precision)
+        self.precision = EngineFormat.parse(precision)
         self.max_len = int(max_len or cfg.max_len)
         if self.max_len > cfg.max_len:
             raise ConfigError("max_len", f"{self.max_len} exceeds the model's max_len {cfg.max_len}")
@@ -169,7 +169,7 @@ class TinyLM(nn.Module):
 
     def engine_weights(self, precision: str) -> list[dict[str, torch.Tensor]]:
         """Per block, the (fake-)quantized weight of each linear layer for ``precision``."""
-        check_precision(precision)
+        precision = EngineFormat.parse(precision)
         return [{n: quant_weight(getattr(blk, n).weight, precision, block=self.cfg.fp8_block)
                  for n in _LINEARS} for blk in self.blocks]
 
@@ -180,7 +180,7 @@ class TinyLM(nn.Module):
         # bf16 runs everything in bf16; the 8-bit and 4-bit engines' GEMMs also write bf16 outputs, a
         # detail of the engine that a QAT learner (fake-quantizing weights, activations and KV) does
         # not copy.
-        if precision == "bf16" or (engine and precision in QUANTIZED):
+        if precision == "bf16" or (engine and precision.quantized):
             return quant_bf16(y)
         return y
 
@@ -229,6 +229,7 @@ class TinyLM(nn.Module):
         x = self.tok(idx) + self.pos(torch.arange(L, device=idx.device))
         if self.shift is not None:  # previous token (id 0 before the first position)
             x = x + self.shift(torch.cat([torch.zeros_like(idx[:, :1]), idx[:, :-1]], dim=1))
+        precision = EngineFormat.parse(precision)
         weights = self.engine_weights(precision)
         for i, blk in enumerate(self.blocks):
             x = self._block(blk, weights[i], x, precision, None, i)
@@ -260,13 +261,11 @@ class TinyLM(nn.Module):
 # ------------------------------------------------------------------------------------------------
 
 
-def _per_model(precision: str | Sequence[str], M: int) -> tuple[str, ...]:
+def _per_model(precision: str | Sequence[str], M: int) -> tuple[EngineFormat, ...]:
     prec = (precision,) * M if isinstance(precision, str) else tuple(precision)
     if len(prec) != M:
         raise ConfigError("precision", f"expected one precision per model ({M}), got {len(prec)}")
-    for p in prec:
-        check_precision(p)
-    return prec
+    return tuple(EngineFormat.parse(p) for p in prec)
 
 
 def _mixed(x: torch.Tensor, prec: tuple[str, ...], fn: Callable[[torch.Tensor, str], torch.Tensor]) -> torch.Tensor:
@@ -383,8 +382,8 @@ class StackedTinyLM(nn.Module):
         xq = _mixed(x, prec, quant_act)
         y = torch.baddbmm(self.param(f"{layer}.bias")[:, None, :], xq.reshape(M, B * L, -1), w.transpose(1, 2))
         y = y.view(M, B, L, -1)
-        if any(p == "bf16" or (engine and p in QUANTIZED) for p in prec):  # as TinyLM._linear
-            y = _mixed(y, prec, lambda t, p: quant_bf16(t) if p == "bf16" or (engine and p in QUANTIZED) else t)
+        if any(p == "bf16" or (engine and p.quantized) for p in prec):  # as TinyLM._linear
+            y = _mixed(y, prec, lambda t, p: quant_bf16(t) if p == "bf16" or (engine and p.quantized) else t)
         return y
 
     def _block(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, prec: tuple[str, ...],

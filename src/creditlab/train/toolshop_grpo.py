@@ -33,7 +33,7 @@ import torch
 
 from creditlab.envs.toolshop import thought_mask
 from creditlab.errors import ConfigError
-from creditlab.models.quant import check_precision
+from creditlab.models.quant import EngineFormat
 from creditlab.models.tiny_lm import StackedTinyLM, TinyLM
 from creditlab.train.common import adamw, generator, seed_stream, task_rng
 from creditlab.train.toolshop_rollout import (
@@ -214,11 +214,8 @@ class GRPOConfig:
     """Seed of the task stream and the sampling."""
 
     def __post_init__(self) -> None:
-        for name in ("rollout_precision", "learner_precision"):  # the error names the field
-            try:
-                check_precision(getattr(self, name))
-            except ConfigError as err:
-                raise ConfigError(name, str(err).removeprefix(f"{err.parameter}: ")) from None
+        for name in ("rollout_precision", "learner_precision"):  # parsed here, once; the error names the field
+            object.__setattr__(self, name, EngineFormat.parse(getattr(self, name), name))
         if self.reward not in ("success", "progress"):
             raise ConfigError("reward", f"must be 'success' or 'progress', got {self.reward!r}")
         for name in ("updates", "tasks_per_update", "group_size", "minibatches", "epochs"):
@@ -621,7 +618,7 @@ def _check_stacked(configs: list[GRPOConfig], M: int, eval_precision: str | None
     if base.advantage != "grpo":
         raise ConfigError("advantage", "train_grpo_stacked runs outcome GRPO (advantage='grpo')")
     if eval_precision is not None:
-        check_precision(eval_precision)
+        EngineFormat.parse(eval_precision, "eval_precision")
     return base
 
 

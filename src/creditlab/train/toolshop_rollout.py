@@ -39,7 +39,7 @@ import torch
 
 from creditlab.envs.toolshop import EOA, PAD, Task, ToolshopEnv, TurnRecord, make_task, verify
 from creditlab.errors import ConfigError
-from creditlab.models.quant import check_precision
+from creditlab.models.quant import EngineFormat
 from creditlab.models.tiny_lm import KVCache, StackedKVCache, StackedTinyLM, TinyLM
 
 __all__ = [
@@ -323,7 +323,7 @@ def rollout(model: TinyLM, tasks: Sequence[Task], *, precision: str = "fp32", ma
             generator: torch.Generator | None = None, group_ids: Sequence[int] | None = None
             ) -> RolloutBatch:
     """Sample one trajectory per task with the engine of ``precision`` (see module doc)."""
-    check_precision(precision)
+    precision = EngineFormat.parse(precision)
     if temperature <= 0:
         raise ConfigError("temperature", f"must be > 0, got {temperature}")
     rows = _Rows.start([ToolshopEnv(t, max_turns) for t in tasks], max_len, max_action_len, (len(tasks),))
