@@ -68,7 +68,7 @@ def test_a_resume_after_the_code_changed_is_refused_naming_the_modules(tmp_path,
     run_lab(LAB, TINY, tmp_path, progress=False)
     real = protocol.code_fingerprint()
     changed = dict(real, **{"train/chain.py": "0" * 16})
-    monkeypatch.setattr(protocol, "code_fingerprint", lambda: changed)
+    monkeypatch.setattr(protocol, "code_fingerprint", lambda scope=None: changed)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     with pytest.raises(ConfigError, match=r"--out: .*other code \(changed since: train/chain.py\).*--keep-cells"):
         run_lab(LAB, TINY, tmp_path, progress=False)

@@ -303,3 +303,103 @@ def test_the_docs_knobs_table_is_the_labs_own():
     rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in section.splitlines()
             if line.startswith("| ") and not line.startswith("| knob")]
     assert [(r[0], r[1], r[3]) for r in rows] == [(k, v, w) for k, v, w in _knob_rows(MismatchConfig())]
+
+
+# ------------------------------------------------------------------------------------------------
+# the 2-core registration
+
+
+def _fp32_curves(points):
+    """fp32 eval rows: ``points`` = {update: [success per seed]}."""
+    return pd.DataFrame([{"arm": "fp32", "seed": s, "update": float(u), "eval/success": v}
+                         for u, vals in points.items() for s, v in enumerate(vals)])
+
+
+def test_fp32_saturation_by_hand():
+    from creditlab.labs.mismatch import fp32_saturation
+
+    # mean curve 0.4, 0.6, 0.8, 0.9, 0.9, 0.9 at updates 0-50; windows of 3 end at 20..50 with means
+    # 0.6, 0.767, 0.867, 0.9; best 0.9, gain 0.5: 90% is 0.85 -> first reached by the window ending at 40
+    c = _fp32_curves({0: [0.4, 0.4], 10: [0.5, 0.7], 20: [0.8, 0.8], 30: [0.9, 0.9], 40: [0.9, 0.9],
+                      50: [0.9, 0.9]})
+    assert fp32_saturation(c, 3) == 40.0
+    assert fp32_saturation(c, 1) == 30.0  # 0.9 >= 0.85 first at update 30
+    assert fp32_saturation(_fp32_curves({0: [0.5], 10: [0.4], 20: [0.5]}), 1) is None  # never rises
+    assert fp32_saturation(pd.DataFrame(columns=["update", "eval/success"]), 3) is None
+
+
+def test_the_two_core_registration_reads_late_from_fp32_saturation_and_b_from_the_band():
+    from creditlab.labs.mismatch import REGISTRATIONS
+
+    reg = REGISTRATIONS["two-core"]
+    rows = (FP32  # band 0.035
+            + _summary("qat", [0.05, 0.04, 0.06, 0.0, 0.01], best_update=60.0)
+            + _summary("qat_interq", [0.0, 0.034, 0.035, 0.05, 0.0]))  # 4 of 5 within the band (0.035)
+    diffs = pd.DataFrame([{"diff": "qat_interq - fp32", "dose": "mxfp4", "final": 0.0, "final_lo": -0.04,
+                           "final_hi": 0.03}])
+    df = pd.DataFrame(rows).assign(dose=lambda d: d["dose"].replace("nvfp4", "mxfp4"))
+    p = predictions_table(df, diffs, ["mxfp4"], 100, reg, late_after=50.0).set_index("arm")
+    assert p.loc["qat", "verdict"] == "holds" and "at or after update 50 (fp32 saturates)" in p.loc["qat", "measured"]
+    assert p.loc["qat_interq", "verdict"] == "holds" and "rollback <= 0.035" in p.loc["qat_interq", "measured"]
+    # the best window before saturation: not late
+    assert predictions_table(df, diffs, ["mxfp4"], 100, reg, late_after=70.0).set_index("arm").loc[
+        "qat", "verdict"] == "fails"
+    # the fp32 arm never saturated: (a) not judged
+    assert predictions_table(df, diffs, ["mxfp4"], 100, reg, late_after=None).set_index("arm").loc[
+        "qat", "verdict"] == "not judged"
+    # under the paper registration (b) counts rollbacks <= 0.03: 3 of 5, fails
+    assert predictions_table(df, diffs, ["mxfp4"], 100).set_index("arm").loc["qat_interq", "verdict"] == "fails"
+
+
+def test_the_two_core_protocol_config_and_its_cells():
+    from creditlab.labs.mismatch import LAB
+
+    c = MismatchConfig.two_core()
+    c.validate()
+    assert c.protocol == "two-core" and c.base.thoughts == 40 and c.grpo.max_action_len == 48
+    assert c.grpo.max_len <= c.base.max_len and c.grpo.updates == 100 and c.seeds == 5
+    cells = LAB.cells(c)
+    train = [x for x in cells if x.group == "train"]
+    by_dose = {}
+    for x in train:
+        by_dose.setdefault(x.kwargs["dose"], []).append(x)
+    assert [x.kwargs["seeds"] for x in by_dose["fp32"]] == [[0, 1, 2, 3, 4]]
+    assert len(by_dose["mxfp4"]) == 5 and by_dose["mxfp4"][0].kwargs["arms"] == [
+        "naive", "qat", "qat_tis", "qat_interq", "qat_prefix", "qat_global"]
+    for d in ("fp8", "int8", "nvfp4"):
+        assert [x.kwargs["seeds"] for x in by_dose[d]] == [[0], [1]]
+        assert by_dose[d][0].kwargs["arms"] == ["naive", "qat"]
+    assert list(LAB.predictions(c)) == ["mismatch-two-core"]
+    with pytest.raises(ConfigError, match="map_arms"):
+        from dataclasses import replace
+
+        replace(c, map_arms=("fp32",)).validate()
+    with pytest.raises(ConfigError, match="--protocol"):
+        replace(c, protocol="laptop").validate()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_gate_records_diagnoses_prefix_drift_statistic_by_turn(seed):
+    """gate_metrics' per-turn RMS of the prefix log ratio, read at the last turn with enough tokens, is
+    what creditlab diagnose's mismatch.prefix_drift check gives on the same batch."""
+    from creditlab.core.diagnostics import batch_check_values
+    from creditlab.diagnose.checks import CHECK_PARAMS
+    from creditlab.labs.mismatch import diagnose_drift
+
+    g = torch.Generator().manual_seed(seed)
+    B, turns, run = 12, 4, 9
+    L = 2 + turns * (run + 3)
+    pm = torch.zeros(B, L, dtype=torch.bool)
+    turn = torch.full((B, L), -1)
+    for b in range(B):
+        n_turns = int(torch.randint(2, turns + 1, (1,), generator=g))
+        for k in range(n_turns):  # each turn a run of policy tokens, then 3 observation tokens
+            start = 2 + k * (run + 3)
+            length = int(torch.randint(3, run + 1, (1,), generator=g))
+            pm[b, start:start + length] = True
+            turn[b, start:start + length] = k
+    rollout = -1.0 - torch.rand(B, L, generator=g, dtype=torch.float64) * 2  # no impossible (positive) log-prob
+    old = rollout + 0.05 * torch.randn(B, L, generator=g, dtype=torch.float64)
+    m = gate_metrics(old, rollout, pm, turn, torch.ones(B, L, dtype=torch.long), None)
+    want = float(batch_check_values(old, rollout, pm, CHECK_PARAMS)["mismatch/prefix_drift"])
+    assert diagnose_drift(pd.Series(m)) == pytest.approx(want, rel=1e-9)

@@ -59,7 +59,12 @@ def _common_parameters(lab) -> list[inspect.Parameter]:
                              help="Write the training rollouts in the `creditlab diagnose` schema into DIR (labs with "
                                   "token-level rollouts; the cells this run computes)."),
     }
-    types = {"quick": bool, "out": Path, "seeds": int | None, "updates": int | None, "workers": int,
+    if cfg_type.PROTOCOLS:
+        opts["protocol"] = typer.Option(None, "--protocol", metavar="NAME",
+                                        help="Start from a registered protocol instead of the default: "
+                                             f"{', '.join(cfg_type.PROTOCOLS)} (see the lab's docs page).")
+    types = {"protocol": str | None, "quick": bool, "out": Path, "seeds": int | None, "updates": int | None,
+             "workers": int,
              "executor": str | None, "ray_address": str | None, "experiment": list[str] | None, "fresh": bool,
              "keep_cells": bool,
              "dump": Path | None}
@@ -96,7 +101,15 @@ def _own_parameters(lab) -> list[inspect.Parameter]:
 def _configure(lab, kw: dict[str, Any]):
     """The config of one invocation from the parsed options (popped from ``kw``)."""
     cfg_type = lab.config_type
-    cfg = cfg_type.quick() if kw.pop("quick") else cfg_type()
+    quick, protocol = kw.pop("quick"), kw.pop("protocol", None)
+    if protocol is not None:
+        if quick:
+            raise ConfigError("--protocol", "choose --quick or --protocol, not both")
+        if protocol not in cfg_type.PROTOCOLS:
+            raise ConfigError("--protocol", f"unknown protocol {protocol!r}; valid: {', '.join(cfg_type.PROTOCOLS)}")
+        cfg = getattr(cfg_type, cfg_type.PROTOCOLS[protocol])()
+    else:
+        cfg = cfg_type.quick() if quick else cfg_type()
     experiments = kw.pop("experiment")
     if experiments:
         if not cfg_type.EXPERIMENTS:

@@ -40,7 +40,7 @@ import subprocess
 import sys
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -86,6 +86,9 @@ class LabConfig:
     OPTIONS: ClassVar[dict[str, str]] = {}
     EXPERIMENTS: ClassVar[tuple[str, ...]] = ()
     SELECTION: ClassVar[tuple[str, ...]] = ("experiments",)
+    PROTOCOLS: ClassVar[dict[str, str]] = {}
+    """Registered protocols other than the default and ``--quick``: ``--protocol NAME`` -> the name of the
+    classmethod that returns that config (e.g. a protocol sized for a smaller machine)."""
 
     @classmethod
     def quick(cls):  # pragma: no cover - every lab overrides it
@@ -256,15 +259,24 @@ class LabResult:
 EDGES = ("cli", "integrations")
 
 
-def code_fingerprint() -> dict[str, str]:
-    """``{module path: content hash}`` of every creditlab module that can compute a cell (the package
-    without its edges, :data:`EDGES`). A lab run records it, so a resume after the code changed is
-    refused instead of mixing cells computed by two versions of the code."""
+def code_fingerprint(scope: Sequence[str] | None = None) -> dict[str, str]:
+    """``{module path: content hash}`` of the creditlab modules that can compute a cell. A lab run
+    records it, so a resume after the code changed is refused instead of mixing cells computed by two
+    versions of the code.
+
+    ``scope``: the module paths (``"core/"``, a folder; ``"labs/mismatch/cells.py"``, a file) whose code
+    computes the lab's cells, its ``compute_code``: the fingerprint covers those and nothing else, so
+    that a change to the lab's tables, report, plots or docs does not void a stored run. A lab that
+    declares none gets every module but the edges (:data:`EDGES`). A test holds each declared scope to
+    the modules its cells import.
+    """
     root = Path(__file__).resolve().parents[1]
     out = {}
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if rel.split("/", 1)[0] in EDGES or "__pycache__" in rel:
+            continue
+        if scope is not None and not any(rel == s or (s.endswith("/") and rel.startswith(s)) for s in scope):
             continue
         out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     return out
@@ -584,7 +596,7 @@ def _run_locked(lab: Lab, config: LabConfig, out: Path, executor: Executor | Non
                 progress: bool, status: Callable[[str], None] | None) -> LabResult:
     """:func:`run_lab` once it holds the lock of ``out``."""
     old = _check_out(out, lab, config, fresh)
-    code = code_fingerprint()  # once, at the start: the code that computes this run's cells
+    code = code_fingerprint(getattr(lab, "compute_code", None))  # once, at the start: the code that computes its cells
     mixed = []
     if old is not None and not fresh:
         mixed = sorted(set(old.get("mixed_code", [])) | set(_check_code(out, old, code, keep_cells)))

@@ -50,6 +50,7 @@ from creditlab.labs._toolshop import BasePolicyLab, base_knob, optim_knob, seeds
 from creditlab.labs.mismatch.cells import ENTROPY_BINS, gate_metrics, run_dose_cell, run_stack
 from creditlab.labs.mismatch.config import (
     ARMS,
+    COMPUTE_CODE,
     DIFF,
     DOSES,
     GATE_DRIFT,
@@ -61,8 +62,9 @@ from creditlab.labs.mismatch.config import (
 )
 from creditlab.labs.mismatch.dose import Dose
 
-__all__ = ["ARMS", "DOSES", "ENTROPY_BINS", "EXPERIMENT_TABLE", "LAB", "SHARED_FIELDS", "MismatchConfig",
-           "MismatchLab", "arm_triple", "fp32_band", "gate_metrics", "gate_table", "late_rollbacks", "phase_map",
+__all__ = ["ARMS", "DOSES", "ENTROPY_BINS", "EXPERIMENT_TABLE", "LAB", "MismatchConfig", "MismatchLab",
+           "REGISTRATIONS", "Registration", "SHARED_FIELDS", "TWO_CORE_STATED", "arm_triple", "diagnose_drift",
+           "fp32_band", "fp32_saturation", "gate_metrics", "gate_table", "late_rollbacks", "phase_map",
            "predictions_table", "run_dose_cell", "run_stack", "score_curve", "verdict_rolls_back"]
 
 
@@ -255,6 +257,8 @@ def gate_table(dose: pd.DataFrame) -> pd.DataFrame:
         nv, q = d.loc["fp32"], d.loc["QAT"]
         row = {"engine": engine, "policy_tokens": q["policy_tokens"], "thought_tokens": q["thought_tokens"],
                "k3_naive": nv["k3"], "k3_qat": q["k3"], "drift_naive": nv["drift_last"], "drift_qat": q["drift_last"]}
+        if any(str(c).startswith("tokens_turn") for c in d.columns):  # diagnose's statistic (newer gate cells)
+            row["prefix_rms_naive"], row["prefix_rms_qat"] = diagnose_drift(nv.dropna()), diagnose_drift(q.dropna())
         for c in [c for c in d.columns if c.startswith("k3_H")]:
             row[f"{c} (naive)"], row[f"{c} (QAT)"] = nv[c], q[c]
         row["k3_thought (QAT)"], row["k3_action (QAT)"] = q.get("k3_thought", math.nan), q.get("k3_action", math.nan)
@@ -264,6 +268,18 @@ def gate_table(dose: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def diagnose_drift(row: pd.Series) -> float:
+    """The value ``creditlab diagnose``'s ``mismatch.prefix_drift`` check gives on the gate's batch: the
+    RMS prefix log ratio at the last turn with at least ``turn_min_tokens`` tokens (from the
+    ``prefix_rms_turn{k}`` / ``tokens_turn{k}`` of :func:`gate_metrics`); NaN when fewer than 2 turns
+    have them, as the check."""
+    from creditlab.diagnose.checks import CHECK_PARAMS
+
+    turns = sorted(int(str(c)[len("tokens_turn"):]) for c in row.index if str(c).startswith("tokens_turn"))
+    good = [k for k in turns if row[f"tokens_turn{k}"] >= CHECK_PARAMS.turn_min_tokens]
+    return float(row[f"prefix_rms_turn{good[-1]}"]) if len(good) >= 2 else math.nan
+
+
 def fp32_band(summary: pd.DataFrame) -> float | None:
     """The fp32 arm's own band of rollback (no mismatch: the noise of evaluation and of RL itself): the
     largest rollback of an fp32 run, and at least :data:`ROLLBACK`; None without an fp32 run."""
@@ -271,19 +287,41 @@ def fp32_band(summary: pd.DataFrame) -> float | None:
     return max(ROLLBACK, float(fp.max())) if len(fp) else None
 
 
-def late_rollbacks(runs: pd.DataFrame, band: float, updates: int) -> pd.Series:
+def late_rollbacks(runs: pd.DataFrame, band: float, updates: int, late_after: float | None = None) -> pd.Series:
     """Per seed: does its held-out success roll back as prediction (a) states it, beyond the fp32 arm's
-    own band (``rollback > band``) and late in training (its best window ends in the second half of the
-    updates)?"""
-    return (runs["rollback"] > band) & (runs["best_update"] >= updates / 2)
+    own band (``rollback > band``) and late in training: its best window ends at or after ``late_after``
+    (the 2-core registration: the update at which the fp32 arm's success saturates,
+    :func:`fp32_saturation`), or in the second half of the updates when ``late_after`` is None (the
+    paper-scale registration)?"""
+    late = updates / 2 if late_after is None else late_after
+    return (runs["rollback"] > band) & (runs["best_update"] >= late)
 
 
-def verdict_rolls_back(runs: pd.DataFrame, band: float | None, updates: int, seeds_needed: int) -> Verdict:
-    """Predictions (a) and (c): late rollbacks beyond the fp32 band in ``seeds_needed`` seeds, with K3
-    growing (late / early > 1); not judged without the fp32 arm (no band) or without runs."""
-    if band is None or runs.empty:
+def fp32_saturation(curves: pd.DataFrame, smooth: int, share: float = 0.9) -> float | None:
+    """The update at which the fp32 arm's held-out success saturates: on its curve averaged over seeds
+    (``curves``: the fp32 rows with ``update`` and ``eval/success``), the end of the first window of
+    ``smooth`` evaluation points whose mean reaches ``share`` of the way from the first point to the best
+    window. None when there is no fp32 curve or it never rises above its first point."""
+    ev = curves.dropna(subset=["eval/success"]) if "eval/success" in curves else curves.iloc[:0]
+    if ev.empty:
+        return None
+    y = ev.groupby("update")["eval/success"].mean().sort_index()
+    w = min(smooth, len(y))
+    s = y.rolling(w).mean().dropna()
+    gain = float(s.max()) - float(y.iloc[0])
+    if not gain > 0:
+        return None
+    return float(s.index[int(np.argmax(s.to_numpy() >= float(y.iloc[0]) + share * gain))])
+
+
+def verdict_rolls_back(runs: pd.DataFrame, band: float | None, updates: int, seeds_needed: int,
+                       late_after: float | None = None) -> Verdict:
+    """Predictions (a) and (c): late rollbacks (:func:`late_rollbacks`) beyond the fp32 band in
+    ``seeds_needed`` seeds, with K3 growing (late / early > 1); not judged without the fp32 arm (no band),
+    without runs, or (``late_after`` is NaN) when the fp32 arm never saturated."""
+    if band is None or runs.empty or (late_after is not None and math.isnan(late_after)):
         return Verdict.NOT_JUDGED
-    return Verdict.of(bool(late_rollbacks(runs, band, updates).sum() >= seeds_needed
+    return Verdict.of(bool(late_rollbacks(runs, band, updates, late_after).sum() >= seeds_needed
                            and runs["k3_growth"].mean() > 1))
 
 
@@ -303,7 +341,44 @@ PREDICTIONS_STATED = (
 )
 
 
-def predictions_table(summary: pd.DataFrame, diffs_fp32: pd.DataFrame, doses: list[str], updates: int
+#: The predictions registered for the 2-core protocol (:meth:`MismatchConfig.two_core`; docs/mismatch.md,
+#: "Predictions (registered before the 2-core run)"), word for word: a new registration, beside the
+#: paper-scale one above, which is kept as it was.
+TWO_CORE_STATED = (
+    "On the 2-core protocol (MXFP4, 100 updates of 8 tasks x 8 rollouts, held-out success on 128 tasks "
+    "every 10 updates, 5 paired seeds; \"rolls back\" means best-minus-final held-out success, the window "
+    "of 3 evaluation points, above the fp32 band: the largest rollback of an fp32 run, and at least 0.03; "
+    "\"late\" means the best window ends at or after the update at which the fp32 arm's success "
+    "saturates, the end of the first window whose mean reaches 90% of the way from its first point to "
+    "its best window):",
+    "**(a)** QAT rolls back late in at least 3 of 5 seeds, with K3 late / early > 1.",
+    "**(b)** QAT+InterQ does not roll back in at least 4 of 5 seeds, and its final success paired with "
+    "fp32 has a 95% interval inside [-0.05, +0.05].",
+    "**(c)** QAT+TIS still rolls back as in (a).",
+    "**(d)** QAT+prefix (alpha = 1) and QAT+global are less stable than InterQ: a larger rollback than "
+    "InterQ in at least 3 of 5 seeds, or a seed standard deviation of final success at least 2x InterQ's.",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """A registered protocol's predictions and how its rules read them: ``late`` is ``"half"`` (the best
+    window ends in the second half of the updates) or ``"fp32_saturation"`` (at or after the fp32 arm
+    saturates); ``b_band``: (b)'s "does not roll back" is within the fp32 band (else within
+    :data:`ROLLBACK`)."""
+
+    stated: tuple[str, ...]
+    late: str
+    b_band: bool
+
+
+#: ``MismatchConfig.protocol`` -> its registration.
+REGISTRATIONS = {"paper": Registration(PREDICTIONS_STATED, "half", False),
+                 "two-core": Registration(TWO_CORE_STATED, "fp32_saturation", True)}
+
+
+def predictions_table(summary: pd.DataFrame, diffs_fp32: pd.DataFrame, doses: list[str], updates: int,
+                      registration: Registration = REGISTRATIONS["paper"], late_after: float | None = None
                       ) -> pd.DataFrame:
     """The predictions (fixed before the full run; docs/mismatch.md) tested on this run, per dose:
     (a) QAT rolls back beyond the fp32 arm's own band late in training (:func:`late_rollbacks`) in >= 3/5
@@ -311,9 +386,17 @@ def predictions_table(summary: pd.DataFrame, diffs_fp32: pd.DataFrame, doses: li
     its final success paired with fp32 has a 95% interval inside [-0.05, 0.05]; (c) TIS and MIS on QAT
     roll back as in (a); (d) QAT+prefix and QAT+global are less stable than InterQ: a larger rollback than
     InterQ in >= 3/5 of seeds, or a seed standard deviation of final success >= 2x InterQ's. ``verdict``:
-    holds, fails or not judged; ``held`` is ``verdict == holds``."""
+    holds, fails or not judged; ``held`` is ``verdict == holds``.
+
+    Under a ``registration`` whose ``late`` is ``fp32_saturation``, ``late_after`` is the update the fp32
+    arm saturates at (:func:`fp32_saturation`; None: it never did, and (a) and (c) are not judged), and
+    (b) counts the seeds within the fp32 band when its ``b_band``."""
     rows = []
     band = fp32_band(summary)
+    saturation = registration.late == "fp32_saturation"
+    if saturation and late_after is None:
+        late_after = math.nan
+    b_limit = (band if band is not None else math.nan) if registration.b_band else ROLLBACK
 
     def runs(arm, dose):
         return summary[(summary["arm"] == arm) & (summary["dose"] == dose)].set_index("seed")
@@ -333,19 +416,25 @@ def predictions_table(summary: pd.DataFrame, diffs_fp32: pd.DataFrame, doses: li
             growth = float(r["k3_growth"].mean())
             if band is None:
                 measured = f"no fp32 arm: no band to roll back beyond; K3 late/early {growth:.2f}"
+            elif saturation and math.isnan(late_after):
+                measured = (f"the fp32 arm's success never rose: no saturation to be late after; K3 late/early "
+                            f"{growth:.2f}")
             else:
-                k = int(late_rollbacks(r, band, updates).sum())
-                measured = (f"rollback > {band:.3g} (the fp32 band) with the best window after update "
-                            f"{updates / 2:g} in {k}/{len(r)} seeds; K3 late/early {growth:.2f}")
-            row(dose, label, arm, measured, verdict_rolls_back(r, band, updates, need_a))
+                k = int(late_rollbacks(r, band, updates, late_after).sum())
+                when = (f"at or after update {late_after:g} (fp32 saturates)" if saturation else
+                        f"after update {updates / 2:g}")
+                measured = (f"rollback > {band:.3g} (the fp32 band) with the best window ending {when} in "
+                            f"{k}/{len(r)} seeds; K3 late/early {growth:.2f}")
+            row(dose, label, arm, measured, verdict_rolls_back(r, band, updates, need_a, late_after))
         if not inter.empty:
-            k = int((inter["rollback"] <= ROLLBACK).sum())
+            k = int((inter["rollback"] <= b_limit).sum())
             d = diffs_fp32[(diffs_fp32["diff"].str.startswith("qat_interq")) & (diffs_fp32["dose"] == dose)] \
                 if len(diffs_fp32) else pd.DataFrame()
             lo, hi = (float(d["final_lo"].iloc[0]), float(d["final_hi"].iloc[0])) if len(d) else (math.nan, math.nan)
-            row(dose, "b", "qat_interq", f"rollback <= {ROLLBACK:g} in {k}/{len(inter)} seeds; final - fp32 in "
+            row(dose, "b", "qat_interq", f"rollback <= {b_limit:.3g} in {k}/{len(inter)} seeds; final - fp32 in "
                                          f"[{lo:.3f}, {hi:.3f}]",
-                Verdict.NOT_JUDGED if not len(d) else Verdict.of(k >= need_b and -0.05 <= lo and hi <= 0.05))
+                Verdict.NOT_JUDGED if not len(d) or math.isnan(b_limit) else
+                Verdict.of(k >= need_b and -0.05 <= lo and hi <= 0.05))
             for arm in ("qat_prefix", "qat_global"):
                 r = runs(arm, dose)
                 common = r.index.intersection(inter.index)
@@ -362,7 +451,10 @@ def predictions_table(summary: pd.DataFrame, diffs_fp32: pd.DataFrame, doses: li
 def phase_map(summary: pd.DataFrame, gate: pd.DataFrame) -> pd.DataFrame:
     """Rollback of the uncorrected arms (naive, QAT) and of InterQ against the prefix drift entering the
     last turn that the arm's learner had on the base policy (|drift| in nats, from the gate), one point
-    per arm and dose, with the fp32 arm's rollback (no mismatch) as the noise band."""
+    per arm and dose, with the fp32 arm's rollback (no mismatch) as the noise band. ``prefix_rms``: the
+    same learner's value of ``creditlab diagnose``'s ``mismatch.prefix_drift`` statistic on the base
+    policy (:func:`diagnose_drift`), the x its thresholds are calibrated on; ``beyond_fp32_band``: seeds
+    whose rollback is above the fp32 band (:func:`fp32_band`)."""
     if gate.empty:
         return pd.DataFrame()
     drift = gate.set_index("engine")
@@ -371,10 +463,14 @@ def phase_map(summary: pd.DataFrame, gate: pd.DataFrame) -> pd.DataFrame:
     for (arm, dose), g in summary[summary["arm"].isin(["naive", "qat", "qat_interq"])].groupby(["arm", "dose"]):
         if dose not in drift.index:
             continue
-        x = -float(drift.loc[dose, "drift_naive" if arm == "naive" else "drift_qat"])
-        rows.append({"arm": arm, "dose": dose, "drift": x, **ci_columns(g["rollback"], "rollback"),
-                     "rolled_back": int((g["rollback"] > ROLLBACK).sum()), "seeds": len(g),
-                     "fp32_rollback": float(fp.mean()) if len(fp) else math.nan})
+        learner = "naive" if arm == "naive" else "qat"
+        x = -float(drift.loc[dose, f"drift_{learner}"])
+        rms = float(drift.loc[dose, f"prefix_rms_{learner}"]) if f"prefix_rms_{learner}" in drift.columns else math.nan
+        band = fp32_band(summary)
+        rows.append({"arm": arm, "dose": dose, "drift": x, "prefix_rms": rms, **ci_columns(g["rollback"], "rollback"),
+                     "rolled_back": int((g["rollback"] > ROLLBACK).sum()),
+                     "beyond_fp32_band": int((g["rollback"] > band).sum()) if band is not None else math.nan,
+                     "seeds": len(g), "fp32_rollback": float(fp.mean()) if len(fp) else math.nan})
     return _ordered(pd.DataFrame(rows), ["drift", "arm"]) if rows else pd.DataFrame()
 
 
@@ -400,6 +496,7 @@ class MismatchLab(ExperimentLab, BasePolicyLab):
     config_type = MismatchConfig
     experiments = EXPERIMENT_TABLE
     gate_groups = ("dose",)
+    compute_code = COMPUTE_CODE
     # One intra-op thread in the CLI process, as the process executor gives each worker: the lab's
     # tensors are small, and a second thread on busy cores waits more than it works (a GRPO update
     # of the tiny trainer took 7x longer with two threads than with one on a shared 2-core machine).
@@ -408,7 +505,9 @@ class MismatchLab(ExperimentLab, BasePolicyLab):
     def predictions(self, cfg: MismatchConfig) -> dict[str, tuple[str, ...]]:
         """The lab's predictions as written before the full run (:data:`PREDICTIONS_STATED`), one section:
         they are about the dose that passes the gate, whichever experiments a run selects."""
-        return {"mismatch": PREDICTIONS_STATED}
+        if cfg.protocol == "paper":
+            return {"mismatch": PREDICTIONS_STATED}
+        return {f"mismatch-{cfg.protocol}": REGISTRATIONS[cfg.protocol].stated}
 
     def describe(self, cfg: MismatchConfig) -> str:
         g = cfg.grpo
@@ -423,7 +522,15 @@ class MismatchLab(ExperimentLab, BasePolicyLab):
             f"{g.eval_tasks} fixed tasks every {g.eval_every} updates, sampled (temperature {g.temperature:g}) by the "
             "fp32 engine with the same uniforms for every arm and every evaluation. Final success is the mean "
             f"of the last {cfg.smooth} evaluation points, best the largest mean of {cfg.smooth} consecutive points, "
-            "rollback = best - final.")
+            "rollback = best - final." + self._map_note(cfg))
+
+    @staticmethod
+    def _map_note(cfg: MismatchConfig) -> str:
+        mapped = [d for d in cfg.experiments if d in cfg.map_doses]
+        if not mapped:
+            return ""
+        return (f" The phase map's doses {', '.join(mapped)} run only {', '.join(LABELS[a] for a in cfg.map_arms)} "
+                f"on {cfg.map_seeds} paired seed(s) (seeds 0-{cfg.map_seeds - 1}).")
 
     def gate(self, rows: dict[str, pd.DataFrame], cfg: MismatchConfig) -> Table | None:
         if "dose" not in rows:
@@ -433,7 +540,7 @@ class MismatchLab(ExperimentLab, BasePolicyLab):
 
     def tables(self, rows: dict[str, pd.DataFrame], cfg: MismatchConfig) -> dict[str, Table]:
         df = rows["train"]
-        df = df[df["dose"].isin(["fp32", *cfg.experiments]) & df["arm"].isin(cfg.arms)]
+        df = df[df["dose"].isin(["fp32", *cfg.experiments]) & df["arm"].isin((*cfg.arms, *cfg.map_arms))]
         doses = [d for d in cfg.experiments if d in set(df["dose"])]
         summary = _summary(df, cfg)
         tabs = {"knobs": Table(_knobs(cfg), "Knobs chosen for this lab, and why")}
@@ -448,8 +555,10 @@ class MismatchLab(ExperimentLab, BasePolicyLab):
             if len(d):
                 tabs[f"diff_vs_{ref}"] = Table(d, f"Paired differences against {LABELS[ref]} (same seeds)", ".3g")
         diffs = tabs["diff_vs_fp32"].frame if "diff_vs_fp32" in tabs else pd.DataFrame()
-        tabs["predictions"] = Table(predictions_table(summary, diffs, doses, cfg.grpo.updates),
-                                    "The predictions, tested on this run", console=True)
+        reg = REGISTRATIONS[cfg.protocol]
+        late_after = fp32_saturation(df[df["arm"] == "fp32"], cfg.smooth) if reg.late == "fp32_saturation" else None
+        tabs["predictions"] = Table(predictions_table(summary, diffs, doses, cfg.grpo.updates, reg, late_after),
+                                    f"The predictions ({cfg.protocol} registration), tested on this run", console=True)
         if "gate" in tabs:
             tabs["phase_map"] = Table(phase_map(summary, tabs["gate"].frame),
                                       "Phase map: rollback against the prefix drift entering the last turn", ".3g")

@@ -4,12 +4,14 @@ training runs of the arms."""
 from __future__ import annotations
 
 import math
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 from creditlab.labs._toolshop import fresh_dump
-from creditlab.labs.mismatch.config import ARMS, CHECKPOINT_EVERY, DOSES, MismatchConfig, arm_triple
-from creditlab.train.toolshop_base import base_policy
+from creditlab.labs.mismatch.config import ARMS, CHECKPOINT_EVERY, COMPUTE_CODE, DOSES, MismatchConfig, arm_triple
+from creditlab.train.toolshop_base import _duration, base_policy
 from creditlab.train.toolshop_grpo import train_grpo_stacked
 
 
@@ -46,16 +48,44 @@ def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_
         from creditlab.lab.runner import digest
 
         # the cell's arguments and the code: a checkpoint of other code is never resumed
-        key = digest({"dose": dose, "arms": arms, "seeds": seeds, "config": config, "code": code_fingerprint()})
+        key = digest({"dose": dose, "arms": arms, "seeds": seeds, "config": config,
+                      "code": code_fingerprint(COMPUTE_CODE)})
         ck = Path(cache_dir) / "checkpoints" / f"mismatch-{dose}-{key}.pt"
+    label = f"mismatch {dose} seed={','.join(map(str, seeds))} ({len(members)} model(s): {', '.join(arms)})"
     rows = train_grpo_stacked(stack, configs, eval_precision="fp32", on_rollouts=on_rollouts, checkpoint=ck,
-                              checkpoint_every=CHECKPOINT_EVERY)
+                              checkpoint_every=CHECKPOINT_EVERY, on_update=UpdateProgress(label, cfg.grpo.updates))
     if ck is not None:
         ck.unlink(missing_ok=True)
     out = []
     for (a, s), model_rows in zip(members, rows, strict=True):
         out += [{"arm": a, "dose": dose, "seed": s, **r} for r in model_rows]
     return out
+
+
+class UpdateProgress:
+    """A training cell's progress on stderr: a line after its first update, then at least once every
+    ``every_s`` seconds and after its last, with the updates done, the time so far and the time left
+    (from the rate of the updates this process ran: a resumed cell counts from its checkpoint)."""
+
+    def __init__(self, label: str, updates: int, every_s: float = 60.0, stream=None, clock=time.monotonic):
+        self.label, self.updates, self.every_s, self.clock = label, updates, every_s, clock
+        self.stream = stream if stream is not None else sys.stderr
+        self.t0 = clock()
+        self.first: int | None = None
+        self.last_print = -math.inf
+
+    def __call__(self, k: int, rows) -> None:
+        now = self.clock()
+        if self.first is None:
+            self.first = k
+        done = k + 1
+        if done < self.updates and self.first != k and now - self.last_print < self.every_s:
+            return
+        self.last_print = now
+        rate = (now - self.t0) / (done - self.first)
+        left = "" if done >= self.updates else f", about {_duration(rate * (self.updates - done))} left"
+        print(f"{self.label}: update {done}/{self.updates}, {_duration(now - self.t0)} so far{left}",
+              file=self.stream, flush=True)
 
 
 def run_dose_cell(config: dict, tasks: int, cache_dir: str) -> list[dict]:
@@ -107,6 +137,9 @@ def gate_metrics(old, rollout_lp, policy_mask, turn_ids, tokens, entropy) -> dic
       (learner - engine)`` over the policy tokens of its earlier turns (mean over trajectories; it is
       negative on average, since the engine drew the tokens: its mean is minus the KL of those
       tokens' engine distributions from the learner's);
+    * ``prefix_rms_turn{k}`` / ``tokens_turn{k}``: by turn, the RMS of the prefix log ratio ``E_t``
+      (``delta`` summed along the row up to ``t``) over the policy tokens of turn ``k``, and their count:
+      what ``creditlab diagnose``'s ``mismatch.prefix_drift`` reads at the last turn with enough tokens;
     * ``k3_H...``: K3 per policy token by the engine's entropy at that token (:data:`ENTROPY_BINS`),
       and ``share_H...`` each bin's share of the policy tokens; ``k3_thought`` / ``k3_action``: K3 on
       the thought tokens and on the rest; ``thought_entropy``: the engine's mean entropy on thoughts.
@@ -133,6 +166,15 @@ def gate_metrics(old, rollout_lp, policy_mask, turn_ids, tokens, entropy) -> dic
         cnt = int(sel.sum()) if sel is not None else 0
         out[name] = float(k3[sel].mean()) if cnt else math.nan
         out[name.replace("k3_", "share_")] = cnt / n
+    # the statistic of `creditlab diagnose`'s mismatch.prefix_drift check, by turn: RMS over the policy tokens
+    # of turn k of the prefix log ratio E_t (delta summed along the row up to and including t), with the
+    # tokens it is over; the lab's tables take it at the last turn with enough tokens, as the check does
+    E = torch.cumsum(delta, 1)
+    for k in range(int(tid.max()) + 1 if bool(pm.any()) else 0):
+        sel = pm & (turn_ids == k)
+        cnt = int(sel.sum())
+        out[f"tokens_turn{k}"] = float(cnt)
+        out[f"prefix_rms_turn{k}"] = float(E[sel].square().mean().sqrt()) if cnt else math.nan
     action = pm & ~thought
     out["k3_thought"] = float(k3[thought].mean()) if bool(thought.any()) else math.nan
     out["k3_action"] = float(k3[action].mean()) if bool(action.any()) else math.nan

@@ -32,6 +32,8 @@ DEFAULT_DOSES = ("fp8", "int8", "nvfp4")
 CHAIN_LENGTHS = (5, 6, 7, 8)
 #: Thought tokens the demonstrator puts before every action (the lab's regime: see the knobs table).
 THOUGHTS = 24
+#: Thought tokens per action of the 2-core protocol (:meth:`MismatchConfig.two_core`).
+TWO_CORE_THOUGHTS = 40
 #: The gate: QAT's prefix drift entering the last turn, before training, must reach this (nats).
 GATE_DRIFT = 0.5
 #: Rollback threshold of the predictions (best - final held-out success).
@@ -40,6 +42,12 @@ ROLLBACK = 0.03
 #: directory's ``checkpoints/``, removed once the cell is stored), so an interrupted cell resumes where
 #: it stopped, with the rows of an uninterrupted one; a cell that dumps rollouts does not.
 CHECKPOINT_EVERY = 25
+#: The code that computes the lab's cells (:func:`creditlab.lab.protocol.code_fingerprint`): a stored cell,
+#: and a cell's checkpoint, is reused only while these modules are unchanged. The lab's tables, plots,
+#: report and docs are not in it, so fixing one of them does not void a run. tests/test_compute_code.py
+#: holds it to the modules the cells import.
+COMPUTE_CODE = ("errors.py", "core/", "envs/", "models/", "train/", "lab/runner.py", "lab/store.py",
+                "labs/_toolshop.py", "labs/mismatch/cells.py", "labs/mismatch/config.py")
 UNIT, DIFF = (0.0, 1.0), (-1.0, 1.0)
 METRICS = ("final", "best", "rollback", "aulc")
 
@@ -58,6 +66,7 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
 
     OPTIONS: ClassVar[dict[str, str]] = {"updates": "grpo.updates"}
     EXPERIMENTS: ClassVar[tuple[str, ...]] = DOSES
+    PROTOCOLS: ClassVar[dict[str, str]] = {"two-core": "two_core"}
     SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "smooth", "dose_tasks", "dump_dir")
 
     base: BaseConfig = field(default_factory=lambda: _base_config())
@@ -78,6 +87,16 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
     it only changes the tables, so it is not part of the run's identity."""
     experiments: tuple[str, ...] = DEFAULT_DOSES
     """Engine precisions of the dose to run (fp8, int8, nvfp4, mxfp4)."""
+    protocol: str = "paper"
+    """The registered protocol whose predictions a run tests (recorded at its start): ``paper`` (the
+    paper-scale run) or ``two-core`` (:meth:`two_core`)."""
+    map_doses: tuple[str, ...] = ()
+    """Doses that run only ``map_arms`` x ``map_seeds`` (the phase map's points: the learner's drift
+    against its rollback), not every arm; empty: every selected dose runs ``arms`` x ``seeds``."""
+    map_arms: tuple[str, ...] = ("naive", "qat")
+    """The arms of a ``map_doses`` dose."""
+    map_seeds: int = 2
+    """Paired seeds of a ``map_doses`` dose (seeds 0 .. map_seeds - 1, paired with the other doses')."""
     cache_dir: str | None = None
     """Where the base policy is cached (None: the user cache directory); never changes a number."""
     dump_dir: str | None = None
@@ -92,8 +111,38 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
         return cls(grpo=_grpo_config(updates=4, tasks_per_update=4, group_size=4, eval_every=2, eval_tasks=32),
                    seeds=1, smooth=1, arms=("fp32", "qat"), experiments=("nvfp4",))
 
+    @classmethod
+    def two_core(cls) -> MismatchConfig:
+        """The protocol registered for a 2-core CPU machine (``--protocol two-core``; docs/mismatch.md,
+        "The 2-core protocol"): 40 thoughts per action (its own base policy, 576 positions), 100
+        updates of 8 tasks x 8 rollouts, held-out success on 128 tasks every 10 updates; the main
+        dose MXFP4 with fp32, naive, QAT, QAT+TIS, QAT+InterQ, QAT+prefix and QAT+global on 5 paired
+        seeds; the phase map's other doses (fp8, int8, nvfp4) with the naive and QAT learners on 2."""
+        base = BaseConfig(chain_lengths=CHAIN_LENGTHS, thoughts=TWO_CORE_THOUGHTS, max_len=576, batch_size=64,
+                          steps=3000)
+        grpo = GRPOConfig(chain_lengths=CHAIN_LENGTHS, max_len=544, max_action_len=TWO_CORE_THOUGHTS + 8,
+                          updates=100, tasks_per_update=8, group_size=8, eval_every=10, eval_tasks=128)
+        return cls(base=base, grpo=grpo, seeds=5, protocol="two-core",
+                   arms=("fp32", "naive", "qat", "qat_tis", "qat_interq", "qat_prefix", "qat_global"),
+                   experiments=("mxfp4", "fp8", "int8", "nvfp4"), map_doses=("fp8", "int8", "nvfp4"),
+                   map_arms=("naive", "qat"), map_seeds=2)
+
+    def dose_runs(self, dose: str) -> tuple[tuple[str, ...], int]:
+        """(arms, seeds) that run at ``dose``: ``map_arms`` x ``map_seeds`` for a ``map_doses`` dose,
+        else ``arms`` x ``seeds``."""
+        return (self.map_arms, self.map_seeds) if dose in self.map_doses else (self.arms, self.seeds)
+
     def validate(self) -> None:
         check_count(self.seeds, "--seeds")
+        check_count(self.map_seeds, "map_seeds")
+        if self.protocol not in ("paper", "two-core"):
+            raise ConfigError("--protocol", f"unknown protocol {self.protocol!r}; valid: paper, two-core")
+        for a in self.map_arms:
+            arm_triple(a, "fp8")
+        if any(d not in DOSES for d in self.map_doses):
+            raise ConfigError("map_doses", f"got {list(self.map_doses)}; valid: {', '.join(DOSES)}")
+        if self.map_doses and (not self.map_arms or "fp32" in self.map_arms):
+            raise ConfigError("map_arms", "a map dose needs quantized arms (the fp32 arm is shared by every dose)")
         if not self.arms or len(set(self.arms)) != len(self.arms):
             raise ConfigError("arms", f"needs distinct arms, got {list(self.arms)}")
         for a in self.arms:

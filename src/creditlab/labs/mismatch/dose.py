@@ -24,13 +24,14 @@ class Dose(Experiment):
 
     def cells(self, cfg: MismatchConfig) -> list[Cell]:
         ident, ctx = cfg.identity(), cfg.context(dump=True)
-        seeds = list(range(cfg.seeds))
+        arms, n_seeds = cfg.dose_runs(self.name)
         cells = [Cell("dose", "base", run_dose_cell, {"config": ident, "tasks": cfg.dose_tasks}, cfg.context())]
         if "fp32" in cfg.arms:
-            cells.append(Cell("train", "fp32", run_stack, {"dose": "fp32", "arms": ["fp32"], "seeds": seeds,
-                                                           "config": ident}, ctx))
-        quantized = [a for a in cfg.arms if a != "fp32"]
+            cells.append(Cell("train", "fp32", run_stack, {"dose": "fp32", "arms": ["fp32"],
+                                                           "seeds": list(range(cfg.seeds)), "config": ident}, ctx))
+        quantized = [a for a in arms if a != "fp32"]
         if quantized:
             cells += [Cell("train", f"{self.name}/seed={s}", run_stack,
-                           {"dose": self.name, "arms": quantized, "seeds": [s], "config": ident}, ctx) for s in seeds]
+                           {"dose": self.name, "arms": quantized, "seeds": [s], "config": ident}, ctx)
+                      for s in range(n_seeds)]
         return cells
