@@ -334,16 +334,24 @@ def _docs_mismatch():
     return scope + _items(lines, numbered=False)
 
 
+def _docs_mismatch_two_core():
+    lines = _section("mismatch.md", "### Predictions (registered before the 2-core run)")
+    scope = [p for p in _paragraphs(lines) if p.startswith("On the 2-core protocol")]
+    return scope + _items(lines, numbered=False)
+
+
 DOCS_PREDICTIONS = {"coverage": _docs_coverage, "fork": _docs_fork, "granularity": _docs_granularity,
-                    "mismatch": _docs_mismatch}
+                    "mismatch": _docs_mismatch, "mismatch/two-core": _docs_mismatch_two_core}
 
 
 @pytest.mark.parametrize("name", sorted(DOCS_PREDICTIONS))
 def test_each_lab_states_its_docs_predictions_word_for_word(name):
     """What a run hashes is the lab's text; its docs page must state the same predictions, no more, no fewer
-    (compared after collapsing whitespace; markdown kept)."""
-    lab = get_lab(name)
-    stated = [t for texts in lab.predictions(lab.config_type()).values() for t in texts]
+    (compared after collapsing whitespace; markdown kept). ``lab/protocol``: a registered protocol's."""
+    lab_name, _, protocol = name.partition("/")
+    lab = get_lab(lab_name)
+    cfg = getattr(lab.config_type, lab.config_type.PROTOCOLS[protocol])() if protocol else lab.config_type()
+    stated = [t for texts in lab.predictions(cfg).values() for t in texts]
     docs = DOCS_PREDICTIONS[name]()
     assert docs, f"no predictions found on the docs page of the {name} lab"
     for i, (code, page) in enumerate(zip(stated, docs, strict=False)):

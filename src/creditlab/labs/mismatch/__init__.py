@@ -345,7 +345,7 @@ PREDICTIONS_STATED = (
 #: "Predictions (registered before the 2-core run)"), word for word: a new registration, beside the
 #: paper-scale one above, which is kept as it was.
 TWO_CORE_STATED = (
-    "On the 2-core protocol (MXFP4, 100 updates of 8 tasks x 8 rollouts, held-out success on 128 tasks "
+    "On the 2-core protocol (MXFP4, 100 updates of 8 tasks x 4 rollouts, held-out success on 128 tasks "
     "every 10 updates, 5 paired seeds; \"rolls back\" means best-minus-final held-out success, the window "
     "of 3 evaluation points, above the fp32 band: the largest rollback of an fp32 run, and at least 0.03; "
     "\"late\" means the best window ends at or after the update at which the fp32 arm's success "

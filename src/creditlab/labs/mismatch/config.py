@@ -115,13 +115,13 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
     def two_core(cls) -> MismatchConfig:
         """The protocol registered for a 2-core CPU machine (``--protocol two-core``; docs/mismatch.md,
         "The 2-core protocol"): 40 thoughts per action (its own base policy, 576 positions), 100
-        updates of 8 tasks x 8 rollouts, held-out success on 128 tasks every 10 updates; the main
+        updates of 8 tasks x 4 rollouts, held-out success on 128 tasks every 10 updates; the main
         dose MXFP4 with fp32, naive, QAT, QAT+TIS, QAT+InterQ, QAT+prefix and QAT+global on 5 paired
         seeds; the phase map's other doses (fp8, int8, nvfp4) with the naive and QAT learners on 2."""
         base = BaseConfig(chain_lengths=CHAIN_LENGTHS, thoughts=TWO_CORE_THOUGHTS, max_len=576, batch_size=64,
                           steps=3000)
         grpo = GRPOConfig(chain_lengths=CHAIN_LENGTHS, max_len=544, max_action_len=TWO_CORE_THOUGHTS + 8,
-                          updates=100, tasks_per_update=8, group_size=8, eval_every=10, eval_tasks=128)
+                          updates=100, tasks_per_update=8, group_size=4, eval_every=10, eval_tasks=128)
         return cls(base=base, grpo=grpo, seeds=5, protocol="two-core",
                    arms=("fp32", "naive", "qat", "qat_tis", "qat_interq", "qat_prefix", "qat_global"),
                    experiments=("mxfp4", "fp8", "int8", "nvfp4"), map_doses=("fp8", "int8", "nvfp4"),
