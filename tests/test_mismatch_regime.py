@@ -403,3 +403,26 @@ def test_the_gate_records_diagnoses_prefix_drift_statistic_by_turn(seed):
     m = gate_metrics(old, rollout, pm, turn, torch.ones(B, L, dtype=torch.long), None)
     want = float(batch_check_values(old, rollout, pm, CHECK_PARAMS)["mismatch/prefix_drift"])
     assert diagnose_drift(pd.Series(m)) == pytest.approx(want, rel=1e-9)
+
+
+def _pm(points):
+    """phase-map rows: (arm, dose, prefix_rms, beyond_fp32_band, seeds)."""
+    return pd.DataFrame([{"arm": a, "dose": d, "drift": x / 3, "prefix_rms": x, "rollback": 0.05 * b,
+                          "beyond_fp32_band": b, "seeds": n} for a, d, x, b, n in points])
+
+
+def test_prefix_drift_calibration_by_the_registered_rule():
+    from creditlab.labs.mismatch import prefix_drift_calibration
+
+    m = _pm([("qat", "int8", 0.3, 0, 2), ("naive", "int8", 0.2, 0, 2), ("qat", "fp8", 1.1, 0, 2),
+             ("naive", "fp8", 2.2, 1, 2), ("qat", "mxfp4", 2.3, 3, 5), ("naive", "mxfp4", 13.6, 5, 5),
+             ("qat_interq", "mxfp4", 2.0, 5, 5)])  # InterQ is not an uncorrected learner: left out
+    c = prefix_drift_calibration(m).set_index("threshold")
+    assert list(c.index) == ["warn", "fail"]
+    assert c.loc["fail", "prefix_rms"] == 2.2 and c.loc["fail", "point"] == "naive at fp8"  # 1 of 2: half
+    assert c.loc["warn", "prefix_rms"] == 1.1 and c.loc["warn", "point"] == "QAT at fp8"
+    safe = prefix_drift_calibration(_pm([("qat", "int8", 0.3, 0, 2), ("naive", "fp8", 2.2, 0, 2)]))
+    assert list(safe["threshold"]) == ["largest safe"] and safe["prefix_rms"].iloc[0] == 2.2
+    first = prefix_drift_calibration(_pm([("qat", "int8", 0.3, 2, 2), ("naive", "fp8", 2.2, 2, 2)]))
+    assert list(first["threshold"]) == ["fail"] and first["prefix_rms"].iloc[0] == 0.3  # nothing safe below
+    assert prefix_drift_calibration(pd.DataFrame()).empty

@@ -65,7 +65,8 @@ from creditlab.labs.mismatch.dose import Dose
 __all__ = ["ARMS", "DOSES", "ENTROPY_BINS", "EXPERIMENT_TABLE", "LAB", "MismatchConfig", "MismatchLab",
            "REGISTRATIONS", "Registration", "SHARED_FIELDS", "TWO_CORE_STATED", "arm_triple", "diagnose_drift",
            "fp32_band", "fp32_saturation", "gate_metrics", "gate_table", "late_rollbacks", "phase_map",
-           "predictions_table", "run_dose_cell", "run_stack", "score_curve", "verdict_rolls_back"]
+           "predictions_table", "prefix_drift_calibration", "run_dose_cell", "run_stack", "score_curve",
+           "verdict_rolls_back"]
 
 
 def score_curve(updates: np.ndarray, success: np.ndarray, smooth: int) -> dict[str, float]:
@@ -474,6 +475,34 @@ def phase_map(summary: pd.DataFrame, gate: pd.DataFrame) -> pd.DataFrame:
     return _ordered(pd.DataFrame(rows), ["drift", "arm"]) if rows else pd.DataFrame()
 
 
+def prefix_drift_calibration(m: pd.DataFrame) -> pd.DataFrame:
+    """``creditlab diagnose``'s ``mismatch.prefix_drift`` thresholds from the phase map (docs/mismatch.md,
+    the rule registered with the 2-core protocol): the points of the uncorrected learners (the naive and
+    QAT arms), x their ``prefix_rms`` on the base policy. A point *rolls back* when at least half its seeds
+    roll back beyond the fp32 band. ``fail`` is the smallest x of a point that rolls back; ``warn`` the
+    largest x below it of a point that does not (the crossing lies between the two). With no point that
+    rolls back there is no crossing: ``largest safe`` is the largest x measured, and the thresholds stay
+    as they were reasoned."""
+    cols = ["threshold", "prefix_rms", "point", "rollback", "beyond_fp32_band", "seeds"]
+    if m.empty or "prefix_rms" not in m or "beyond_fp32_band" not in m:
+        return pd.DataFrame(columns=cols)
+    pts = m[m["arm"].isin(["naive", "qat"]) & m["prefix_rms"].notna() & m["beyond_fp32_band"].notna()]
+    pts = pts.assign(rolls=pts["beyond_fp32_band"] >= pts["seeds"] / 2).sort_values("prefix_rms")
+
+    def row(name, r):
+        return {"threshold": name, "prefix_rms": float(r["prefix_rms"]), "point": f"{LABELS[r['arm']]} at {r['dose']}",
+                "rollback": float(r["rollback"]), "beyond_fp32_band": int(r["beyond_fp32_band"]),
+                "seeds": int(r["seeds"])}
+
+    rolling = pts[pts["rolls"]]
+    if rolling.empty:
+        return pd.DataFrame([row("largest safe", pts.iloc[-1])] if len(pts) else [], columns=cols)
+    fail = rolling.iloc[0]
+    below = pts[(~pts["rolls"]) & (pts["prefix_rms"] < fail["prefix_rms"])]
+    rows = ([row("warn", below.iloc[-1])] if len(below) else []) + [row("fail", fail)]
+    return pd.DataFrame(rows, columns=cols)
+
+
 #: The lab's experiments: one per dose, in the order of :data:`DOSES` (``-e`` selects among them).
 EXPERIMENT_TABLE = tuple(Dose(d) for d in DOSES)
 #: Config fields every dose shares (all of them: a dose has no field of its own).
@@ -562,6 +591,11 @@ class MismatchLab(ExperimentLab, BasePolicyLab):
         if "gate" in tabs:
             tabs["phase_map"] = Table(phase_map(summary, tabs["gate"].frame),
                                       "Phase map: rollback against the prefix drift entering the last turn", ".3g")
+            cal = prefix_drift_calibration(tabs["phase_map"].frame)
+            if len(cal):
+                tabs["prefix_drift_calibration"] = Table(
+                    cal, "creditlab diagnose's mismatch.prefix_drift thresholds from the phase map", ".3g",
+                    console=True)
         by_turn = _by_turn(df, cfg)
         tabs["by_turn"] = Table(by_turn, "Prefix and current log ratio by turn", ".3g", report=False)
         tabs["fingerprint"] = Table(_fingerprint(by_turn),
@@ -597,6 +631,8 @@ class MismatchLab(ExperimentLab, BasePolicyLab):
         text["predictions"] = _read_predictions(tabs["predictions"].frame, cfg) + few
         if "phase_map" in tabs:
             text["phase_map"] = _read_phase_map(tabs["phase_map"].frame)
+        if "prefix_drift_calibration" in tabs:
+            text["prefix_drift_calibration"] = _read_calibration(tabs["prefix_drift_calibration"].frame)
         noise = _noise_floor(s)
         text["summary"] = (
             "One row per run. final: mean held-out success of the last evaluation points; best: the best such "
@@ -667,6 +703,26 @@ def _read_phase_map(m: pd.DataFrame) -> str:
     return ("One point per arm and dose: x the |drift| entering the last turn that arm's learner had on the base "
             "policy, y its mean rollback (95% interval over seeds); the fp32 arm's rollback is the band of "
             "training without mismatch. " + "; ".join(parts) + ".")
+
+
+def _read_calibration(c: pd.DataFrame) -> str:
+    from creditlab.diagnose.checks import DRIFT_FAIL, DRIFT_WARN
+
+    rule = ("x: the learner's value of diagnose's statistic (RMS prefix log ratio at the last turn with 20+ tokens) on "
+            "the base policy; a point rolls back when at least half its seeds roll back beyond the fp32 band. ")
+    by = c.set_index("threshold")
+    if "largest safe" in by.index:
+        r = by.loc["largest safe"]
+        return (rule + f"No point rolls back: there is no crossing to calibrate on. Training was safe up to "
+                f"{r['prefix_rms']:.3g} ({r['point']}); the thresholds ({DRIFT_WARN:g} / {DRIFT_FAIL:g}) stay as "
+                "they were reasoned.")
+    f = by.loc["fail"]
+    text = rule + f"Rollback begins by {f['prefix_rms']:.3g} ({f['point']}, {f['beyond_fp32_band']}/{f['seeds']} seeds)"
+    if "warn" in by.index:
+        w = by.loc["warn"]
+        text += (f"; the largest point below it that does not roll back is at {w['prefix_rms']:.3g} ({w['point']}): "
+                 "the crossing lies between the two")
+    return text + f". The check's thresholds today: warn {DRIFT_WARN:g}, fail {DRIFT_FAIL:g}."
 
 
 def _read_dose(d: pd.DataFrame, cfg: MismatchConfig) -> str:
