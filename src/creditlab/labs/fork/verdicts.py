@@ -160,13 +160,12 @@ def predictions_table(tabs: Mapping[str, Table]) -> pd.DataFrame:
         lead, mean = _diffs(paired, "recall"), _diffs(paired, "mean")
         row("1", "FORK - recall-only above 0 at every r (F1, win rate)", _by_r(lead) or "no recall-only arm",
             verdict_lead_over_recall(paired))
-        side = ""
-        if verdict_mean_within_noise(paired) is Verdict.FAILS:
+        side, within = "", verdict_mean_within_noise(paired)
+        if within is Verdict.FAILS:
             off = mean[(mean["lo"] > 0) | (mean["hi"] < 0)]
             side = (" (off 0 in FORK's favour)" if (off["lo"] > 0).all() else " (off 0 against FORK)"
                     if (off["hi"] < 0).all() else " (off 0 on both sides)")
-        row("2", "FORK - mean within noise at every r (F1, win rate)", (_by_r(mean) or "no mean arm") + side,
-            verdict_mean_within_noise(paired))
+        row("2", "FORK - mean within noise at every r (F1, win rate)", (_by_r(mean) or "no mean arm") + side, within)
     noise = _frame(tabs, "fork_noise")
     if noise is not None:
         fork = noise[noise["arm"] == "fork"]

@@ -460,6 +460,7 @@ def phase_map(summary: pd.DataFrame, gate: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     drift = gate.set_index("engine")
     fp = summary[summary["arm"] == "fp32"]["rollback"]
+    band = fp32_band(summary)
     rows = []
     for (arm, dose), g in summary[summary["arm"].isin(["naive", "qat", "qat_interq"])].groupby(["arm", "dose"]):
         if dose not in drift.index:
@@ -467,7 +468,6 @@ def phase_map(summary: pd.DataFrame, gate: pd.DataFrame) -> pd.DataFrame:
         learner = "naive" if arm == "naive" else "qat"
         x = -float(drift.loc[dose, f"drift_{learner}"])
         rms = float(drift.loc[dose, f"prefix_rms_{learner}"]) if f"prefix_rms_{learner}" in drift.columns else math.nan
-        band = fp32_band(summary)
         rows.append({"arm": arm, "dose": dose, "drift": x, "prefix_rms": rms, **ci_columns(g["rollback"], "rollback"),
                      "rolled_back": int((g["rollback"] > ROLLBACK).sum()),
                      "beyond_fp32_band": int((g["rollback"] > band).sum()) if band is not None else math.nan,
