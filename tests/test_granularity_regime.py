@@ -250,6 +250,7 @@ def tiny_cfg(tmp_path_factory):
     return GranularityConfig(base=BaseConfig(**TINY, max_len=192, chain_lengths=CHAINS),
                              multi_base=BaseConfig(**TINY, max_len=320, chain_lengths=MULTI_CHAIN_LENGTHS),
                              warm_base=BaseConfig(**TINY, max_len=192, chain_lengths=CHAINS, privileged=0.5),
+                             budget_base=BaseConfig(**TINY, max_len=320, chain_lengths=MULTI_CHAIN_LENGTHS),
                              grpo=GRPOConfig(updates=4, tasks_per_update=2, group_size=2, chain_lengths=CHAINS,
                                              eval_every=2),
                              seeds=1, eval_per_type=3, repeats="0.25,1.0", cache_dir=str(cache),
@@ -260,19 +261,28 @@ def test_regime_experiments_write_gates_verdicts_and_predictions(tmp_path, tiny_
     out = tmp_path / "run"
     run_lab(LAB, tiny_cfg, out, progress=False)
     for name in ("gates", "multi_means", "multi_mixing", "sweep", "sweep_runs", "warm_means", "warm_opsd",
-                 "warm_teachers", "predictions"):
+                 "warm_teachers", "budget_gate", "budget_means", "budget_diffs", "predictions"):
         assert (out / f"{name}.parquet").exists(), name
-    for png in ("granularity_multi", "granularity_sweep", "granularity_warm_opsd"):
+    for png in ("granularity_multi", "granularity_sweep", "granularity_warm_opsd", "granularity_budget"):
         assert (out / f"{png}.png").stat().st_size > 0
     gates = pd.read_parquet(out / "gates.parquet")
-    assert set(gates["experiment"]) == {"multi", "repeat", "warm"}
+    assert set(gates["experiment"]) == {"multi", "repeat", "warm", "budget"}
     runs = pd.read_parquet(out / "sweep_runs.parquet")
     assert len(runs) == 2 * 2 and set(runs["status"]) <= {"ok", "warn", "fail", "skipped"}
     assert set(runs["repeat"]) == {0.25, 1.0}
     mm = pd.read_parquet(out / "multi_mixing.parquet")
     assert list(mm["type"]) == ["short", "long", "multi"]
     pred = pd.read_parquet(out / "predictions.parquet")
-    assert {p.split(":")[0] for p in pred["prediction"]} == {"M1", "M2", "M3", "R1", "R2", "W1", "W2", "W3"}
+    assert {p.split(":")[0] for p in pred["prediction"]} == {"M1", "M2", "M3", "R1", "R2", "W1", "W2", "W3", "B1",
+                                                            "B2", "B3"}
+    mm_arms = pd.read_parquet(out / "multi_means.parquet")["arm"]
+    assert set(mm_arms) == {"grpo", "prm_fixed", "prm_decay"}  # the fixed weight runs in multi
+    bm = pd.read_parquet(out / "budget_means.parquet")
+    assert set(zip(bm["budget"], bm["arm"], strict=True)) == {("c2", "grpo"), ("c2", "prm_fixed"), ("long", "grpo"),
+                                                              ("long", "prm_fixed"), ("long", "prm_decay")}
+    bd = pd.read_parquet(out / "budget_diffs.parquet")
+    assert set(bd["diff"]) == {"prm_fixed - grpo", "prm_decay - grpo", "grpo: long - C + 2",
+                               "prm_fixed: long - C + 2"}
     # the mean turn score is linear in repeat: m(1) - m(0.25) = 0.75 x the share of repeated reads
     store = ResultStore(out / "store").frame()
     ts = store[store["gate"] == "turn_score"].set_index("repeat")

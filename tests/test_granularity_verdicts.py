@@ -29,7 +29,7 @@ def _said(tabs: dict[str, Table], predictions) -> dict[str, str]:
 
 def test_the_lab_judges_every_prediction_in_the_order_of_its_experiments():
     ids = [p.claim.split(":")[0] for e in LAB.experiments for p in e.predictions]
-    assert ids == ["M1", "M2", "M3", "R1", "R2", "W1", "W2", "W3"]
+    assert ids == ["M1", "M2", "M3", "R1", "R2", "W1", "W2", "W3", "B1", "B2", "B3"]
     assert predictions_table([], {}).columns.tolist() == ["prediction", "measured", "verdict"]
 
 

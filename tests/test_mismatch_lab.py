@@ -307,7 +307,16 @@ def test_dump_writes_each_arm_in_the_diagnose_schema_and_diagnose_tells_them_apa
         status[arm] = (k3.status, k3.value)
     # this tiny test model's naive K3 is about 1e-4, under the check's warn line (the lab's model is at 4e-2)
     assert status["fp32"][0] == "ok" and status["fp32"][1] < 1e-9 and status["naive"][1] > 1e-6
+    # the agreement table: the same checks on the same dumps, against each run's rollback
+    agree = res.tables["diagnose_agreement"].frame.set_index("arm")
+    assert list(agree.index) == ["fp32", "naive"]
+    assert agree.loc["fp32", "k3"] == status["fp32"][0] and agree.loc["naive", "k3_value"] == status["naive"][1]
+    summary = res.tables["summary"].frame.set_index("arm")
+    for arm, r in agree.iterrows():
+        assert r["rollback"] == summary.loc[arm, "rollback"]
+        assert r["agrees"] == ((r["verdict"] == "fail") == r["rolls_back"])
     plain = run_lab(LAB, replace(cfg, dump_dir=None), tmp_path / "plain", progress=False)
     import pandas as pd
 
+    assert "diagnose_agreement" not in plain.tables
     pd.testing.assert_frame_equal(res.tables["summary"].frame, plain.tables["summary"].frame)

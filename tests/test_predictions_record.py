@@ -363,7 +363,7 @@ def test_the_builtin_labs_sections_are_their_experiments():
     cov, fork, gran, mm = (get_lab(n) for n in ("coverage", "fork", "granularity", "mismatch"))
     assert list(cov.predictions(cov.config_type())) == ["capability"]
     assert list(fork.predictions(fork.config_type())) == ["noise", "winrate", "pitfalls"]
-    assert list(gran.predictions(gran.config_type())) == ["multi", "repeat", "warm"]
+    assert list(gran.predictions(gran.config_type())) == ["multi", "repeat", "warm", "budget"]
     assert list(mm.predictions(mm.config_type())) == ["mismatch"]  # the lab's, whichever doses run
     # a selection does not change what is recorded
     cfg = cov.config_type()

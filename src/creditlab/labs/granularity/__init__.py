@@ -49,10 +49,11 @@ from creditlab.lab.protocol import LabOption, Table
 from creditlab.lab.report import knobs_table
 from creditlab.lab.runner import Cell
 from creditlab.labs._toolshop import BasePolicyLab, base_knob, base_note, optim_knob, seeds_knob
-from creditlab.labs.granularity import arms, multi, repeat, warm
+from creditlab.labs.granularity import arms, budget, multi, repeat, warm
 from creditlab.labs.granularity._common import LABELS, GranularityExperiment, dump_name, predictions_table, run_arm
 from creditlab.labs.granularity.config import (
     ARMS,
+    COMPUTE_CODE,
     EXPERIMENTS,
     MULTI_CHAIN_LENGTHS,
     MULTI_TYPES,
@@ -107,7 +108,7 @@ __all__ = [
 
 #: The lab's experiments, in report order (``-e`` selects among them; adding one is one line here).
 EXPERIMENT_TABLE: tuple[GranularityExperiment, ...] = (*arms.EXPERIMENTS, multi.EXPERIMENT, repeat.EXPERIMENT,
-                                                       warm.EXPERIMENT)
+                                                       warm.EXPERIMENT, budget.EXPERIMENT)
 #: Config fields every experiment shares (the others each belong to one experiment's ``fields``).
 SHARED_FIELDS = ("base", "grpo", "seeds", "lam", "decay_start", "decay_end", "decay_power", "repeat", "beta",
                  "eval_per_type", "experiments", "cache_dir", "dump_dir")
@@ -135,6 +136,7 @@ class GranularityLab(ExperimentLab, BasePolicyLab):
                   "seed, from three quick base policies: about 110 s on 2 cores from an empty cache (the base "
                   "policies are built first, about 75 s), 35 s once they are cached (load average 2).")
     config_type = GranularityConfig
+    compute_code = COMPUTE_CODE
     experiments = EXPERIMENT_TABLE
     threads = 1  # one intra-op thread, as each process worker gets (see the mismatch lab)
     options = (LabOption("repeats", "Experiment repeat: the scores of a repeated read to sweep, comma-separated "
@@ -171,7 +173,8 @@ class GranularityLab(ExperimentLab, BasePolicyLab):
         from creditlab.train.toolshop_base import prepare_base_policy
 
         labels = {id(cfg.base): "granularity base policy", id(cfg.multi_base): "granularity three-type base policy",
-                  id(cfg.warm_base): "granularity warm-started teacher base policy"}
+                  id(cfg.warm_base): "granularity warm-started teacher base policy",
+                  id(cfg.budget_base): "granularity budget base policy"}
         for b in cfg.bases():
             prepare_base_policy(b, cfg.cache(), labels[id(b)], progress)
 
@@ -244,7 +247,8 @@ LAB = GranularityLab()
 def _quick_note(cfg: GranularityConfig) -> str:
     """What a run on base policies other than the lab's (a --quick run) can and cannot show."""
     lab = GranularityConfig()
-    names = {"base": "base policy", "multi_base": "three-type base policy", "warm_base": "warm-started base policy"}
+    names = {"base": "base policy", "multi_base": "three-type base policy", "warm_base": "warm-started base policy",
+             "budget_base": "budget base policy"}
     used = {names[n]: getattr(cfg, n) for n in names if any(getattr(cfg, n) == b for b in cfg.bases())}
     return base_note(used, {names[n]: getattr(lab, n) for n in names},
                      "the gates are measured on these policies and say what they do, not what the full run's base "

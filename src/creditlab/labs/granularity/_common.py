@@ -117,8 +117,10 @@ def run_config(cfg: GranularityConfig) -> dict[str, Any]:
 
 
 #: Where a cell's base policy, training and held-out task types come from: ``default`` (the lab's
-#: arms), ``multi``, ``warm`` and ``sweep`` (the repeat sweep, on the lab's base policy).
-SETTINGS = ("default", "multi", "warm", "sweep")
+#: arms), ``multi``, ``warm``, ``sweep`` (the repeat sweep, on the lab's base policy), and the two
+#: action budgets of experiment budget on the short type: ``budget`` (``budget_turns``) and
+#: ``budget_c2`` (C + 2), both in a ``budget_max_len`` context.
+SETTINGS = ("default", "multi", "warm", "sweep", "budget", "budget_c2")
 
 
 def setting_of(cfg: GranularityConfig, setting: str) -> tuple[BaseConfig, GRPOConfig, dict[str, tuple[int, ...]]]:
@@ -129,6 +131,10 @@ def setting_of(cfg: GranularityConfig, setting: str) -> tuple[BaseConfig, GRPOCo
         return cfg.warm_base, cfg.grpo, TASK_TYPES
     if setting in ("default", "sweep"):
         return cfg.base, cfg.grpo, TASK_TYPES
+    if setting in ("budget", "budget_c2"):
+        g = replace(cfg.grpo, chain_lengths=TASK_TYPES["short"], max_len=cfg.budget_max_len,
+                    max_turns=cfg.budget_turns if setting == "budget" else None)
+        return cfg.budget_base, g, {"short": TASK_TYPES["short"]}
     raise InputError(f"setting: {setting!r} is not one of {SETTINGS}")
 
 

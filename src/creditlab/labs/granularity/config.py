@@ -33,9 +33,16 @@ ARMS: dict[str, tuple[str, str]] = {
 }
 #: The experiments beyond the arms, in the paper's regime (each on its own setting, with a gate): the
 #: multi-exchange type, the repeat sweep, the self-distillation teachers warm-started on their hints.
-REGIME_EXPERIMENTS = ("multi", "repeat", "warm")
+REGIME_EXPERIMENTS = ("multi", "repeat", "warm", "budget")
 #: Every experiment (``-e``), in report order: the arms, then the regime experiments.
 EXPERIMENTS = (*ARMS, *REGIME_EXPERIMENTS)
+#: The code that computes the lab's cells (:func:`creditlab.lab.protocol.code_fingerprint`): a stored cell
+#: is reused only while these modules are unchanged, so changing another lab, the docs or the CLI does not
+#: void a run. The lab's own package is in it whole (its cells and tables share modules), and so is
+#: ``diagnose/``: the repeat sweep's cells store ``creditlab diagnose``'s verdict on their dumps.
+#: tests/test_compute_code.py holds it to the modules the cells import.
+COMPUTE_CODE = ("errors.py", "core/", "envs/", "models/", "rewards/", "diagnose/", "train/", "lab/runner.py",
+                "lab/store.py", "labs/_toolshop.py", "labs/granularity/")
 #: The base policies of ``--quick``, built on first use in about a minute together: the lab's in 700
 #: steps of 32 demonstrations at lr 1e-2 (the full one: 1000 of 128 at 3e-3); the three-type one in
 #: 200 steps of 32 from it (full: 400 of 64); the warm-started one in 300 steps of 32 at lr 1e-2 from
@@ -103,6 +110,15 @@ class GranularityConfig(BasePolicyConfig, LabConfig):
     warm_base: BaseConfig = field(default_factory=lambda: BaseConfig(chain_lengths=TASK_CHAIN_LENGTHS,
                                                                      privileged=0.5))
     """Experiment warm: the base policy with half of its demonstrations carrying a teacher's hint."""
+    budget_base: BaseConfig = field(default_factory=lambda: BaseConfig(
+        chain_lengths=MULTI_CHAIN_LENGTHS, max_len=320, steps=400, batch_size=64, lr=1e-3,
+        init=BaseConfig(chain_lengths=TASK_CHAIN_LENGTHS).key()))
+    """Experiment budget: its base policy, by default the three-type one of experiment multi (one cache
+    entry for both): a 320-token context whose positions its multi-exchange demonstrations train."""
+    budget_turns: int = 12
+    """Experiment budget: the long action budget of a short task (3 C at its longest chain, C = 4)."""
+    budget_max_len: int = 320
+    """Experiment budget: token budget of a trajectory at both action budgets (C + 2 and ``budget_turns``)."""
     repeats: str = "0.25,0.5,0.75,1.0"
     """Experiment repeat: the values of ``repeat`` swept (comma-separated, CLI --repeats)."""
     cache_dir: str | None = None
@@ -116,6 +132,7 @@ class GranularityConfig(BasePolicyConfig, LabConfig):
         """Every arm and experiment for 6 updates of 4 tasks x 4, one seed, from the quick base
         policies (:data:`QUICK_BASE`, :data:`QUICK_MULTI_BASE`, :data:`QUICK_WARM_BASE`)."""
         return cls(base=QUICK_BASE, multi_base=QUICK_MULTI_BASE, warm_base=QUICK_WARM_BASE,
+                   budget_base=QUICK_MULTI_BASE,
                    grpo=GRPOConfig(updates=6, tasks_per_update=4, group_size=4, chain_lengths=TASK_CHAIN_LENGTHS,
                                    eval_every=3),
                    seeds=1, eval_per_type=16, experiments=EXPERIMENTS)
@@ -131,11 +148,12 @@ class GranularityConfig(BasePolicyConfig, LabConfig):
     def bases(self) -> list[BaseConfig]:
         """The base policies the selected experiments need (each its own cache entry)."""
         out = [self.base] if self.arms() or "repeat" in self.experiments else []
-        for exp, b in (("multi", self.multi_base), ("warm", self.warm_base)):
+        for exp, b in (("multi", self.multi_base), ("warm", self.warm_base), ("budget", self.budget_base)):
             if exp in self.experiments:
                 if b.init == self.base.key() and self.base not in out:
                     out.append(self.base)  # it starts from the lab's base policy (the quick ones do)
-                out.append(b)
+                if b not in out:
+                    out.append(b)
         return out
 
     def validate(self) -> None:

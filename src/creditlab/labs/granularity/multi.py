@@ -1,5 +1,5 @@
-"""The ``multi`` experiment of the granularity lab: mixed, graded tasks. GRPO and the decayed PRM train on
-a mix of short (3/7), long (2/7) and multi-exchange (2/7) tasks (3-4 independent short exchanges in one
+"""The ``multi`` experiment of the granularity lab: mixed, graded tasks. GRPO and the fixed- and decayed-weight
+PRM train on a mix of short (3/7), long (2/7) and multi-exchange (2/7) tasks (3-4 independent short exchanges in one
 prompt, graded outcome: the share solved, budget 2 (C + 2)) from a three-type base policy with a longer
 context. Its gate: the multi type's base mixing score is at least :data:`MIXING_GATE`. Its predictions
 M1-M3: the multi type mixes good and bad turns most, GRPO gains least there, and the decayed PRM gains
@@ -40,7 +40,7 @@ from creditlab.labs.granularity.world import evaluate_types
 from creditlab.train.toolshop_base import base_policy
 
 #: The arms of the experiment.
-MULTI_ARMS = ("grpo", "prm_decay")
+MULTI_ARMS = ("grpo", "prm_fixed", "prm_decay")
 #: The gate: the multi type's base mixing score.
 MIXING_GATE = 0.6
 
@@ -154,7 +154,7 @@ PREDICTIONS = (
 
 
 class Multi(GranularityExperiment):
-    """Mixed, graded tasks: GRPO and the decayed PRM on short, long and multi-exchange tasks (module docstring)."""
+    """Mixed, graded tasks: GRPO and both PRM weights on short, long and multi-exchange tasks (module docstring)."""
 
     name = "multi"
     groups = ("gates", "multi")
@@ -196,7 +196,7 @@ class Multi(GranularityExperiment):
             "multi_means": Table(_means(summary), "Experiment multi: held-out results per arm and task type "
                                                   "(three-type base policy; means over seeds, 95% intervals)", ".3g"),
             "multi_mixing": Table(_multi_mixing(summary, rows.get("gates")), "Experiment multi: each type's base "
-                                  "mixing score against GRPO's gain and the decayed PRM's gain over GRPO", ".3g",
+                                  "mixing score against GRPO's gain and each PRM arm's gain over GRPO", ".3g",
                                   console=True),
             "multi_curves": Table(_curves(df, ["arm", "seed"]), "Experiment multi: every training update", ".3g",
                                   report=False)}
@@ -210,22 +210,24 @@ class Multi(GranularityExperiment):
         if "multi_mixing" in tabs:
             text["multi_mixing"] = ("Per task type: the three-type base policy's mixing score (gate table), its "
                                     "success, GRPO's final success and gain (95% interval over seeds), the gain as a "
-                                    "share of the headroom 1 - base success, and the decayed PRM's paired gain over "
+                                    "share of the headroom 1 - base success, each PRM arm's paired gain over "
                                     "GRPO. The multi type's success is the share of its sub-tasks solved." + few)
         if "multi_means" in tabs:
-            text["multi_means"] = ("GRPO and the decayed PRM trained on the three-type mix from the three-type base "
-                                   "policy: final held-out success per type (the multi type's is the share of "
-                                   "sub-tasks solved), its gain over the base policy, truncation and tool calls."
-                                   + few)
+            text["multi_means"] = ("GRPO and the fixed- and decayed-weight PRM trained on the three-type mix from "
+                                   "the three-type base policy: final held-out success per type (the multi type's is "
+                                   "the share of sub-tasks solved), its gain over the base policy, truncation and "
+                                   "tool calls." + few)
         return text
 
     def describe(self, cfg: GranularityConfig) -> str:
-        return (" Experiment multi: GRPO and the decayed PRM on a mix of short, long and multi-exchange tasks (3-4 "
-                "independent exchanges in one prompt, graded outcome: the share solved, budget 2 (C + 2)) from a "
-                "base policy with a 320-token context.")
+        return (" Experiment multi: GRPO and the fixed- and decayed-weight PRM on a mix of short, long and "
+                "multi-exchange tasks (3-4 independent exchanges in one prompt, graded outcome: the share solved, "
+                "budget 2 (C + 2)) from a base policy with a 320-token context.")
 
     def knob_rows(self, cfg: GranularityConfig) -> list[tuple[str, str, str]]:
         return [
+            ("multi-exchange arms", ", ".join(MULTI_ARMS), "GRPO, and the process reward at both weights: the "
+             "fixed weight is the one a long, graded task gives room to farm."),
             ("multi-exchange type (-e multi)", f"3-4 exchanges of C = {', '.join(map(str, (2, 3, 4)))} per episode, "
              f"budget 2 (C + 2), graded outcome; mix short 3/7, long 2/7, multi 2/7; {cfg.multi_max_len} tokens",
              "the paper's weak case: a long task with a graded, additive outcome over many turns, where a "
@@ -261,11 +263,15 @@ def _multi_mixing(summary: pd.DataFrame, gates: pd.DataFrame | None) -> pd.DataF
             row[f"{arm} success"] = float(a["success"].mean()) if len(a) else math.nan
         row.update({f"grpo gain{k}": v for k, v in ci_of(g["gain"]).items()})
         row["grpo gain / headroom"] = row["grpo gain"] / max(1.0 - row["base success"], 1e-9)
-        if {"grpo", "prm_decay"} <= set(s["arm"]):
-            d = paired_diff(summary, "prm_decay", "grpo", ["type"], "success", bounds=DIFF)
-            d = d[d["type"] == t].iloc[0]
-            row.update({"prm_decay - grpo": d["mean"], "prm_decay - grpo lo": d["lo"],
-                        "prm_decay - grpo hi": d["hi"], "pairs": int(d["n"])})
+        for arm in MULTI_ARMS[1:]:
+            if {"grpo", arm} <= set(s["arm"]):
+                d = paired_diff(summary, arm, "grpo", ["type"], "success", bounds=DIFF)
+                d = d[d["type"] == t].iloc[0]
+                row.update({f"{arm} - grpo": d["mean"], f"{arm} - grpo lo": d["lo"], f"{arm} - grpo hi": d["hi"],
+                            "pairs": int(d["n"])})
+        for arm in MULTI_ARMS:
+            a = s[s["arm"] == arm]
+            row[f"{arm} truncation"] = float(a["truncation"].mean()) if len(a) else math.nan
         row["grpo final mixing"] = float(g["mixing"].mean()) if len(g) else math.nan
         rows.append(row)
     return pd.DataFrame(rows)
@@ -285,15 +291,16 @@ def _plot_multi(mm: pd.DataFrame, out: Path) -> Path:
     axes[0].set_xticks(x, mm["type"])
     axes[0].set_ylim(0, 1)
     axes[0].set_title("base policy: turn mixing score (gate 0.6 on multi)")
-    w = 0.38
+    w = 0.27
     err = np.vstack([(mm["grpo gain"] - mm["grpo gain lo"]).clip(lower=0),
                      (mm["grpo gain hi"] - mm["grpo gain"]).clip(lower=0)])
-    axes[1].bar(x - w / 2, mm["grpo gain"], w, yerr=err, color="black", capsize=2, label="GRPO gain over the base")
-    if "prm_decay - grpo" in mm:
-        err = np.vstack([(mm["prm_decay - grpo"] - mm["prm_decay - grpo lo"]).clip(lower=0),
-                         (mm["prm_decay - grpo hi"] - mm["prm_decay - grpo"]).clip(lower=0)])
-        axes[1].bar(x + w / 2, mm["prm_decay - grpo"], w, yerr=err, color="tab:green", capsize=2,
-                    label="PRM decayed λ - GRPO (paired)")
+    axes[1].bar(x - w, mm["grpo gain"], w, yerr=err, color="black", capsize=2, label="GRPO gain over the base")
+    for off, arm, color, label in ((0.0, "prm_fixed", "tab:red", "PRM fixed λ - GRPO (paired)"),
+                                   (w, "prm_decay", "tab:green", "PRM decayed λ - GRPO (paired)")):
+        c = f"{arm} - grpo"
+        if c in mm:
+            err = np.vstack([(mm[c] - mm[f"{c} lo"]).clip(lower=0), (mm[f"{c} hi"] - mm[c]).clip(lower=0)])
+            axes[1].bar(x + off, mm[c], w, yerr=err, color=color, capsize=2, label=label)
     axes[1].axhline(0, color="gray", lw=0.8)
     axes[1].set_xticks(x, [f"{t}\n(mixing {m:.2f})" for t, m in zip(mm["type"], mm["base mixing"], strict=True)])
     axes[1].set_title("final held-out success: gains (95% interval over seeds)")

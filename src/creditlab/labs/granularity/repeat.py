@@ -33,15 +33,13 @@ from creditlab.labs.granularity._common import (
     setting_of,
 )
 from creditlab.labs.granularity.config import GranularityConfig, parse_repeats
-from creditlab.labs.granularity.world import process_scores
+from creditlab.labs.granularity.world import GATE_SEED_OFFSET, process_scores
 from creditlab.train.common import generator
 from creditlab.train.toolshop_base import base_policy
-from creditlab.train.toolshop_rollout import EVAL_SEED_OFFSET, make_tasks, rollout
+from creditlab.train.toolshop_rollout import make_tasks, rollout
 
 #: The arms of the sweep.
 SWEEP_ARMS = ("prm_fixed", "prm_decay")
-#: Held-out seeds of the mean-turn-score gate (the training mix, disjoint from the evaluation's).
-GATE_SEED_OFFSET = EVAL_SEED_OFFSET + 3_000_000
 
 
 @torch.no_grad()
@@ -55,8 +53,6 @@ def run_gate_cell(config: dict, gate: str, cache_dir: str) -> list[dict]:
     cfg = GranularityConfig.from_dict(config)
     base_cfg, g, _ = setting_of(cfg, "sweep")
     model = base_policy(base_cfg, cache_dir=cache_dir)
-    if gate != "repeat":
-        raise InputError(f"gate: {gate!r} is not one of multi, repeat, warm")
     tasks = make_tasks(range(GATE_SEED_OFFSET, GATE_SEED_OFFSET + 4 * cfg.eval_per_type), g.chain_lengths)
     batch = rollout(model, tasks, precision="fp32", max_len=g.max_len, max_turns=g.max_turns,
                     max_action_len=g.max_action_len, temperature=g.temperature,

@@ -25,8 +25,11 @@ from creditlab.train.opsd import aligned_logits, call_key, episode_calls, teache
 from creditlab.train.toolshop_grpo import GRPOConfig
 from creditlab.train.toolshop_rollout import EVAL_SEED_OFFSET, RolloutBatch, rollout
 
-__all__ = ["batch_stats", "eval_tasks", "evaluate_types", "judge_turns", "process_scores", "teacher_rows", "type_of",
-           "type_of_task"]
+__all__ = ["GATE_SEED_OFFSET", "batch_stats", "eval_tasks", "evaluate_types", "farm_stats", "judge_turns",
+           "process_scores", "teacher_rows", "type_of", "type_of_task"]
+
+#: Held-out seeds of the gates measured on rollouts (disjoint from the training tasks and the evaluation's).
+GATE_SEED_OFFSET = EVAL_SEED_OFFSET + 3_000_000
 
 
 def type_of(chain_length: int) -> str:
@@ -95,6 +98,55 @@ def batch_stats(batch: RolloutBatch, repeat: float, proc: torch.Tensor | None = 
         row[f"{pre}mixing"] = float(mix[m].mean()) if bool(m.any()) else math.nan
         row[f"{pre}good_share"] = float(n_pos[idx].sum() / max(float((n_pos + n_neg)[idx].sum()), 1.0))
     return row
+
+
+def farm_stats(batch: RolloutBatch, repeat: float, max_turns: int | None = None) -> dict[str, float]:
+    """What the process reward leaves a policy to farm, on one batch: the mean process score of every
+    turn taken (the mean turn score: the process advantage is normalised over the turns, so a turn
+    above it is paid), the share of turns above it, and the *off-chain reads*: successful reads whose
+    call is not one of the task's correct calls (:func:`judge_turns`' correct episode). Their rate per
+    turn, the share of episodes with one, and their mean score: a read of an entity off the chain
+    returns unseen values and scores 1. Then truncation (no write by the end), split into the action
+    budget (``max_turns``, default C + 2 per task) and the token budget (the episode stopped with
+    turns left), tool calls and success.
+
+    >>> from creditlab.envs.toolshop import make_task, run_scripted
+    >>> from creditlab.train.toolshop_rollout import RolloutBatch
+    >>> import torch
+    >>> task = make_task(3, 2)
+    >>> _, _, env = run_scripted(task, 0, noise=0.0)
+    >>> b = RolloutBatch(tokens=torch.zeros(1, 1), policy_mask=torch.zeros(1, 1, dtype=torch.bool),
+    ...                  valid_mask=torch.ones(1, 1, dtype=torch.bool), rollout_logprobs=torch.zeros(1, 1),
+    ...                  turn_ids=torch.zeros(1, 1), records=[env.records], success=torch.ones(1),
+    ...                  progress=torch.ones(1), truncated=torch.zeros(1, dtype=torch.bool),
+    ...                  n_calls=torch.tensor([len(env.records)]), tasks=[task], group_ids=torch.zeros(1))
+    >>> s = farm_stats(b, 0.25)
+    >>> s["off_chain_rate"], s["mean_turn_score"], s["truncation"]
+    (0.0, 0.5, 0.0)
+    """
+    proc = process_scores(batch, repeat)
+    scores, off = [], []
+    token_cap = []
+    for b, (task, recs) in enumerate(zip(batch.tasks, batch.records, strict=True)):
+        correct = {k for k, _ in episode_calls(task)}
+        for t, rec in enumerate(recs):
+            scores.append(float(proc[b, t]))
+            off.append(bool(rec.ok and not rec.is_write and call_key(rec) not in correct))
+        budget = max_turns if max_turns is not None else getattr(task, "turn_budget", task.chain_length + 2)
+        token_cap.append(bool(batch.truncated[b]) and len(recs) < budget)
+    s, o = np.array(scores, dtype=np.float64), np.array(off, dtype=bool)
+    mean = float(s.mean()) if s.size else math.nan
+    per_ep = np.add.reduceat(o, np.cumsum([0, *map(len, batch.records)])[:-1]) if s.size else np.zeros(0)
+    trunc = batch.truncated.float()
+    return {"rollouts": len(batch), "turns": int(s.size), "mean_turn_score": mean,
+            "above_mean_share": float((s > mean).mean()) if s.size else math.nan,
+            "off_chain_rate": float(o.mean()) if s.size else math.nan,
+            "off_chain_episodes": float((per_ep > 0).mean()) if s.size else math.nan,
+            "off_chain_score": float(s[o].mean()) if o.any() else math.nan,
+            "off_chain_new_share": float((s[o] == 1.0).mean()) if o.any() else math.nan,
+            "truncation": float(trunc.mean()), "token_truncation": float(np.mean(token_cap)),
+            "tool_calls": float(batch.n_calls.float().mean()), "success": float(batch.success.mean()),
+            "response_tokens": float(batch.policy_mask.sum(1).float().mean())}
 
 
 def eval_tasks(cfg: GranularityConfig, types: dict[str, tuple[int, ...]] = TASK_TYPES) -> list[Task]:

@@ -503,6 +503,39 @@ def prefix_drift_calibration(m: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
+#: The checks of ``creditlab diagnose`` that read the execution mismatch of a dump (the agreement table's).
+MISMATCH_CHECKS = ("mismatch.k3", "mismatch.prefix_drift", "mismatch.sequence_ratio_length")
+_SEVERITY = {"skipped": 0, "ok": 0, "warn": 1, "fail": 2}
+
+
+def diagnose_agreement(summary: pd.DataFrame, dump_dir: str | Path, band: float | None) -> pd.DataFrame:
+    """``creditlab diagnose`` on each training run's own dump (``--dump``) against that run's measured
+    outcome: the status and value of each of :data:`MISMATCH_CHECKS`, the dump's verdict (the worst of
+    them: ``fail`` is the CLI's exit code 1), and whether the run rolled back beyond the fp32 band
+    (:func:`fp32_band`). ``agrees``: flagged (verdict ``fail``) exactly when the run rolled back. Runs
+    without a dump file are left out."""
+    from creditlab.diagnose.checks import run_checks
+    from creditlab.diagnose.readers import read_dump
+
+    rows = []
+    for r in summary.itertuples(index=False):
+        path = Path(dump_dir) / f"mismatch-{'fp32' if r.arm == 'fp32' else r.dose}-{r.arm}-seed={r.seed}.jsonl"
+        if not path.exists():
+            continue
+        res = {c.id: c for c in run_checks(read_dump([path]), only=MISMATCH_CHECKS)}
+        verdict = max((c.status for c in res.values()), key=_SEVERITY.__getitem__)
+        rolls = bool(band is not None and r.rollback > band)
+        row = {"arm": r.arm, "dose": r.dose, "seed": int(r.seed), "rollback": float(r.rollback),
+               "rolls_back": rolls}
+        for cid in MISMATCH_CHECKS:
+            short = cid.split(".", 1)[1]
+            row[short] = res[cid].status
+            row[f"{short}_value"] = math.nan if res[cid].value is None else float(res[cid].value)
+        row.update({"verdict": verdict, "agrees": (verdict == "fail") == rolls})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 #: The lab's experiments: one per dose, in the order of :data:`DOSES` (``-e`` selects among them).
 EXPERIMENT_TABLE = tuple(Dose(d) for d in DOSES)
 #: Config fields every dose shares (all of them: a dose has no field of its own).
@@ -596,6 +629,12 @@ class MismatchLab(ExperimentLab, BasePolicyLab):
                 tabs["prefix_drift_calibration"] = Table(
                     cal, "creditlab diagnose's mismatch.prefix_drift thresholds from the phase map", ".3g",
                     console=True)
+        if cfg.dump_dir and Path(cfg.dump_dir).is_dir():
+            agree = diagnose_agreement(summary, cfg.dump_dir, fp32_band(summary))
+            if len(agree):
+                tabs["diagnose_agreement"] = Table(
+                    agree, "creditlab diagnose on each run's own dump against its measured rollback", ".3g",
+                    console=True)
         by_turn = _by_turn(df, cfg)
         tabs["by_turn"] = Table(by_turn, "Prefix and current log ratio by turn", ".3g", report=False)
         tabs["fingerprint"] = Table(_fingerprint(by_turn),
@@ -633,6 +672,8 @@ class MismatchLab(ExperimentLab, BasePolicyLab):
             text["phase_map"] = _read_phase_map(tabs["phase_map"].frame)
         if "prefix_drift_calibration" in tabs:
             text["prefix_drift_calibration"] = _read_calibration(tabs["prefix_drift_calibration"].frame)
+        if "diagnose_agreement" in tabs:
+            text["diagnose_agreement"] = _read_agreement(tabs["diagnose_agreement"].frame, fp32_band(s))
         noise = _noise_floor(s)
         text["summary"] = (
             "One row per run. final: mean held-out success of the last evaluation points; best: the best such "
@@ -723,6 +764,24 @@ def _read_calibration(c: pd.DataFrame) -> str:
         text += (f"; the largest point below it that does not roll back is at {w['prefix_rms']:.3g} ({w['point']}): "
                  "the crossing lies between the two")
     return text + f". The check's thresholds today: warn {DRIFT_WARN:g}, fail {DRIFT_FAIL:g}."
+
+
+def _read_agreement(a: pd.DataFrame, band: float | None) -> str:
+    parts = [f"{LABELS[r.arm]} at {r.dose} seed {r.seed}: {r.verdict} (k3 {r.k3}, prefix_drift {r.prefix_drift}, "
+             f"sequence_ratio_length {r.sequence_ratio_length}), rollback {r.rollback:.3f}"
+             f"{' beyond the band' if r.rolls_back else ''}: {'agrees' if r.agrees else 'disagrees'}"
+             for r in a.itertuples()]
+    wrong = a[~a["agrees"]]
+    corrected = wrong[wrong["arm"].isin(["qat_tis", "qat_mis", "qat_interq", "qat_prefix", "qat_global"])]
+    band_text = f"{band:.3g}" if band is not None else "not measured (no fp32 run)"
+    return ("creditlab diagnose's mismatch checks on each run's own training dump (every update's rollouts), "
+            f"against whether that run rolled back beyond the fp32 band ({band_text}, this run's). A dump is "
+            "flagged when a check fails (the CLI's exit code 1). " + "; ".join(parts) + ". "
+            + (f"{len(a) - len(wrong)} of {len(a)} agree."
+               + (f" Of the {len(wrong)} that disagree, {len(corrected)} are correction arms: diagnose reads the "
+                  "engine's and the learner's log-probs, which a correction leaves as they are (it reweights the "
+                  "loss), so it flags the mismatch a correction is there to handle." if len(corrected) else "")
+               if len(a) else ""))
 
 
 def _read_dose(d: pd.DataFrame, cfg: MismatchConfig) -> str:
