@@ -846,6 +846,12 @@ def _band(ax, df: pd.DataFrame, value: str, arm: str, log: bool = False) -> None
         ax.fill_between(x, g.min().to_numpy(), g.max().to_numpy(), color=COLORS[arm], alpha=0.08)
 
 
+def _legend_where_most(axes, loc: str) -> None:
+    """One legend, on the panel that shows the most arms (a dose with every arm, not the last panel)."""
+    ax = max(axes, key=lambda a: len(a.get_legend_handles_labels()[1]))
+    ax.legend(loc=loc, fontsize=8)
+
+
 def _plot_success(curves: pd.DataFrame, doses: list[str], cfg: MismatchConfig, out: Path) -> Path:
     fig, axes = new_figure(1, len(doses), figsize=(5.2 * len(doses), 4.2), squeeze=False)
     for ax, dose in zip(axes[0], doses, strict=True):
@@ -856,7 +862,7 @@ def _plot_success(curves: pd.DataFrame, doses: list[str], cfg: MismatchConfig, o
         ax.set_xlabel("update")
         ax.set_ylim(0, 1)
     axes[0][0].set_ylabel("success (mean over seeds; band: min-max)")
-    axes[0][-1].legend(loc="lower right", fontsize=8)
+    _legend_where_most(axes[0], loc="lower right")
     return save(fig, out / "mismatch_success.png")
 
 
@@ -871,7 +877,7 @@ def _plot_k3(curves: pd.DataFrame, doses: list[str], cfg: MismatchConfig, out: P
         ax.set_title(f"engine {dose}: K3(engine || learner) per policy token")
         ax.set_xlabel("update")
     axes[0][0].set_ylabel("K3 (5-update rolling mean; geometric mean over seeds)")
-    axes[0][-1].legend(loc="upper right", fontsize=8)
+    _legend_where_most(axes[0], loc="upper right")
     return save(fig, out / "mismatch_k3.png")
 
 
@@ -883,16 +889,19 @@ def _plot_fingerprint(by_turn: pd.DataFrame, doses: list[str], out: Path) -> Pat
     for col, dose in enumerate(doses):
         for row, arms in enumerate((("naive",), ("qat", "qat_interq"))):
             ax = axes[row][col]
+            shown = []
             for arm in arms:
                 g = d[(d["dose"] == dose) & (d["arm"] == arm)].sort_values("turn")
                 if g.empty:
                     continue
+                shown.append(arm)
                 ax.plot(g["turn"], g["prefix"], "o-", color=COLORS[arm], label=f"{LABELS[arm]}: prefix")
                 ax.plot(g["turn"], g["current"], "s--", color=COLORS[arm], alpha=0.8, label=f"{LABELS[arm]}: current")
             ax.axhline(0, color="gray", lw=0.8)
-            ax.set_title(f"engine {dose}: {' and '.join(LABELS[a] for a in arms)}")
+            ax.set_title(f"engine {dose}: {' and '.join(LABELS[a] for a in shown) or 'no run'}")
             ax.set_xlabel("turn index")
-            ax.legend(fontsize=8, loc="lower left")
+            if shown:
+                ax.legend(fontsize=8, loc="lower left")
         axes[0][0].set_ylabel("mean log ratio learner - engine")
         axes[1][0].set_ylabel("mean log ratio learner - engine")
     return save(fig, out / "mismatch_fingerprint.png")
