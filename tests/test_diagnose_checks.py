@@ -95,8 +95,13 @@ def test_k3_fails_on_a_large_mismatch_and_warns_when_it_rises_late(tmp_path):
 
 
 def test_prefix_drift_is_flagged_when_the_prefix_grows_and_the_current_ratio_is_flat(tmp_path):
-    r = _run(tmp_path, clean_rows(noise=0.02, turns=4), "drift.jsonl")["mismatch.prefix_drift"]
-    assert r.status in ("warn", "fail") and r.details["current_flat"]
+    from creditlab.diagnose.checks import DRIFT_WARN
+
+    # about 84 policy tokens before the last of 4 turns: a per-token noise of 0.4 sums to an RMS near 3.7
+    r = _run(tmp_path, clean_rows(noise=0.4, turns=4), "drift.jsonl")["mismatch.prefix_drift"]
+    assert r.value >= DRIFT_WARN and r.status in ("warn", "fail") and r.details["current_flat"]
+    small = _run(tmp_path, clean_rows(noise=0.02, turns=4), "small.jsonl")["mismatch.prefix_drift"]
+    assert small.value < DRIFT_WARN and small.status == "ok"  # grows, but below what training was safe at
     assert r.details["prefix_rms_last"] > 2 * r.details["prefix_rms_first"]
     one_turn = _run(tmp_path, clean_rows(noise=0.02, turns=1), "one.jsonl")["mismatch.prefix_drift"]
     assert one_turn.status == "skipped" and "2 turns" in one_turn.message

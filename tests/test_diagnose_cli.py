@@ -55,10 +55,14 @@ def test_unreadable_input_exits_2_with_one_line(tmp_path, capsys, argv, match):
 def test_the_shipped_example_reads_as_documented(tmp_path):
     doc = (Path(__file__).resolve().parents[1] / "docs" / "diagnose.md").read_text()
     assert "docs/examples/toolshop_fp8.jsonl" in doc
-    assert _code(["diagnose", str(EXAMPLE), "--out", str(tmp_path / "ex"), "--quiet"]) == 1
+    assert "exits 0 (nothing fails; `--fail-on warn` exits 1)" in doc
+    assert _code(["diagnose", str(EXAMPLE), "--out", str(tmp_path / "ex"), "--quiet"]) == 0
+    assert _code(["diagnose", str(EXAMPLE), "--out", str(tmp_path / "ex"), "--quiet", "--fail-on", "warn"]) == 1
     js = json.loads((tmp_path / "ex" / "diagnose.json").read_text())
     statuses = {c["id"]: c["status"] for c in js["checks"]}
-    assert statuses["mismatch.prefix_drift"] == "fail" and statuses["credit.coverage"] == "warn"
+    # the history ratio grows to 0.62 nats: below the 2.2 at which the mismatch lab's training was still safe
+    assert statuses["mismatch.prefix_drift"] == "ok" and statuses["credit.coverage"] == "warn"
+    assert statuses["mismatch.k3"] == "warn"
     assert statuses["mismatch.placeholder_logprobs"] == "ok" and statuses["credit.mixing"] == "skipped"
     for c in js["checks"]:  # the documented verdict table of the example is the one it produces
         assert f"| `{c['id']}` | {c['status']} |" in doc, c["id"]
