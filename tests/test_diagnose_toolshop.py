@@ -70,9 +70,14 @@ def test_fp32_engine_and_learner_pass_every_mismatch_check(dumps):
 
 
 def test_fp8_engine_with_an_fp32_learner_shows_prefix_drift(dumps):
+    """The check sees the history ratio compound while the current one stays small, and passes it: its
+    size here is below the value at which the mismatch lab's training was still safe (DRIFT_WARN)."""
+    from creditlab.diagnose.checks import DRIFT_WARN
+
     res = _results(dumps["fp8"])
     drift = res["mismatch.prefix_drift"]
-    assert drift.status in ("warn", "fail"), drift.message
+    assert drift.status == "ok" and 0 < drift.value < DRIFT_WARN, drift.message
+    assert "grows from" in drift.message
     assert drift.details["prefix_rms_last"] > 3 * drift.details["prefix_rms_first"]
     assert drift.details["turn_last"] >= 3
     assert res["mismatch.k3"].value > 1e-4  # a real, small per-token mismatch
@@ -130,7 +135,7 @@ def test_cli_on_a_real_fp8_dump(dumps, tmp_path, capsys):
         assert (out / png).stat().st_size > 10_000 and f"]({png})" in report
     with pytest.raises(SystemExit) as ex:
         main(["diagnose", str(dumps["fp8"]), "--out", str(out), "--quiet", "--fail-on", "warn"])
-    assert ex.value.code == 1  # prefix_drift warns at least
+    assert ex.value.code == 1  # a check warns (the verifier's coverage, V_d = 1 / C here)
     with pytest.raises(SystemExit) as ex:
         main(["diagnose", str(dumps["fp32"]), "--out", str(tmp_path / "ok"), "--check", "mismatch.k3",
               "--check", "mismatch.prefix_drift"])
