@@ -43,7 +43,7 @@ def _cases():
     nan = clean_rows(steps=1)
     nan[5]["rollout_logprobs"][10] = float("nan")
     return {
-        "clean": clean_rows(steps=1), "drift": clean_rows(noise=0.02, turns=4, steps=1),
+        "clean": clean_rows(steps=1), "drift": clean_rows(noise=0.4, turns=4, steps=1),  # above DRIFT_WARN
         "leak": clean_rows(leak_obs=True, steps=1), "nan": nan,
         "topk": [{"step": 0, "group": i // 4, "reward": float(i % 2), **topk_row(rng, 40, k=5)} for i in range(32)],
         "lengths": [{"step": 0, "group": i // 4, "reward": float(i < 4), **token_row(rng, [int(n)], noise=0.05)}
@@ -141,8 +141,9 @@ def test_warnings_fire_once_per_crossing_with_the_registry_thresholds(caplog):
         got = [w.observe({k3: v}, step=s) for s, v in enumerate([warn / 2, warn, 3 * warn, float("nan"), warn / 3,
                                                                    2 * warn])]
         # the prefix drift warns only when it also grew over the first turn (as the check)
-        flat = w.observe({drift: 0.1, drift + "/first_turn": 0.09})
-        grown = w.observe({drift: 0.1, drift + "/first_turn": 0.05})
+        dw = CHECKS["mismatch.prefix_drift"].threshold.warn
+        flat = w.observe({drift: 1.2 * dw, drift + "/first_turn": 1.1 * dw})
+        grown = w.observe({drift: 1.2 * dw, drift + "/first_turn": 0.5 * dw})
     assert [len(x) for x in got] == [0, 1, 0, 0, 0, 1]  # crossing, staying (and NaN) quiet, cleared, again
     assert flat == [] and len(grown) == 1
     lines = [r.getMessage() for r in caplog.records]
