@@ -111,8 +111,12 @@ def test_a_lab_dump_names_the_file_that_is_really_the_same(tmp_path, capsys):
                                  "dump twice, e.g. in two formats or a copied file): pass one of them")
     # the lab now dumps each training run once: that sweep cell writes no file of its own
     cfg = replace(GranularityConfig.quick(), dump_dir=str(tmp_path / "lab"), cache_dir=str(tmp_path / "cache"))
-    names = [dump_name(c.kwargs["arm"], c.kwargs["seed"], c.kwargs.get("setting", "default"),
-                       c.kwargs.get("repeat", cfg.repeat))
+    from creditlab.labs.granularity.budget import BUDGETS
+
+    def setting(c):  # a budget cell runs in its budget's setting
+        return BUDGETS[c.kwargs["budget"]] if "budget" in c.kwargs else c.kwargs.get("setting", "default")
+
+    names = [dump_name(c.kwargs["arm"], c.kwargs["seed"], setting(c), c.kwargs.get("repeat", cfg.repeat))
              for c in LAB.cells(cfg) if "dump_dir" in c.context]
     assert len(names) == len(set(names)) and "granularity-prm_fixed-seed=0.jsonl" in names
     assert "granularity-sweep-prm_fixed-repeat=0.25-seed=0.jsonl" not in names

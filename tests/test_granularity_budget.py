@@ -183,3 +183,15 @@ def test_the_predictions_table_writes_the_budget_verdicts():
     said = {c.split(":")[0]: v for c, v in zip(p["prediction"], p["verdict"], strict=True)}
     assert said == {"B1": "not resolved (interval spans 0)", "B2": "holds", "B3": "holds"}
     assert "fixed-λ truncation 40%" in p["measured"].iloc[0]
+
+
+def test_a_gate_without_any_off_chain_read_fails_and_still_reads():
+    """The store drops a column NaN in every row: a base that made no off-chain read has no off_chain_score."""
+    row = {"gate": "farm", "mean_turn_score": 0.5, "above_mean_share": 0.5, "off_chain_rate": 0.0,
+           "off_chain_episodes": 0.0, "truncation": 0.1, "token_truncation": 0.0, "tool_calls": 3.0, "success": 0.6}
+    gates = pd.DataFrame([{**row, "budget": "c2"}, {**row, "budget": "long"}])
+    cfg = GranularityConfig()
+    rows = budget.EXPERIMENT.gate_rows(gates, cfg)
+    assert [r["passes"] for r in rows] == [None, False] and all(math.isnan(r["measured"]) for r in rows)
+    tabs = budget.EXPERIMENT.tables({"gates": gates}, cfg)
+    assert "no off-chain read" in budget.EXPERIMENT.interpret(tabs, cfg)["budget_gate"]

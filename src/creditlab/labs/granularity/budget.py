@@ -104,11 +104,18 @@ def run_budget_arm(config: dict, arm: str, seed: int, budget: str, cache_dir: st
     return [{**r, "budget": budget} for r in rows]
 
 
+FARM_COLUMNS = ("rollouts", "turns", "mean_turn_score", "above_mean_share", "off_chain_rate", "off_chain_episodes",
+                "off_chain_score", "off_chain_new_share", "truncation", "token_truncation", "tool_calls", "success",
+                "response_tokens")
+
+
 def _farm(gates: pd.DataFrame | None) -> pd.DataFrame | None:
-    """The gate rows by budget (None: not measured)."""
+    """The gate rows by budget, every column of :func:`farm_stats` present (the store drops a column that
+    is NaN in every row, e.g. the off-chain score of a base that made no off-chain read; None: not measured)."""
     if gates is None or "gate" not in gates or not gates["gate"].eq("farm").any():
         return None
-    return gates[gates["gate"] == "farm"].set_index("budget")
+    farm = gates[gates["gate"] == "farm"].set_index("budget")
+    return farm.reindex(columns=[c for c in farm.columns if c not in FARM_COLUMNS] + list(FARM_COLUMNS))
 
 
 def gate_passes(farm: pd.DataFrame) -> bool | None:
