@@ -187,6 +187,7 @@ def test_a_quick_run_says_its_base_policies_are_not_the_labs():
         "configuration at the end): what it shows.")
     assert _quick_note(GranularityConfig()) == ""
     note = _quick_note(GranularityConfig.quick())
-    assert "base policy, three-type base policy, warm-started base policy and budget base policy are not the lab's" in note
+    assert ("base policy, three-type base policy, warm-started base policy and budget base policy are not the "
+            "lab's") in note
     only_warm = GranularityConfig.quick().with_options(experiments=("warm",))
     assert "This run's base policy and warm-started base policy are" in _quick_note(only_warm)  # warm starts from it

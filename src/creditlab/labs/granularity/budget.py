@@ -155,12 +155,19 @@ def _fmt(d: pd.Series, m: str, pct: bool = False) -> str:
     return f"{d[m]:+.2f} [{d[m + '_lo']:+.2f}, {d[m + '_hi']:+.2f}]"
 
 
-def b1_measured(tabs: Tables) -> str | None:
-    d = _diff(tabs, "prm_fixed - grpo", "long")
+def _vs_grpo(tabs: Tables, arm: str, label: str) -> str | None:
+    """``arm`` - GRPO at the long budget in truncation and tool calls, as the predictions table writes it."""
+    d = _diff(tabs, f"{arm} - grpo", "long")
     if d is None:
         return None
-    return (f"fixed - GRPO at the long budget: truncation {_fmt(d, 'truncation', True)}, tool calls "
-            f"{_fmt(d, 'tool_calls')}; fixed-λ truncation {_mean_of(tabs, 'prm_fixed', 'long', 'truncation'):.0%}")
+    return (f"{label} - GRPO at the long budget: truncation {_fmt(d, 'truncation', True)}, tool calls "
+            f"{_fmt(d, 'tool_calls')}")
+
+
+def b1_measured(tabs: Tables) -> str | None:
+    said = _vs_grpo(tabs, "prm_fixed", "fixed")
+    return None if said is None else \
+        f"{said}; fixed-λ truncation {_mean_of(tabs, 'prm_fixed', 'long', 'truncation'):.0%}"
 
 
 def b1_verdict(tabs: Tables) -> Verdict:
@@ -177,11 +184,7 @@ def b1_verdict(tabs: Tables) -> Verdict:
 
 
 def b2_measured(tabs: Tables) -> str | None:
-    d = _diff(tabs, "prm_decay - grpo", "long")
-    if d is None:
-        return None
-    return (f"decayed - GRPO at the long budget: truncation {_fmt(d, 'truncation', True)}, tool calls "
-            f"{_fmt(d, 'tool_calls')}")
+    return _vs_grpo(tabs, "prm_decay", "decayed")
 
 
 def b2_verdict(tabs: Tables) -> Verdict:
