@@ -5,6 +5,9 @@
     python benchmarks/bench_correction.py --smoke    # tiny sizes, seconds: runs every figure's code (its
                                                      # numbers say nothing about speed)
 
+A size given as an option (``--B``, ``--L``, ``--segments``, ``--repeat``) wins over ``--quick``'s and
+``--smoke``'s; an option out of its range is refused in one line (exit code 2).
+
 Prints six figures:
 
 1. vectorised ``interq_weights`` vs the loop reference of ``tests/reference`` (target >= 50x);
@@ -37,12 +40,16 @@ import os
 import sys
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from _common import integer  # noqa: E402
+from _common import parser as bench_parser  # noqa: E402
 
 from creditlab.core.correction import (  # noqa: E402
     correction_weights,
@@ -150,34 +157,57 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--B", type=int, default=64)
-    parser.add_argument("--L", type=int, default=8192)
-    parser.add_argument("--segments", type=int, default=32)
-    parser.add_argument("--loop-rows", type=int, default=None,
-                        help="rows the loop reference runs on (default: all); its time is scaled to B rows")
-    parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (1 keeps timings stable on a shared machine)")
-    parser.add_argument("--no-malloc-tune", action="store_true", help="measure with the default glibc malloc")
-    parser.add_argument("--quick", action="store_true", help="B=8, L=2048, best of 3")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes (B=4, L=256), seconds: runs every figure's code; its numbers mean nothing")
-    args = parser.parse_args()
+#: sizes of a full run, of --quick and of --smoke (a size given on the command line wins over each)
+FULL = {"B": 64, "L": 8192, "segments": 32, "repeat": 10}
+QUICK = {**FULL, "B": 8, "L": 2048, "repeat": 3}
+SMOKE = {"B": 4, "L": 256, "segments": 4, "repeat": 1}
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = bench_parser(__doc__.splitlines()[0])
+    ap.add_argument("--B", type=integer(1), help=f"rows (default {FULL['B']}; --quick {QUICK['B']}; --smoke "
+                                                 f"{SMOKE['B']})")
+    ap.add_argument("--L", type=integer(64), help=f"tokens per row (default {FULL['L']}; --quick {QUICK['L']}; "
+                                                 f"--smoke {SMOKE['L']})")
+    ap.add_argument("--segments", type=integer(1), help=f"actions per row, about (default {FULL['segments']}; "
+                                                        f"--smoke {SMOKE['segments']})")
+    ap.add_argument("--loop-rows", type=integer(1), default=None,
+                    help="rows the loop reference runs on (default: all); its time is scaled to B rows")
+    ap.add_argument("--repeat", type=integer(1), help=f"timings, the best kept (default {FULL['repeat']}; --quick "
+                                                      f"{QUICK['repeat']}; --smoke {SMOKE['repeat']})")
+    ap.add_argument("--threads", type=integer(1), default=1,
+                    help="torch intra-op threads (1 keeps timings stable on a shared machine)")
+    ap.add_argument("--no-malloc-tune", action="store_true", help="measure with the default glibc malloc")
+    ap.add_argument("--quick", action="store_true", help="B=8, L=2048, best of 3")
+    return ap
+
+
+def sizes(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the sizes of the preset (--quick, --smoke, or a full run) where none was given;
+    --quick with --smoke is refused in one line."""
+    if args.quick and args.smoke:
+        ap.error("--quick and --smoke are two presets of the sizes: give one (sizes given as options win over it)")
+    for k, v in (SMOKE if args.smoke else QUICK if args.quick else FULL).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = parser()
+    args = sizes(ap, ap.parse_args(argv))
     sys.stdout.reconfigure(line_buffering=True)
     torch.set_num_threads(args.threads)
     malloc = "default glibc malloc" if args.no_malloc_tune else tune_malloc()
-    if args.quick:
-        args.B, args.L, args.repeat = 8, 2048, 3
-    if args.smoke:
-        args.B, args.L, args.segments, args.repeat = 4, 256, 4, 1
     B, L = args.B, args.L
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device cpu, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {malloc}; "
           f"times are the best of {args.repeat}")
     old, rollout, pm, vm = make_batch(B, L, args.segments)
     eff = pm & vm
+    if not eff.any():
+        ap.error(f"--B {B} --L {L} --segments {args.segments}: the batch holds no policy token; give more rows, "
+                 "tokens or segments")
     n_seg = int((eff[:, 1:] & ~eff[:, :-1]).sum() + eff[:, 0].sum())
     print(f"batch B={B} L={L}: {int(eff.sum())} policy tokens, {n_seg} segments ({n_seg / B:.1f} per row)")
 
@@ -269,6 +299,9 @@ def main() -> None:
         blocks = torch.rand(B, -(-L // block), generator=g) < keep
         p2 = pm & blocks.repeat_interleave(block, 1)[:, :L]
         rm2 = (p2 & vm).to(torch.float32)
+        if not rm2.any():  # a tiny batch (--B, --L) can lose all its policy tokens here
+            print(f"[6] with {keep:.0%} of the blocks kept no policy token is left at B={B} L={L}: not timed")
+            continue
         t = timeit({"verl": lambda rm2=rm2: verl_tis(old - rollout, rm2, rollout_is="token", rollout_is_threshold=2.0),
                     "on": lambda p2=p2: interq_weights(old, rollout, p2, vm)}, repeat=args.repeat)
         print(f"[6] with {float(rm2.mean()) * 100:.0f}% policy tokens: verl token TIS {t['verl'] * 1e3:8.1f} ms | "

@@ -18,9 +18,11 @@ targets' verdict is then not printed).
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from _common import start  # noqa: E402
+from _common import integer, line_buffered  # noqa: E402
+from _common import parser as bench_parser  # noqa: E402
 
 from creditlab.lab.runner import run_cells  # noqa: E402
 from creditlab.lab.store import ResultStore  # noqa: E402
@@ -43,12 +46,17 @@ def specs(Cs, seeds) -> list[ModelSpec]:
     return [ModelSpec(seed=s, C=C, arm=a, k=3) for C in Cs for a in ("uniform", "concentrated") for s in range(seeds)]
 
 
-def main() -> None:
-    ap = start(__doc__)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--reduced-updates", type=int, default=None, help="updates of the loop comparison (default 10; "
-                                                                         "--smoke: 3)")
-    args = ap.parse_args()
+def parser() -> argparse.ArgumentParser:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--workers", type=integer(1), default=2)
+    ap.add_argument("--reduced-updates", type=integer(1), default=None,
+                    help="updates of the loop comparison (default 10; --smoke: 3)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    line_buffered()
     smoke = args.smoke
     if smoke:
         torch.set_num_threads(1)  # tiny ops on two busy threads mostly wait

@@ -15,13 +15,16 @@ dump's tokens), and the load average (timings on a shared machine are provisiona
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from _common import start
+from _common import line_buffered
+from _common import parser as bench_parser
 
 from creditlab.diagnose import read_dump, run_checks, write_dump
 from creditlab.diagnose.report import write_report
@@ -71,10 +74,18 @@ def timed(path: Path, out: Path) -> dict[str, float]:
     return {"tokens": dump.n_tokens, "read": t1 - t0, "checks": t2 - t1, "report": t3 - t2, "total": t3 - t0}
 
 
-def main() -> None:
-    ap = start(__doc__)
+def parser() -> argparse.ArgumentParser:
+    ap = bench_parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="10x fewer trajectories")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.quick and args.smoke:
+        ap.error("--quick and --smoke are two presets of the sizes: give one")
+    line_buffered()
     n_traj, tokens, steps = (48, 120, 2) if args.smoke else (200, 500, 4) if args.quick else (2000, 500, 16)
     if args.smoke:
         print("--smoke: tiny sizes, the figures below say nothing about speed")

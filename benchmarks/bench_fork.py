@@ -35,6 +35,7 @@ Figures move with the machine's load (printed with them): read them side by side
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import cProfile
@@ -51,7 +52,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import NamedTuple
 
-from _common import start
+from _common import integer, line_buffered, number
+from _common import parser as bench_parser
 
 from creditlab.judge import JudgeCache, OpenAIJudge, current_usage
 from creditlab.judge.prompts import build_messages, extract_json, parse_reply, payload_for, reply_schema
@@ -448,24 +450,31 @@ SMOKE = {"items": 8, "rubrics": 3, "units": 4, "latency": 0.01, "concurrency": 4
          "repeat": 1, "hang": 0.4}
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = start(__doc__)
-    ap.add_argument("--items", type=int, help=f"responses (default {FULL['items']})")
-    ap.add_argument("--rubrics", type=int, help=f"rubrics per response (default {FULL['rubrics']})")
-    ap.add_argument("--units", type=int, help=f"units per response, about (default {FULL['units']})")
-    ap.add_argument("--latency", type=float, help=f"seconds the server takes per request (default {FULL['latency']})")
-    ap.add_argument("--concurrency", type=int, help=f"requests in flight (default {FULL['concurrency']})")
-    ap.add_argument("--endpoint-concurrency", type=int,
+def parser() -> argparse.ArgumentParser:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--items", type=integer(1), help=f"responses (default {FULL['items']})")
+    ap.add_argument("--rubrics", type=integer(1), help=f"rubrics per response (default {FULL['rubrics']})")
+    ap.add_argument("--units", type=integer(1), help=f"units per response, about (default {FULL['units']})")
+    ap.add_argument("--latency", type=number(0.0, above=True),
+                    help=f"seconds the server takes per request (default {FULL['latency']})")
+    ap.add_argument("--concurrency", type=integer(1), help=f"requests in flight (default {FULL['concurrency']})")
+    ap.add_argument("--endpoint-concurrency", type=integer(1),
                     help=f"requests in flight per endpoint (default {FULL['endpoint_concurrency']})")
-    ap.add_argument("--repeat", type=int, help=f"runs of each client (default {FULL['repeat']})")
-    ap.add_argument("--hang", type=float, help=f"seconds a hanging fault holds a request; the faults section's "
-                                               f"timeout is a quarter of it (default {FULL['hang']})")
-    ap.add_argument("--fault-rate", type=float, default=0.2)
+    ap.add_argument("--repeat", type=integer(1), help=f"runs of each client (default {FULL['repeat']})")
+    ap.add_argument("--hang", type=number(0.0, above=True),
+                    help=f"seconds a hanging fault holds a request; the faults section's timeout is a quarter of "
+                         f"it (default {FULL['hang']})")
+    ap.add_argument("--fault-rate", type=number(0.0, 1.0), default=0.2, help="share of requests faulted (0 to 1)")
     ap.add_argument("--transport", default="asyncio", choices=["httpx", "asyncio"],
                     help="creditlab transport of the endpoints, cache, faults and profile sections")
     ap.add_argument("-s", "--section", action="append", choices=SECTIONS, help="run only these sections")
     ap.add_argument("--profile", action="store_true", help="profile creditlab's client instead")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    line_buffered()
     for k, v in (SMOKE if args.smoke else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -20,22 +20,30 @@ per type, from a tiny base policy built in a temporary cache directory: the code
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import replace
 
 import numpy as np
 import torch
-from _common import cache_dir, load_base, smoke_base, start
+from _common import cache_dir, integer, line_buffered, load_base, smoke_base
+from _common import parser as bench_parser
 
 from creditlab.labs.granularity import ARMS, GranularityConfig, evaluate_types, run_arm
 
 
-def main() -> None:
-    ap = start(__doc__)
-    ap.add_argument("--updates", type=int, default=None, help="updates per arm (default 3; --smoke: 2)")
-    args = ap.parse_args()
+def parser() -> argparse.ArgumentParser:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--updates", type=integer(1), default=None, help="updates per arm (default 3; --smoke: 2)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    line_buffered()
     with ExitStack() as stack:
         run(args, cache_dir(args.smoke, stack))
 

@@ -27,8 +27,10 @@ decode steps at position 40, one update): the code paths, not the speed.
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import replace
 
@@ -37,9 +39,10 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _common import cache_dir, load_base, smoke_base, start  # noqa: E402
+from _common import cache_dir, integer, line_buffered, load_base, smoke_base  # noqa: E402
+from _common import parser as bench_parser  # noqa: E402
 
-from creditlab.labs.mismatch import ARMS, MismatchConfig, arm_triple  # noqa: E402
+from creditlab.labs.mismatch import ARMS, DOSES, MismatchConfig, arm_triple  # noqa: E402
 from creditlab.models.tiny_lm import StackedTinyLM  # noqa: E402
 from creditlab.train.toolshop_grpo import train_grpo_stacked  # noqa: E402
 from creditlab.train.toolshop_rollout import make_tasks, rollout_stacked, stacked_logprobs  # noqa: E402
@@ -131,13 +134,18 @@ def _train(base, configs) -> tuple[float, list[dict]]:
 SMOKE_LEN, SMOKE_POS = 96, 40
 
 
-def main() -> None:
-    ap = start(__doc__)
-    ap.add_argument("--dose", default="nvfp4")
-    ap.add_argument("--updates", type=int, default=None, help="updates per timing (default 3; --smoke: 1)")
-    ap.add_argument("--batch-tasks", type=int, default=None, help="tasks per update (default: the lab's)")
+def parser() -> argparse.ArgumentParser:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--dose", default="nvfp4", choices=DOSES, help="the engine precision of the quantized arms")
+    ap.add_argument("--updates", type=integer(1), default=None, help="updates per timing (default 3; --smoke: 1)")
+    ap.add_argument("--batch-tasks", type=integer(1), default=None, help="tasks per update (default: the lab's)")
     ap.add_argument("--skip-unstacked", action="store_true", help="skip 3. (the arms one at a time)")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    line_buffered()
     with ExitStack() as stack:
         run(args, cache_dir(args.smoke, stack))
 

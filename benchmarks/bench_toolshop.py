@@ -22,8 +22,10 @@ backward = 2x forward); fake quantization and the environment count as time, not
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import replace
 
@@ -31,7 +33,8 @@ from dataclasses import replace
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
-from _common import cache_dir, load_base, smoke_base, start
+from _common import cache_dir, integer, line_buffered, load_base, smoke_base
+from _common import parser as bench_parser
 from bench_mismatch import FLOP_FORMULA, decode_flops, forward_flops, matmul_peak, pct
 
 from creditlab.envs.toolshop import VOCAB
@@ -51,13 +54,18 @@ def _train_counted(model: TinyLM, cfg: GRPOConfig) -> tuple[list[dict], tuple[fl
     return rows, (roll, learn)
 
 
-def main() -> None:
-    ap = start(__doc__)
-    ap.add_argument("--updates", type=int, default=None, help="updates per arm (default 3; --smoke: 1)")
-    ap.add_argument("--threads", type=int, default=None,
+def parser() -> argparse.ArgumentParser:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--updates", type=integer(1), default=None, help="updates per arm (default 3; --smoke: 1)")
+    ap.add_argument("--threads", type=integer(1), default=None,
                     help="torch threads (default 2; --smoke: 1, where tiny ops on two busy threads mostly wait)")
     ap.add_argument("--random-init", action="store_true")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    line_buffered()
     with ExitStack() as stack:
         run(args, cache_dir(args.smoke, stack))
 

@@ -20,6 +20,25 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def tiny_base_cache(request, tmp_path_factory, one_thread):
+    """A cache directory holding the tiny base policy of the requesting module: its ``TINY_BASE`` (a
+    :class:`~creditlab.train.toolshop_base.BaseConfig`), trained once per module, on one thread."""
+    from creditlab.train.toolshop_base import base_policy
+
+    path = tmp_path_factory.mktemp(f"{request.module.__name__}-cache")
+    base_policy(request.module.TINY_BASE, cache_dir=path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_base(request, tiny_base_cache):
+    """The requesting module's tiny base policy (its ``TINY_BASE``), loaded from :func:`tiny_base_cache`."""
+    from creditlab.train.toolshop_base import base_policy
+
+    return base_policy(request.module.TINY_BASE, cache_dir=tiny_base_cache)
+
+
 class HostReads:
     """Counts device-to-host reads of tensor values (``item``, ``tolist``, ``bool``, ``float``, ``int``,
     ``numpy``...) made while ``with reads:`` is active; ``reads.calls`` lists them."""

@@ -97,3 +97,73 @@ def test_smoke(name, smokes):
         left = [str(p.relative_to(where)) for p in (where / d).rglob("*") if "creditlab" in p.name or
                 p.name.startswith(("toolshop-base", "bench_fork"))]
         assert not left, f"{name} --smoke left {left}"
+
+
+# ------------------------------------------------------------------------------------------------
+# options: every one checked, refused in one line
+
+
+@pytest.fixture
+def bench_module(monkeypatch):
+    """``bench_module(name)``: a benchmark script imported in this process (its ``parser`` and ``main``)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", os.environ.get("THP_MEM_ALLOC_ENABLE", "1"))  # bench_mismatch sets it
+    before = set(sys.modules)
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"_bench_{name.removesuffix('.py')}", BENCH / name)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    yield load
+    for k in set(sys.modules) - before:
+        if k == "_common" or k.startswith(("bench_", "_bench_")):
+            del sys.modules[k]
+
+
+def _refused(mod, argv, capsys) -> str:
+    """stderr of ``main(argv)``, which must exit 2 with one line and no traceback."""
+    with pytest.raises(SystemExit) as ex:
+        mod.main(argv)
+    err = capsys.readouterr().err
+    assert ex.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (argv, err)
+    return err
+
+
+@pytest.mark.parametrize("name", sorted(RATIOS))
+def test_every_option_of_every_benchmark_is_checked_and_refused_in_one_line(name, bench_module, capsys):
+    """Each option that takes a value has a checked type (a range) or choices; a value out of them exits 2
+    with one line naming the option, before the benchmark runs (``--items 0``, ``--B 0``, ``--dose fp16``,
+    ``--workers 0``, and every other)."""
+    mod = bench_module(name)
+    tried = 0
+    for action in mod.parser()._actions:
+        if not action.option_strings or action.nargs == 0 or action.dest == "help":
+            continue
+        flag = max(action.option_strings, key=len)
+        bad = list(getattr(action.type, "refuses", ()))
+        if action.choices:
+            bad.append("not-a-choice")
+        assert bad, f"{name} {flag}: no range and no choices: a bad value would reach the benchmark"
+        for value in bad:
+            err = _refused(mod, [flag, value], capsys)
+            assert f"argument {'/'.join(action.option_strings)}:" in err and value in err, (flag, value, err)
+            tried += 1
+    assert tried or name == "bench_diagnose.py"
+
+
+def test_presets_do_not_override_sizes_given_as_options(bench_module, capsys):
+    """--quick and --smoke fill in only the sizes not given; both at once are refused in one line."""
+    corr = bench_module("bench_correction.py")
+    ap = corr.parser()
+    args = corr.sizes(ap, ap.parse_args(["--smoke", "--B", "2", "--L", "64"]))
+    assert (args.B, args.L, args.segments, args.repeat) == (2, 64, corr.SMOKE["segments"], corr.SMOKE["repeat"])
+    args = corr.sizes(ap, ap.parse_args(["--quick", "--repeat", "5"]))
+    assert (args.B, args.L, args.repeat) == (corr.QUICK["B"], corr.QUICK["L"], 5)
+    for name in ("bench_correction.py", "bench_diagnose.py"):
+        err = _refused(bench_module(name), ["--smoke", "--quick"], capsys)
+        assert "--quick and --smoke are two presets of the sizes: give one" in err
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_correction.py"), "--smoke", "--B", "2", "--L", "64"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "batch B=2 L=64:" in proc.stdout, proc.stderr[-2000:]

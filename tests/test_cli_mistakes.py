@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from cli_inproc import run_inproc
 from creditlab.judge.testing import ChatServer
 
 GOOD = {"id": "good", "prompt": "Aspirin?", "response": "Take aspirin with water. Get some rest.",
@@ -18,23 +19,6 @@ GOOD = {"id": "good", "prompt": "Aspirin?", "response": "Take aspirin with water
 def _cli(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "creditlab.cli.main", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout)
-
-
-def _inproc(*args):
-    """The same CLI in this process (cheaper than a subprocess; each class keeps one subprocess case)."""
-    import contextlib
-    import io
-
-    from creditlab.cli.main import main
-
-    err, out = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        try:
-            main([str(a) for a in args])
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def _one_line_error(r, *needles):
@@ -57,7 +41,7 @@ def server():
         yield srv
 
 
-def _score(server, inp, out, *extra, run=_inproc):
+def _score(server, inp, out, *extra, run=run_inproc):
     return run("fork", "score", "--in", inp, "--out", out, "--base-url", server.url, "--timeout", "5",
                "--max-retries", "0", *extra)
 
@@ -66,8 +50,8 @@ def _score(server, inp, out, *extra, run=_inproc):
 
 
 @pytest.mark.parametrize(("flag", "value", "key", "run"), [
-    ("--beta", "2", "beta", _cli), ("--mode", "recall", "mode", _inproc), ("--tau", "0.5", "tau", _inproc),
-    ("--model", "other", "model", _inproc),
+    ("--beta", "2", "beta", _cli), ("--mode", "recall", "mode", run_inproc), ("--tau", "0.5", "tau", run_inproc),
+    ("--model", "other", "model", run_inproc),
 ])
 def test_rerun_with_other_settings_refuses_before_any_request(server, tmp_path, flag, value, key, run):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -159,7 +143,7 @@ def test_bad_paths_are_one_line_errors_before_any_work(tmp_path):
         (["--in", good, "--out", good], ("--out", "is the input file")),
     ]
     for k, (args, needles) in enumerate(cases):
-        r = (_cli if k == 0 else _inproc)("fork", "score", *args, "--base-url", dead)
+        r = (_cli if k == 0 else run_inproc)("fork", "score", *args, "--base-url", dead)
         _one_line_error(r, *needles)
     assert not (tmp_path / "nodir").exists() and not (tmp_path / "o.jsonl").exists()
     # the offline judge fails on a bad path before loading its embedding model
@@ -171,12 +155,12 @@ def test_bad_paths_are_one_line_errors_before_any_work(tmp_path):
 def test_a_lab_rerun_with_another_configuration_refuses(tmp_path):
     out = tmp_path / "fork"
     args = ["lab", "fork", "--quick", "--out", out, "--seeds", "1", "-e", "oracle"]
-    assert _inproc(*args).returncode == 0
+    assert run_inproc(*args).returncode == 0
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     _one_line_error(_cli(*args[:-2], "-e", "oracle", "--updates", "7"), "--out", "another configuration",
                     "differs in: updates")
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
-    _one_line_error(_inproc("lab", "fork", "--quick", "--out", tmp_path / "never", "--seeds", "0"), "--seeds")
+    _one_line_error(run_inproc("lab", "fork", "--quick", "--out", tmp_path / "never", "--seeds", "0"), "--seeds")
     assert not (tmp_path / "never").exists()
 
 
@@ -219,7 +203,7 @@ def test_dead_and_hung_endpoints_are_named_before_scoring(tmp_path):
     r = _cli("fork", "score", "--in", inp, "--out", out, "--base-url", "http://127.0.0.1:9/v1")
     _one_line_error(r, "--base-url", "cannot connect to http://127.0.0.1:9/v1", "--no-preflight")
     with _Silent() as url:
-        r = _inproc("fork", "score", "--in", inp, "--out", out, "--base-url", url, "--timeout", "2")
+        r = run_inproc("fork", "score", "--in", inp, "--out", out, "--base-url", url, "--timeout", "2")
         _one_line_error(r, "--base-url", f"{url} did not answer within 2s")  # not after 2 s x 3 attempts
     assert not out.exists()
 
@@ -254,8 +238,8 @@ def test_a_rows_request_count_agrees_with_its_attempts(server, tmp_path):
     _write(inp, [GOOD])
     server.reset()
     server.push_faults(["500", "500"])  # two attempts fail and are retried
-    r = _inproc("fork", "score", "--in", inp, "--out", out, "--base-url", server.url, "--max-retries", "2",
-                "--no-preflight")
+    r = run_inproc("fork", "score", "--in", inp, "--out", out, "--base-url", server.url, "--max-retries", "2",
+                   "--no-preflight")
     assert r.returncode == 0, r.stderr
     row = json.loads(out.read_text())
     assert row["requests"] == server.stats["requests"] == 5 + 2

@@ -33,6 +33,7 @@ NOT_COMPUTING = {
     "lab/plotting.py": "plots",
     "lab/experiment.py": "the experiment table of a lab",
     "labs/__init__.py": "the lab registry",
+    "_outlock.py": "the lock of an output directory while a run writes it",
     "diagnose/": "the rollout dump schema: a cell with --dump writes its rollouts; the rows it returns do not "
                  "depend on it (tested: a dump never changes a number)",
 }

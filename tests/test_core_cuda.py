@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from core_listing import public_core_functions
 from creditlab.core import correction, credit, diagnostics, losses, masks, precision, schedules
-from creditlab.core.advantages import group_stats, grpo_advantages, prm_mixed_advantages
+from creditlab.core.advantages import group_stats, grpo_advantages, mix_process_advantage, prm_mixed_advantages
 from creditlab.core.credit import StepBatch
 from creditlab.errors import InputError
 
@@ -153,6 +153,8 @@ def test_grpo_and_prm_mixing():
     s, mask = torch.rand(10, 4, generator=g), torch.rand(10, 4, generator=g) < 0.8
     _close(grpo_advantages(_on(R), _on(gid)), grpo_advantages(R, gid))
     _close(prm_mixed_advantages(_on(R), _on(s), _on(mask), _on(gid), 0.3), prm_mixed_advantages(R, s, mask, gid, 0.3))
+    A = grpo_advantages(R, gid)
+    _close(mix_process_advantage(_on(A), _on(s), _on(mask), _on(gid), 0.3), mix_process_advantage(A, s, mask, gid, 0.3))
 
 
 @pytest.mark.parametrize("check_finite", [True, False])
@@ -437,6 +439,7 @@ ELSEWHERE = {
     "credit.shuffled": "test_registered_geometries",
     "advantages.grpo_advantages": "test_grpo_and_prm_mixing",
     "advantages.prm_mixed_advantages": "test_grpo_and_prm_mixing",
+    "advantages.mix_process_advantage": "test_grpo_and_prm_mixing",
     "losses.policy_loss": "test_policy_loss_and_its_gradient",
     "losses.opsd_loss": "test_opsd_losses_and_gradient",
     "losses.opsd_sampled_loss": "test_opsd_losses_and_gradient",

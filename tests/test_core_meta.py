@@ -107,6 +107,7 @@ NEEDS_VALUES = {
     "advantages.group_stats": lambda: advantages.group_stats(f(B), i(B)),
     "advantages.grpo_advantages": lambda: advantages.grpo_advantages(f(B), i(B)),
     "advantages.prm_mixed_advantages": lambda: advantages.prm_mixed_advantages(f(B), f(B, T), b(B, T), i(B), 0.5),
+    "advantages.mix_process_advantage": lambda: advantages.mix_process_advantage(f(B), f(B, T), b(B, T), i(B), 0.5),
     "credit.binary": lambda: credit.binary(f(B), i(B), b(B, T)),
     "credit.discretized": lambda: credit.discretized(f(B), i(B), b(B, T)),
     "credit.reward_to_go": lambda: credit.reward_to_go(f(B, T), i(B), b(B, T)),

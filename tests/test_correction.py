@@ -565,6 +565,44 @@ def test_registered_interq_modes_are_interq_weights(mode):
     assert m == m_ref
 
 
+def test_interq_terms_and_the_mode_arms_take_the_keywords_of_interq_weights():
+    """The seven keywords are written once, in interq_weights' signature (its defaults those of the record
+    the functions make); interq_terms and the arms (all but ``mode``) take the same, an unknown one is a
+    TypeError as for any function, and each keyword reaches the record."""
+    import inspect
+    from dataclasses import fields
+
+    def keywords(fn):
+        return [(p.name, p.default, p.annotation) for p in inspect.signature(fn).parameters.values()
+                if p.kind is p.KEYWORD_ONLY]
+
+    want = keywords(interq_weights)
+    assert [k[0] for k in want] == ["eps_low", "eps_high", "alpha_g", "rho_eps", "iters", "mode", "check"]
+    assert [(f.name, f.default, f.type) for f in fields(correction._InterQSettings)] == want
+    assert keywords(interq_terms) == want
+    for mode in correction.INTERQ_MODES:
+        assert keywords(get_correction(mode)) == [k for k in want if k[0] != "mode"]
+    old, ro, pm, vm = _batch(5, scale=0.1)
+    with pytest.raises(TypeError, match="^interq_terms\\(\\) got an unexpected keyword argument 'eps_lo'$"):
+        interq_terms(old, ro, pm, vm, eps_lo=0.1)
+    with pytest.raises(TypeError, match="^_prefix_arm\\(\\) got an unexpected keyword argument 'mode'$"):
+        get_correction("prefix")(old, ro, pm, vm, mode="interq")
+    with pytest.raises(TypeError, match="positional"):
+        interq_terms(old, ro, pm, vm, 0.1)
+    with pytest.raises(InputError, match="alpha_g"):
+        interq_terms(old, ro, pm, vm, alpha_g=2.0)
+    with pytest.raises(ConfigError, match="mode"):
+        interq_terms(old, ro, pm, vm, mode="bogus")
+    with pytest.raises(ConfigError, match="check"):
+        get_correction("global")(old, ro, pm, vm, check=1)
+    t = interq_terms(old, ro, pm, vm, eps_low=0.01, eps_high=0.02, alpha_g=0.3, rho_eps=0.0, iters=20,
+                     mode="global", check=False)
+    w, _ = interq_weights(old, ro, pm, vm, eps_low=0.01, eps_high=0.02, alpha_g=0.3, rho_eps=0.0, iters=20,
+                          mode="global", check=False)
+    torch.testing.assert_close(t.weights, w, rtol=0, atol=0)
+    assert not torch.equal(w, interq_weights(old, ro, pm, vm)[0])  # the keywords were used
+
+
 def test_registered_arms_pickle():
     import pickle
 

@@ -322,20 +322,65 @@ def test_other_experiments_do_not_see_the_new_one():
     assert keys_old < keys_new and {k.split("/")[0] for k in keys_new - keys_old} == {"capability"}
 
 
+def _test_rows(*rows):
+    """Rows of ``capability_test``: (C, target, lo, hi, pu_hi, band) each (the columns the verdicts read)."""
+    return pd.DataFrame([{"C": C, "target": t, "lo": lo, "hi": hi, "pu_hi": pu_hi, "band": band,
+                          "per_turn-shuffled": (lo + hi) / 2, "per_turn-uniform": pu_hi - 0.001, "pu_lo": pu_hi - 0.002}
+                         for C, t, lo, hi, pu_hi, band in rows])
+
+
 def test_each_capability_verdict_holds_fails_or_is_not_judged():
     from creditlab.labs.coverage.capability import capability_verdict, verdict_below, verdict_equivalent, verdict_null
 
     nan = float("nan")
-    assert verdict_null(-0.01, 0.02) == "holds" and verdict_null(0.001, 0.02) == "fails"
-    assert verdict_null(nan, nan) == "not judged"  # one seed: no interval (it read as 'does not hold')
-    assert verdict_below(-0.001) == "holds" and verdict_below(0.0) == "fails" and verdict_below(nan) == "not judged"
-    assert verdict_equivalent(-0.01, 0.01, 0.02) == "holds" and verdict_equivalent(-0.03, 0.01, 0.02) == "fails"
-    assert verdict_equivalent(-0.01, 0.01, -0.02) == "fails"  # an empty band: uniform <= binary
-    assert verdict_equivalent(-0.01, 0.01, nan) == "not judged"
+
+    def one(lo, hi, pu_hi=0.5, band=0.02, target=0.25):
+        return _test_rows((6, target, lo, hi, pu_hi, band))
+
+    assert verdict_null(one(-0.01, 0.02)) == "holds" and verdict_null(one(0.001, 0.02)) == "fails"
+    assert verdict_null(one(nan, nan)) == "not judged"  # one seed: no interval (it read as 'does not hold')
+    assert verdict_null(_test_rows()) == "not judged"  # no point
+    assert verdict_below(one(0, 0, pu_hi=-0.001)) == "holds" and verdict_below(one(0, 0, pu_hi=0.0)) == "fails"
+    assert verdict_below(one(0, 0, pu_hi=nan)) == "not judged"
+    assert verdict_equivalent(one(-0.01, 0.01)) == "holds" and verdict_equivalent(one(-0.03, 0.01)) == "fails"
+    assert verdict_equivalent(one(-0.01, 0.01, band=-0.02)) == "fails"  # an empty band: uniform <= binary
+    assert verdict_equivalent(one(-0.01, 0.01, band=nan)) == "not judged"
+    # at every C: fails where one C fails, holds where every C holds
+    both = _test_rows((6, 0.25, -0.01, 0.02, 0.5, 0.02), (8, 0.25, 0.001, 0.02, 0.5, 0.02))
+    assert verdict_null(both) == "fails" and verdict_null(both.iloc[:1]) == "holds"
+    assert verdict_null(_test_rows((6, 0.25, -0.01, 0.02, 0.5, 0.02), (8, 0.25, nan, nan, 0.5, 0.02))) == "not judged"
     # 25%: prediction 1; 70%: predictions 2 and 3 together; any other target predicts nothing
-    assert capability_verdict(0.25, -0.01, 0.02, 0.5, 0.02) == "holds"
-    assert capability_verdict(0.70, -0.01, 0.01, -0.001, 0.02) == "holds"
-    assert capability_verdict(0.70, -0.01, 0.01, 0.001, 0.02) == "fails"  # per_turn not below uniform
-    assert capability_verdict(0.70, -0.03, 0.01, nan, 0.02) == "fails"  # outside the band decides it
-    assert capability_verdict(0.70, -0.01, 0.01, nan, 0.02) == "not judged"
-    assert capability_verdict(0.5, -0.01, 0.01, -0.001, 0.02) == "not judged"
+    assert capability_verdict(one(-0.01, 0.02, 0.5, 0.02)) == "holds"
+    assert capability_verdict(one(-0.01, 0.01, -0.001, 0.02, 0.70)) == "holds"
+    assert capability_verdict(one(-0.01, 0.01, 0.001, 0.02, 0.70)) == "fails"  # per_turn not below uniform
+    assert capability_verdict(one(-0.03, 0.01, nan, 0.02, 0.70)) == "fails"  # outside the band decides it
+    assert capability_verdict(one(-0.01, 0.01, nan, 0.02, 0.70)) == "not judged"
+    assert capability_verdict(one(-0.01, 0.01, -0.001, 0.02, 0.5)) == "not judged"
+
+
+def test_the_capability_predictions_are_judged_at_the_points_that_pass_their_gate():
+    from creditlab.lab.experiment import predictions_table
+    from creditlab.lab.protocol import Table
+    from creditlab.labs.coverage.capability import CAPABILITY_STATED, EXPERIMENT
+
+    test = _test_rows((6, 0.25, -0.01, 0.02, 0.5, 0.02), (8, 0.25, -0.02, 0.01, 0.5, 0.02),
+                      (6, 0.70, -0.01, 0.01, -0.001, 0.02), (8, 0.70, -0.03, 0.01, -0.002, 0.02))
+
+    def judged(failed=()):
+        gate = pd.DataFrame([{"C": C, "target": t, "gate": "fail" if (C, t) in failed else "pass"}
+                             for C in (6, 8) for t in (0.25, 0.70)])
+        tabs = {"capability_test": Table(test, "t"), "capability_gate": Table(gate, "g")}
+        return predictions_table([("capability", p) for p in EXPERIMENT.predictions], tabs)
+
+    t = judged()
+    assert list(t["prediction"].str.split(":").str[0]) == ["1", "2", "3"]
+    assert list(t["verdict"]) == ["holds", "holds", "fails"]  # 3: C=8's interval reaches past the band
+    assert t["measured"].iloc[0] == "C=6: +0.0050 [-0.0100, +0.0200]; C=8: -0.0050 [-0.0200, +0.0100]"
+    assert t["measured"].iloc[2].endswith("C=8: -0.0100 [-0.0300, +0.0100], band +/-0.02")
+    gated = judged(failed={(8, 0.25)})  # a point that fails its gate is not counted as tested
+    assert gated["verdict"].iloc[0] == "not judged" and "C=8: -0.0050 [-0.0200, +0.0100] (gate failed" in gated[
+        "measured"].iloc[0]
+    assert judged(failed={(8, 0.70)})["verdict"].iloc[2] == "not judged"  # held at C=6, C=8 not tested
+    assert judged(failed={(6, 0.70)})["verdict"].iloc[2] == "fails"  # C=8 passes its gate and fails it there
+    assert predictions_table([("capability", p) for p in EXPERIMENT.predictions], {}).empty  # did not run
+    assert EXPERIMENT.predictions_text(CoverageConfig()) == CAPABILITY_STATED

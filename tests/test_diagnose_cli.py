@@ -66,3 +66,26 @@ def test_the_shipped_example_reads_as_documented(tmp_path):
     assert statuses["mismatch.placeholder_logprobs"] == "ok" and statuses["credit.mixing"] == "skipped"
     for c in js["checks"]:  # the documented verdict table of the example is the one it produces
         assert f"| `{c['id']}` | {c['status']} |" in doc, c["id"]
+
+
+def test_max_turns_changes_no_verdict_of_the_shipped_example(tmp_path):
+    """The example's trajectories have 5 turns: below --max-turns or above it, every check gives the
+    value and status of the documented table; below, the prefix-drift plot says what it leaves out."""
+    from creditlab.diagnose.checks import format_value
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "diagnose.md").read_text()
+    got = {}
+    for m in (2, 16, 64):
+        assert _code(["diagnose", str(EXAMPLE), "--out", str(tmp_path / f"m{m}"), "--quiet", "--max-turns",
+                      str(m)]) == 0
+        js = json.loads((tmp_path / f"m{m}" / "diagnose.json").read_text())
+        got[m] = {c["id"]: c for c in js["checks"]}
+    for cid, c in got[16].items():
+        assert f"| `{cid}` | {c['status']} | {format_value(c['value'])} |" in doc, cid
+        for m in (2, 64):
+            assert (got[m][cid]["status"], got[m][cid]["value"]) == (c["status"], c["value"]), (cid, m)
+    drift = {m: got[m]["mismatch.prefix_drift"] for m in got}
+    assert drift[16]["message"] == drift[64]["message"] and drift[16]["details"]["turns_not_drawn"] == 0
+    assert drift[2]["details"]["turns_not_drawn"] == 3
+    assert drift[2]["message"].endswith("The plot draws turns 0-1 (--max-turns 2); the 3 later turns with 20+ "
+                                        "tokens (turns 2-4) are left out of it, not of the value.")

@@ -22,7 +22,7 @@ import pytest
 from creditlab.cli.main import main
 from creditlab.diagnose import read_dump, run_checks, write_dump
 from creditlab.errors import ConfigError, InputError
-from diagnose_synth import CHAIN_TURNS, clean_rows, trend_rows
+from diagnose_synth import CHAIN_TURNS, clean_rows, token_row, trend_rows
 
 
 def _cli(argv, capsys) -> tuple[int, str]:
@@ -456,6 +456,48 @@ def test_prefix_drift_that_shrinks_says_shrinks(tmp_path, capsys):
     assert r["status"] == "ok"
     assert r["message"].startswith("The RMS prefix log ratio shrinks from 0.178 at turn 0 to 0.092 nats at turn 1")
     assert "grows" not in r["message"]
+
+
+def _long_rows(turns: int = 30, late_from: int = 16, late_bias: float = 0.05) -> list[dict]:
+    """Trajectories of ``turns`` turns of 24 policy tokens with a small mismatch, and a bias from turn
+    ``late_from`` on that makes the prefix log ratio grow after it."""
+    rng = np.random.default_rng(4)
+    rows = []
+    for i in range(32):
+        row = token_row(rng, [24] * turns, noise=0.02)
+        late = np.asarray(row["policy_mask"]) & (np.asarray(row["turn_ids"]) >= late_from)
+        row["rollout_logprobs"] = (np.asarray(row["rollout_logprobs"]) - late_bias * late).tolist()
+        rows.append({"step": i % 8, "group": i // 4, "reward": float(i % 2), **row})
+    return rows
+
+
+def test_prefix_drift_reads_every_turn_whatever_max_turns_draws(tmp_path, capsys):
+    """A 30-turn dump whose drift grows after turn 16: the value is read at its last turn (29) with the
+    default --max-turns 16 as with --max-turns 32; --max-turns only limits the plot, and the report says
+    which turns it leaves out."""
+    dump = write_dump(_long_rows(), tmp_path / "long.jsonl")
+    got = {}
+    for m in (16, 32):
+        code, js, err = _diag(dump, tmp_path / f"o{m}", capsys, "--check", "mismatch.prefix_drift", "--max-turns", m)
+        got[m] = (code, _checks(js)["mismatch.prefix_drift"])
+        assert (tmp_path / f"o{m}" / "prefix_by_turn.png").exists()
+    (c16, r16), (c32, r32) = got[16], got[32]
+    assert c16 == c32 == 1 and r16["status"] == r32["status"] == "fail"
+    assert r16["value"] == r32["value"] > 8.1 and r16["details"]["turn_last"] == r32["details"]["turn_last"] == 29
+    assert r16["details"]["turns"] == 30 and r16["details"]["turns_not_drawn"] == 14
+    assert r16["message"].endswith("The plot draws turns 0-15 (--max-turns 16); the 14 later turns with 20+ "
+                                   "tokens (turns 16-29) are left out of it, not of the value.")
+    assert r32["details"]["turns_not_drawn"] == 0 and "--max-turns" not in r32["message"]
+    report = (tmp_path / "o16" / "report.md").read_text()
+    assert "the 14 later turns with 20+ tokens (turns 16-29) are left out of it" in report
+    # sparse turn ids far apart are read too, without a table as long as the largest id
+    rows = _long_rows(turns=3, late_from=1, late_bias=0.3)
+    for r in rows:
+        r["turn_ids"] = [{0: 0, 1: 40, 2: 10**9}.get(t, -1) for t in r["turn_ids"]]
+    code, js, _ = _diag(write_dump(rows, tmp_path / "sparse.jsonl"), tmp_path / "os", capsys,
+                        "--check", "mismatch.prefix_drift")
+    r = _checks(js)["mismatch.prefix_drift"]
+    assert r["details"]["turn_last"] == 10**9 and "(turns 40 and 1000000000) are left out of it" in r["message"]
 
 
 def test_a_new_file_holding_only_a_torn_line_is_skipped(tmp_path, capsys):

@@ -10,6 +10,7 @@ import gzip
 import json
 import os
 import shutil
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -222,6 +223,82 @@ def test_a_gzip_file_is_read_whatever_its_name_and_other_compressions_are_named(
     binary.write_bytes(b'{"step": 0}\n\xff\xfe\x00')
     code, js, err = _diag(binary, tmp_path / "o4", capsys)
     assert code == 2 and f"{binary}: line 2: not UTF-8 text (byte 0xff): not a JSONL dump" in err
+
+
+def _members(rows: list[dict], *cuts: int) -> tuple[list[bytes], list[list[str]]]:
+    """The rows' JSONL lines in gzip members, the first ``cuts[0]`` lines in the first member, ..."""
+    lines = [json.dumps(r) + "\n" for r in rows]
+    edges = [0, *cuts, len(lines)]
+    parts = [lines[a:b] for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    return [gzip.compress("".join(p).encode(), mtime=0) for p in parts], parts
+
+
+def _whole_lines(data: bytes) -> int:
+    """Complete lines in the text a cut-off gzip member gives up to its cut."""
+    d = zlib.decompressobj(31)
+    return (d.decompress(data) + d.flush()).count(b"\n")
+
+
+def _cut_row(data: bytes) -> bool:
+    """Whether the text a cut-off gzip member gives up to its cut ends in a row cut in two."""
+    d = zlib.decompressobj(31)
+    text = d.decompress(data) + d.flush()
+    return bool(text) and not text.endswith(b"\n")
+
+
+def test_a_gzip_file_cut_off_and_appended_to_reads_every_row_of_every_member(tmp_path, capsys):
+    """A writer killed mid-member, then another appending a new member: every complete row of every
+    member is read, and a warning says where each cut is and what was read, wherever the cut falls (in
+    the header, the compressed rows, the trailer)."""
+    rows = clean_rows(steps=4, tokens=False)  # 128 rows
+    (m1, m2, m3), parts = _members(rows, 40, 90)
+    older = tmp_path / "older.jsonl"  # the newest file of the input is the gzip one
+    write_dump(clean_rows(seed=5, steps=2, tokens=False), older)
+    _age(older)
+    for k, cut in enumerate([5, len(m1) // 7, len(m1) // 3, len(m1) // 2, len(m1) - 30, len(m1) - 4]):
+        f = tmp_path / f"cut{k}" / "rollouts.jsonl.gz"
+        f.parent.mkdir()
+        f.write_bytes(m1[:cut] + m2 + m3)
+        code, js, err = _diag(f, tmp_path / f"o{k}", capsys)
+        before = _whole_lines(m1[:cut])
+        assert code == 0 and js["input"]["trajectories"] == before + len(parts[1]) + len(parts[2]), (cut, err)
+        assert len(js["warnings"]) == 1 and err.count("warning:") == 1, (cut, err)
+        w = js["warnings"][0]
+        assert (f"gzip member 1 of 3 (bytes 0-{cut:,}) is cut off at byte {cut:,} and followed by a new member" in w
+                and f"the {before} rows before the cut and the {len(parts[1]) + len(parts[2])} rows after it "
+                    "were read" in w), (cut, w)
+        assert (f"line {before + 1}, the row the cut falls in, was skipped" in w) == _cut_row(m1[:cut]), (cut, w)
+        assert ("none of its text is in the file" in w) == (cut == 5), (cut, w)
+    # two cuts, then a member still being written: each cut named, the last member's rows up to its cut read
+    f = tmp_path / "twice" / "rollouts.jsonl.gz"
+    f.parent.mkdir()
+    a, b, c = len(m1) // 2, len(m2) // 3, len(m3) // 2
+    f.write_bytes(m1[:a] + m2[:b] + m3[:c])
+    code, js, err = _diag(f, tmp_path / "o-twice", capsys)
+    n1, n2, n3 = _whole_lines(m1[:a]), _whole_lines(m2[:b]), _whole_lines(m3[:c])
+    assert code == 0 and js["input"]["trajectories"] == n1 + n2 + n3, err
+    w = js["warnings"]
+    assert f"gzip member 1 of 3 (bytes 0-{a:,}) is cut off" in w[0] and f"line {n1 + 1}, the row" in w[0]
+    assert f"gzip member 2 of 3 (bytes {a:,}-{a + b:,}) is cut off" in w[1]
+    assert f"line {n1 + n2 + n3 + 3} is incomplete" in w[2]  # the two cut-off rows before it keep their lines
+    assert f"the gzip stream is cut off at byte {a + b + c:,} (in its last member, from byte {a + b:,})" in w[3]
+    assert "probably still being written" in w[3] and f"({n1 + n2 + n3}) were read" in w[3]
+    # bytes that are no gzip data between members: named, the rows around them read
+    f = tmp_path / "junk" / "rollouts.jsonl.gz"
+    f.parent.mkdir()
+    f.write_bytes(m1 + b"not gzip " * 8 + m2 + m3 + b"\0" * 64)  # zero padding at the end is gzip's own
+    code, js, err = _diag(f, tmp_path / "o-junk", capsys)
+    assert code == 0 and js["input"]["trajectories"] == len(rows)
+    assert js["warnings"] == [f"{f}: bytes {len(m1):,}-{len(m1) + 72:,} (72 bytes) are not readable gzip data (no "
+                              "gzip header there) and were not read: any rows in them are lost (a file damaged on "
+                              "disk, or written into by something else)."]
+    # nothing readable: one line, exit 2
+    f = tmp_path / "bad" / "rollouts.jsonl.gz"
+    f.parent.mkdir()
+    f.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)) * 8)
+    code, js, err = _diag(f, tmp_path / "o-bad", capsys)
+    assert code == 2 and js is None and err.startswith(f"error: {f}: cannot be read: not a readable gzip stream")
+    assert "Traceback" not in err and err.count("error:") == 1
 
 
 # ------------------------------------------------------------------------------------------------

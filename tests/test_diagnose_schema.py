@@ -44,6 +44,47 @@ def test_every_format_reads_back_the_same_dump(tmp_path, name):
     assert d.group_labels == ["prompt-0", "prompt-1"]
 
 
+def _as_arrays(rows):
+    """The rows with torch tensors and numpy values where a trainer has them."""
+    out = []
+    for r in rows:
+        r = dict(r)
+        r["step"] = torch.tensor(r["step"])
+        r["reward"] = np.float32(r["reward"])
+        r["logprobs"] = torch.tensor(r["logprobs"], dtype=torch.float64)
+        r["rollout_logprobs"] = np.asarray(r["rollout_logprobs"])
+        r["policy_mask"] = torch.tensor(r["policy_mask"])
+        r["turn_ids"] = np.asarray(r["turn_ids"], dtype=np.int64)
+        r["precision"] = torch.tensor(r["precision"], dtype=torch.float64)
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.jsonl.gz", "d.parquet", "dir"])
+def test_tensors_and_numpy_values_are_written_in_every_format(tmp_path, name):
+    rows = _rows()
+    ref = read_dump(write_dump(rows, tmp_path / "ref.jsonl"))
+    d = read_dump(write_dump(_as_arrays(rows), tmp_path / name))
+    for f in ("step", "group", "reward"):
+        assert np.array_equal(getattr(d, f), getattr(ref, f)), f
+    for f in ("offsets", "logprobs", "rollout_logprobs", "policy_mask", "turn_ids"):
+        assert np.array_equal(getattr(d.tokens, f), getattr(ref.tokens, f)), f
+    assert np.array_equal(d.scalars["precision"], ref.scalars["precision"])
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.jsonl.gz", "d.parquet", "dir"])
+def test_writing_no_rows_is_refused_and_leaves_the_dump_readable(tmp_path, name):
+    path = tmp_path / name
+    with pytest.raises(InputError, match=r"^write_dump: no rows to write to .* \(an empty list, or an iterator "
+                                         r"already used up\); nothing was written$"):
+        write_dump([], path)
+    assert not path.exists()
+    write_dump(clean_rows(steps=1), path)
+    with pytest.raises(InputError, match="no rows to write"):
+        write_dump(iter(()), path)
+    assert len(read_dump(path)) == 32  # nothing added that would make the dump unreadable
+
+
 def test_a_directory_collects_parts_in_natural_order_and_files_combine(tmp_path):
     for s in (10, 2):
         write_dump([r for r in clean_rows(steps=1) if not r.update(step=s)], tmp_path / "run")

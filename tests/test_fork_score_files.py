@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from cli_inproc import run_inproc
 from creditlab.judge.testing import ChatServer
-from test_cli_mistakes import GOOD, _cli, _inproc, _one_line_error, _write
+from test_cli_mistakes import GOOD, _cli, _one_line_error, _write
 
 REQUESTS = 5  # a GOOD item costs one request per stage: unitize, coverage, match, correctness, threshold
 
@@ -82,7 +83,7 @@ def test_a_second_writer_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_pat
             # naming the run; the dead URL shows that it never got as far as the judge's preflight
             for other, extra in ((out, ()), (tmp_path / "x" / ".." / "out.jsonl", ("--force",))):
                 t0 = time.monotonic()
-                r = _inproc(*_args("http://127.0.0.1:9/v1", shard2, other, *extra))
+                r = run_inproc(*_args("http://127.0.0.1:9/v1", shard2, other, *extra))
                 _one_line_error(r, "--out", "is being written by another run", f"pid {first.pid}", "shard1.jsonl",
                                 "--force does not override")
                 assert time.monotonic() - t0 < 10  # at once: no waiting for the lock
@@ -95,7 +96,7 @@ def test_a_second_writer_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_pat
         before = _whole_rows(out)
         assert 1 <= len(before) < 40
         srv.reset(latency=0.0)
-        r = _inproc(*_args(srv.url, inp, out, "--concurrency", "2"))
+        r = run_inproc(*_args(srv.url, inp, out, "--concurrency", "2"))
         assert r.returncode == 0, r.stderr
         err = _flat(r.stderr)
         assert f"taking over the lock left by pid {first.pid}" in err and "no longer holds it" in err
@@ -114,13 +115,13 @@ def test_a_cut_off_last_line_is_set_aside_and_its_item_rescored(server, tmp_path
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(inp, _items(3))
     server.reset()
-    assert _inproc(*_args(server.url, inp, out)).returncode == 0
+    assert run_inproc(*_args(server.url, inp, out)).returncode == 0
     lines = out.read_bytes().splitlines(keepends=True)
     half = lines[2][: len(lines[2]) // 2]
     damaged = b"".join(lines[:2]) + {"cut": half, "garbled": half + b"\n", "no_newline": lines[2][:-1]}[damage]
     out.write_bytes(damaged)
     server.reset()
-    r = _inproc(*_args(server.url, inp, out))
+    r = run_inproc(*_args(server.url, inp, out))
     assert r.returncode == 0, r.stderr
     err = _flat(r.stderr)
     torn = tmp_path / "out.jsonl.torn"
@@ -154,7 +155,7 @@ def test_an_out_that_is_not_a_results_file_is_refused_and_left_untouched(server,
     out.write_bytes(content)
     server.reset()
     for extra in ((), ("--force",)):
-        run = _cli if (kind, extra) == ("parquet", ()) else _inproc  # one real process: no traceback
+        run = _cli if (kind, extra) == ("parquet", ()) else run_inproc  # one real process: no traceback
         r = run(*_args(server.url, inp, out, *extra))
         _one_line_error(r, "--out", "is not a fork-score results file", why, "--force never overwrites")
         assert out.read_bytes() == content
@@ -166,7 +167,7 @@ def test_an_out_that_is_a_device_is_refused(server, tmp_path):
     inp = tmp_path / "in.jsonl"
     _write(inp, _items(1))
     server.reset()
-    _one_line_error(_inproc(*_args(server.url, inp, "/dev/null")), "--out", "is not a regular file")
+    _one_line_error(run_inproc(*_args(server.url, inp, "/dev/null")), "--out", "is not a regular file")
     assert server.stats["requests"] == 0
 
 
@@ -181,14 +182,14 @@ def test_a_bad_cache_path_is_a_one_line_error_before_anything_is_written(server,
              (tmp_path / "cachedir", "is a directory"), (tmp_path / "fake.sqlite", "cannot be opened as a SQLite")]
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     for k, (cache, needle) in enumerate(cases):
-        _one_line_error((_cli if k == 2 else _inproc)(*_args(server.url, inp, out, "--cache", cache)),
+        _one_line_error((_cli if k == 2 else run_inproc)(*_args(server.url, inp, out, "--cache", cache)),
                         "--cache", needle)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
     assert not out.exists() and server.stats["requests"] == 0
     # --cache == --out is refused also when --out holds rows (and the rows stay)
-    assert _inproc(*_args(server.url, inp, out)).returncode == 0
+    assert run_inproc(*_args(server.url, inp, out)).returncode == 0
     rows = out.read_bytes()
-    _one_line_error(_inproc(*_args(server.url, inp, out, "--cache", out)), "--cache", "is also --out")
+    _one_line_error(run_inproc(*_args(server.url, inp, out, "--cache", out)), "--cache", "is also --out")
     assert out.read_bytes() == rows
 
 
@@ -250,7 +251,7 @@ def test_ctrl_c_keeps_finished_rows_and_a_rerun_sends_only_what_is_missing(tmp_p
     _write(inp, _items(n))
     with ChatServer(latency=0.04) as srv:
         args = _args(srv.url, inp, out, "--concurrency", concurrency)
-        assert _inproc(*_args(srv.url, inp, ref, "--concurrency", concurrency)).returncode == 0
+        assert run_inproc(*_args(srv.url, inp, ref, "--concurrency", concurrency)).returncode == 0
         uninterrupted = srv.stats["requests"]
         assert uninterrupted == REQUESTS * n
         srv.reset()
@@ -266,7 +267,7 @@ def test_ctrl_c_keeps_finished_rows_and_a_rerun_sends_only_what_is_missing(tmp_p
         assert f"interrupted (SIGINT): {len(kept)} row(s) written to {out}" in err
         assert f"{len(kept)} of {n} items have a row" in err and "rerun the same command" in err
         interrupted = srv.stats["requests"]
-        r = _inproc(*args)
+        r = run_inproc(*args)
         assert r.returncode == 0, r.stderr
         resumed = srv.stats["requests"] - interrupted
     assert resumed == REQUESTS * (n - len(kept))
@@ -278,7 +279,7 @@ def test_ctrl_c_keeps_finished_rows_and_a_rerun_sends_only_what_is_missing(tmp_p
 
 
 def test_force_says_what_it_overrides_and_what_it_never_does():
-    r = _inproc("fork", "score", "--help")
+    r = run_inproc("fork", "score", "--help")
     text = _flat(r.stdout.replace("│", " "))  # rich draws the options in a box
     assert "--force" in text and "other settings" in text
     assert "never overrides the lock of a run still writing --out" in text

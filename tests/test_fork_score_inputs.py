@@ -15,11 +15,12 @@ import time
 
 import pytest
 
+from cli_inproc import run_inproc
 from creditlab.errors import ConfigError, InputError
 from creditlab.judge import OpenAIJudge
 from creditlab.judge.testing import ChatServer
 from creditlab.rewards import ForkItem, FORKReward, Rubric, iter_jsonl_items, parse_item
-from test_cli_mistakes import GOOD, _cli, _inproc, _one_line_error, _write
+from test_cli_mistakes import GOOD, _cli, _one_line_error, _write
 
 REQUESTS = 5  # a GOOD item costs one request per stage
 
@@ -30,7 +31,7 @@ def server():
         yield srv
 
 
-def _score(url, inp, out, *extra, run=_inproc):
+def _score(url, inp, out, *extra, run=run_inproc):
     return run("fork", "score", "--in", inp, "--out", out, "--base-url", url, "--timeout", "5", "--max-retries", "0",
                *extra)
 
@@ -160,7 +161,7 @@ def test_out_of_range_options_are_refused_up_front(server, tmp_path, flag, value
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(inp, [GOOD])
     requests = server.stats["requests"]
-    r = _score(server.url, inp, out, flag, value, run=_cli if value == "inf" and flag == "--beta" else _inproc)
+    r = _score(server.url, inp, out, flag, value, run=_cli if value == "inf" and flag == "--beta" else run_inproc)
     _one_line_error(r, needle)
     assert not out.exists() and server.stats["requests"] == requests
 
@@ -284,8 +285,8 @@ def test_a_slow_judge_fails_the_slow_items_as_timeouts_and_is_not_taken_as_down(
     _write(inp, fast + slow)
     with _SlowOnSome() as srv:
         t0 = time.monotonic()
-        r = _inproc("fork", "score", "--in", inp, "--out", out, "--base-url", srv.url, "--timeout", "1",
-                    "--max-retries", "1")
+        r = run_inproc("fork", "score", "--in", inp, "--out", out, "--base-url", srv.url, "--timeout", "1",
+                       "--max-retries", "1")
         took = time.monotonic() - t0
     assert r.returncode == 1
     _no_traceback(r)
@@ -320,7 +321,7 @@ def test_base_url_and_model_mistakes_are_named_with_the_fix(tmp_path):
     _write(inp, [GOOD])
     dead = _dead_url()  # a URL with a route is refused before any connection
     for route in ("/chat/completions", "/models"):
-        r = _inproc("fork", "score", "--in", inp, "--out", out, "--base-url", dead + route)
+        r = run_inproc("fork", "score", "--in", inp, "--out", out, "--base-url", dead + route)
         _one_line_error(r, "--base-url", f"ends with {route}", f"e.g. {dead} ")
     with pytest.raises(ConfigError, match="ends with /chat/completions"):
         OpenAIJudge(dead + "/chat/completions", "m")
@@ -328,10 +329,10 @@ def test_base_url_and_model_mistakes_are_named_with_the_fix(tmp_path):
         root = srv.url[: -len("/v1")]
         r = _cli("fork", "score", "--in", inp, "--out", out, "--base-url", root, "--model", "served-model")
         _one_line_error(r, "--base-url", f"{root}/v1/models answers", f"--base-url {root}/v1")
-        r = _inproc("fork", "score", "--in", inp, "--out", out, "--base-url", srv.url, "--model", "judge")
+        r = run_inproc("fork", "score", "--in", inp, "--out", out, "--base-url", srv.url, "--model", "judge")
         _one_line_error(r, "--model", "does not serve model 'judge'", "lists 'served-model'", "--model served-model",
                         "--no-preflight")
         assert srv.stats["requests"] == 0 and not out.exists()  # nothing was scored
-        r = _inproc("fork", "score", "--in", inp, "--out", out, "--base-url", srv.url, "--model", "served-model")
+        r = run_inproc("fork", "score", "--in", inp, "--out", out, "--base-url", srv.url, "--model", "served-model")
         assert r.returncode == 0, r.stderr
         assert _rows(out)["good"]["reward"] == 1.0

@@ -1,6 +1,6 @@
 """The fork lab's prediction verdicts (creditlab.labs.fork.verdicts) on hand-made tables: each rule
-gives holds, fails and not judged where it should, and docs/fork.md's verdicts are what the rules give
-on the page's own tables."""
+gives holds, fails and not judged where it should, the experiments' predictions make the lab's
+``fork_predictions`` table, and docs/fork.md's verdicts are what the rules give on the page's own tables."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from creditlab.lab.experiment import Verdict
+from creditlab.lab.experiment import PREDICTION_COLUMNS, Verdict, predictions_table
 from creditlab.lab.protocol import Table
+from creditlab.labs.fork import LAB
 from creditlab.labs.fork import verdicts as v
 
 H, F, N = Verdict.HOLDS, Verdict.FAILS, Verdict.NOT_JUDGED
@@ -120,12 +121,52 @@ def test_prediction_5_split_by_setting(recall, expected):
     assert v.verdict_pitfalls_split(pitfalls({0: UP, 1: UP}, recall)) is expected
 
 
+def _judged(tabs) -> pd.DataFrame:
+    """The lab's predictions table on ``tabs``: every experiment's predictions, in the order of its table."""
+    return predictions_table([(e.name, p) for e in LAB.experiments for p in e.predictions], tabs)
+
+
+def _label(prediction: str) -> str:
+    return prediction.split(":")[0]
+
+
 def test_the_predictions_table_has_a_row_per_prediction_whose_experiment_ran():
     w, d = winrate(0.861, 0.442, 0.418, 0.367, 0.469)
-    t = v.predictions_table({"fork_winrate": Table(w, ""), "fork_winrate_paired": Table(d, "")})
-    assert list(t["prediction"]) == ["4"] and list(t["verdict"]) == ["holds"]
+    t = _judged({"fork_winrate": Table(w, ""), "fork_winrate_paired": Table(d, "")})
+    assert list(t.columns) == list(PREDICTION_COLUMNS) and LAB.predictions_name == "fork_predictions"
+    assert list(t["experiment"]) == ["winrate"] and list(t["verdict"]) == ["holds"]
+    assert t["prediction"].iloc[0].startswith("4: win rate: FORK >= 0.75")
     assert "fork - recall +0.418 [+0.367, +0.469]" in t["measured"].iloc[0]
-    assert v.predictions_table({}).empty
+    assert _judged({}).empty
+    pit = _judged({"fork_pitfalls": Table(pitfalls({0: UP, 1: UP}, {0: DOWN, 1: UP}), "")})
+    assert [_label(p) for p in pit["prediction"]] == ["5 (FORK)", "5 (split)"] and set(pit["verdict"]) == {"holds"}
+
+
+@pytest.mark.parametrize(("judge", "tables", "expected"), [
+    (v.judge_lead_over_recall, {"fork_noise_paired": paired(both("recall", {"all": (0.1, 0.3)}))}, H),
+    (v.judge_lead_over_recall, {"fork_noise_paired": paired(both("recall", {"all": (-0.3, -0.1)}))}, F),
+    (v.judge_lead_over_recall, {}, N),
+    (v.judge_mean_within_noise, {"fork_noise_paired": paired(both("mean", {"all": (-0.01, 0.02)}))}, H),
+    (v.judge_mean_within_noise, {"fork_noise_paired": paired(both("mean", {"all": (0.01, 0.02)}))}, F),
+    (v.judge_mean_within_noise, {}, N),
+    (v.judge_noise_cost, {"fork_noise": noise(0.766, 0.758)}, H),
+    (v.judge_noise_cost, {"fork_noise": noise(0.766, 0.70)}, F),
+    (v.judge_noise_cost, {}, N),
+    (v.judge_pitfalls_fork, {"fork_pitfalls": pitfalls({0: UP}, {0: DOWN})}, H),
+    (v.judge_pitfalls_fork, {"fork_pitfalls": pitfalls({0: DOWN}, {0: DOWN})}, F),
+    (v.judge_pitfalls_split, {"fork_pitfalls": pitfalls({0: UP}, {0: UP})}, F),
+    (v.judge_pitfalls_split, {}, N),
+])
+def test_each_prediction_is_judged_on_the_runs_tables(judge, tables, expected):
+    assert judge({k: Table(f, k) for k, f in tables.items()}) is expected
+
+
+def test_the_win_rate_prediction_is_judged_on_the_runs_tables():
+    w, d = winrate(0.861, 0.442, 0.418, 0.367, 0.469)
+    assert v.judge_win_rate({"fork_winrate": Table(w, ""), "fork_winrate_paired": Table(d, "")}) is H
+    w, d = winrate(0.70, 0.442, 0.258, 0.2, 0.3)
+    assert v.judge_win_rate({"fork_winrate": Table(w, ""), "fork_winrate_paired": Table(d, "")}) is F
+    assert v.judge_win_rate({"fork_winrate": Table(w, "")}) is N
 
 
 # ------------------------------------------------------------------------------------------------
@@ -168,12 +209,13 @@ def test_docs_fork_predictions_table_is_what_the_rules_give_on_the_pages_tables(
             "fork_winrate": _last(frames, ["arm", "win_rate"]),
             "fork_winrate_paired": _last(frames, ["diff", "metric", "mean"]),
             "fork_pitfalls": _last(frames, ["pitfall_points", "arm", "absence"])}
-    computed = v.predictions_table({k: Table(f, "") for k, f in tabs.items()})
-    shown = _last(frames, ["prediction", "claim", "measured", "verdict"])
+    computed = _judged({k: Table(f, "") for k, f in tabs.items()})
+    shown = _last(frames, list(PREDICTION_COLUMNS))
+    assert list(shown["experiment"]) == list(computed["experiment"])
     assert list(shown["prediction"].astype(str)) == list(computed["prediction"])
     assert list(shown["verdict"]) == list(computed["verdict"])
     assert list(shown["measured"]) == list(computed["measured"])
     # the prose list under the table says the same
     text = DOC.read_text(encoding="utf-8")
-    for label, verdict in zip(computed["prediction"], computed["verdict"], strict=True):
-        assert re.search(rf"\| {re.escape(label)} \|[^\n]*\| {verdict} \|", text), (label, verdict)
+    for label, verdict in zip(computed["prediction"].map(_label), computed["verdict"], strict=True):
+        assert re.search(rf"\| {re.escape(label)}: [^\n]*\| {verdict} \|", text), (label, verdict)

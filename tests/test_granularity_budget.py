@@ -13,10 +13,10 @@ import torch
 
 from creditlab.envs.toolshop import TurnRecord, make_task, run_scripted
 from creditlab.errors import ConfigError
-from creditlab.lab.experiment import Verdict
+from creditlab.lab.experiment import Verdict, predictions_table
 from creditlab.lab.protocol import Table
 from creditlab.labs.granularity import LAB, GranularityConfig, budget
-from creditlab.labs.granularity._common import predictions_table, setting_of
+from creditlab.labs.granularity._common import setting_of
 from creditlab.labs.granularity.world import farm_stats, process_scores
 from creditlab.train.toolshop_rollout import RolloutBatch
 
@@ -179,9 +179,10 @@ def test_b3_grpo_is_not_hurt_by_the_long_budget():
 
 
 def test_the_predictions_table_writes_the_budget_verdicts():
-    p = predictions_table(list(budget.PREDICTIONS), _tabs(trunc=(0.3, -0.1, 0.7)))
+    p = predictions_table([("budget", p) for p in budget.PREDICTIONS], _tabs(trunc=(0.3, -0.1, 0.7)))
     said = {c.split(":")[0]: v for c, v in zip(p["prediction"], p["verdict"], strict=True)}
-    assert said == {"B1": "not resolved (interval spans 0)", "B2": "holds", "B3": "holds"}
+    assert said == {"B1": "not judged (not resolved: the interval spans 0)", "B2": "holds", "B3": "holds"}
+    assert set(p["experiment"]) == {"budget"}
     assert "fixed-λ truncation 40%" in p["measured"].iloc[0]
 
 

@@ -21,7 +21,7 @@ from creditlab.labs.granularity import (
 )
 from creditlab.rewards.process import evidence_scores
 from creditlab.train.opsd import correct_actions, teacher_contexts, teacher_logits, train_opsd
-from creditlab.train.toolshop_base import BaseConfig, base_policy
+from creditlab.train.toolshop_base import BaseConfig
 from creditlab.train.toolshop_grpo import GRPOConfig
 from creditlab.train.toolshop_rollout import make_tasks, rollout
 
@@ -34,21 +34,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory, one_thread):
-    path = tmp_path_factory.mktemp("granularity-cache")
-    base_policy(TINY_BASE, cache_dir=path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def base(cache):
-    return base_policy(TINY_BASE, cache_dir=cache)
-
-
-@pytest.fixture(scope="module")
-def batch(base):
+def batch(tiny_base):
     tasks = [t for t in make_tasks(range(40, 46), CHAINS) for _ in range(2)]
-    return rollout(base, tasks, max_len=160, generator=torch.Generator().manual_seed(0),
+    return rollout(tiny_base, tasks, max_len=160, generator=torch.Generator().manual_seed(0),
                    group_ids=[j // 2 for j in range(len(tasks))])
 
 
@@ -164,20 +152,20 @@ def test_placebo_contexts_hold_another_task_s_tokens_in_the_same_place(batch, ki
 
 
 @pytest.mark.parametrize("kind", ["ref", "advice"])
-def test_teacher_logits_equal_one_sequence_at_a_time(base, batch, kind):
-    got = teacher_logits(base, batch, kind, chunk=5)
+def test_teacher_logits_equal_one_sequence_at_a_time(tiny_base, batch, kind):
+    got = teacher_logits(tiny_base, batch, kind, chunk=5)
     seqs, where = teacher_contexts(batch, kind)
     want = torch.zeros_like(got)
     with torch.no_grad():
         for seq, (b, first, shift) in zip(seqs, where, strict=True):
-            logits = base(torch.tensor([seq]))[0]
+            logits = tiny_base(torch.tensor([seq]))[0]
             for p in range(max(first, 1), len(seq) - shift):
                 want[b, p] = logits[p + shift - 1]
     pm = batch.policy_mask
     assert torch.allclose(got[pm], want[pm], atol=1e-5)
 
 
-def test_opsd_with_a_teacher_that_sees_nothing_more_is_at_kl_zero(base):
+def test_opsd_with_a_teacher_that_sees_nothing_more_is_at_kl_zero(tiny_base):
     """If the privileged tokens are dropped the teacher is the student: KL 0 and no gradient."""
     import creditlab.train.opsd as gran
 
@@ -191,7 +179,7 @@ def test_opsd_with_a_teacher_that_sees_nothing_more_is_at_kl_zero(base):
 
     gran.teacher_contexts = no_privilege
     try:
-        rows = train_opsd(_copy(base), _copy(base), cfg, "ref")
+        rows = train_opsd(_copy(tiny_base), _copy(tiny_base), cfg, "ref")
     finally:
         gran.teacher_contexts = original
     assert rows[0]["opsd/reverse_kl"] == pytest.approx(0.0, abs=1e-6)
@@ -204,8 +192,8 @@ def _copy(m):
     return copy.deepcopy(m)
 
 
-def test_train_opsd_rows(base):
-    model, teacher = _copy(base), _copy(base)
+def test_train_opsd_rows(tiny_base):
+    model, teacher = _copy(tiny_base), _copy(tiny_base)
     rows = train_opsd(model, teacher, TINY_GRPO, "advice")
     assert [r["update"] for r in rows] == [0.0, 1.0, 2.0]
     for r in rows:
@@ -213,8 +201,8 @@ def test_train_opsd_rows(base):
         assert 0 <= r["grad/clipped"] <= TINY_GRPO.minibatches
         assert 0 < r["opsd/kl_top_share"] <= 1 and 0 < r["opsd/kl_top_token_share"] <= 1
     # the teacher is frozen, the student moved
-    assert all(torch.equal(a, b) for a, b in zip(teacher.parameters(), base.parameters(), strict=True))
-    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), base.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(teacher.parameters(), tiny_base.parameters(), strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), tiny_base.parameters(), strict=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,8 +236,8 @@ def test_task_types_cover_the_mix():
 # the lab on the protocol
 
 
-def test_lab_runs_writes_every_table_and_plot_and_resumes(tmp_path, cache):
-    cfg = GranularityConfig(base=TINY_BASE, grpo=TINY_GRPO, seeds=2, eval_per_type=4, cache_dir=str(cache),
+def test_lab_runs_writes_every_table_and_plot_and_resumes(tmp_path, tiny_base_cache):
+    cfg = GranularityConfig(base=TINY_BASE, grpo=TINY_GRPO, seeds=2, eval_per_type=4, cache_dir=str(tiny_base_cache),
                             dump_dir=str(tmp_path / "dump"))
     out = tmp_path / "run"
     run_lab(LAB, cfg, out, progress=False)
@@ -284,14 +272,14 @@ def test_lab_runs_writes_every_table_and_plot_and_resumes(tmp_path, cache):
     pd.testing.assert_frame_equal(before, pd.read_parquet(out / "summary.parquet"))
 
 
-def test_cells_are_deterministic_and_paired(cache):
+def test_cells_are_deterministic_and_paired(tiny_base_cache):
     from creditlab.labs.granularity import run_arm
 
     cfg = GranularityConfig(base=TINY_BASE, grpo=replace(TINY_GRPO, updates=1), seeds=1, eval_per_type=2,
-                            cache_dir=str(cache))
-    a = run_arm(cfg.identity(), "grpo", 0, str(cache))
-    b = run_arm(cfg.identity(), "grpo", 0, str(cache))
-    c = run_arm(cfg.identity(), "prm_fixed", 0, str(cache))
+                            cache_dir=str(tiny_base_cache))
+    a = run_arm(cfg.identity(), "grpo", 0, str(tiny_base_cache))
+    b = run_arm(cfg.identity(), "grpo", 0, str(tiny_base_cache))
+    c = run_arm(cfg.identity(), "prm_fixed", 0, str(tiny_base_cache))
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
     assert strip(a) == strip(b)
     # the first update's rollouts come from the same base policy, tasks and seed in every arm

@@ -1,6 +1,6 @@
 """The granularity lab's predictions: each verdict is a pure function of the run's tables, judged here on
-hand-made tables for every outcome (holds, fails, not judged), and written in the predictions table as
-the lab writes it."""
+hand-made tables for every outcome (holds, fails, not judged), and written in the lab's predictions table
+(every lab's: experiment, prediction, measured, verdict, a note in parentheses after a verdict)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import math
 import pandas as pd
 import pytest
 
-from creditlab.lab.experiment import Verdict
+from creditlab.lab.experiment import PREDICTION_COLUMNS, Verdict, predictions_table
 from creditlab.lab.protocol import Table
 from creditlab.labs.granularity import LAB, multi, repeat, warm
-from creditlab.labs.granularity._common import predictions_table
 
 HOLDS, FAILS, NOT_JUDGED = Verdict.HOLDS, Verdict.FAILS, Verdict.NOT_JUDGED
 
@@ -23,14 +22,16 @@ def _tabs(**frames: pd.DataFrame) -> dict[str, Table]:
 
 def _said(tabs: dict[str, Table], predictions) -> dict[str, str]:
     """Prediction id -> the verdict as the predictions table writes it."""
-    p = predictions_table(list(predictions), tabs)
+    p = predictions_table([("experiment", p) for p in predictions], tabs)
     return {c.split(":")[0]: v for c, v in zip(p["prediction"], p["verdict"], strict=True)}
 
 
 def test_the_lab_judges_every_prediction_in_the_order_of_its_experiments():
     ids = [p.claim.split(":")[0] for e in LAB.experiments for p in e.predictions]
     assert ids == ["M1", "M2", "M3", "R1", "R2", "W1", "W2", "W3", "B1", "B2", "B3"]
-    assert predictions_table([], {}).columns.tolist() == ["prediction", "measured", "verdict"]
+    assert predictions_table([], {}).columns.tolist() == list(PREDICTION_COLUMNS)
+    texts = LAB.predictions(LAB.config_type())
+    assert {e.name: tuple(p.stated for p in e.predictions) for e in LAB.experiments if e.predictions} == texts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,9 +82,9 @@ def test_the_multi_verdicts_are_not_judged_where_nothing_was_measured():
     assert multi.m2_verdict(_mixing(mixing=nan3)) is NOT_JUDGED
     assert multi.m3_verdict(_mixing(mixing=nan3, decay=(0.1, 0.02, 0.2))) is NOT_JUDGED
     said = _said(_mixing(decay=(0.05, -0.02, 0.1)), multi.PREDICTIONS)
-    assert said == {"M1": "holds", "M2": "holds", "M3": "not resolved (interval spans 0)"}
+    assert said == {"M1": "holds", "M2": "holds", "M3": "not judged (not resolved: the interval spans 0)"}
     assert _said(_mixing(), multi.PREDICTIONS) == {"M1": "holds", "M2": "holds"}  # M3 left out
-    assert _said(_mixing(decay=(-0.1, -0.2, -0.01)), multi.PREDICTIONS)["M3"] == "falsified"
+    assert _said(_mixing(decay=(-0.1, -0.2, -0.01)), multi.PREDICTIONS)["M3"] == "fails"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,10 +111,10 @@ def test_r1_the_fixed_weight_is_hacked_exactly_above_the_mean_turn_score():
     assert repeat.r1_verdict({}) is NOT_JUDGED
     assert _said(exactly, repeat.PREDICTIONS[:1]) == {"R1": "holds"}
     assert _said(by_rule, repeat.PREDICTIONS[:1]) == {
-        "R1": "holds by the falsification rule (not at every value above)"}
-    assert _said(_sweep({0.25: 1, 0.75: 2}), repeat.PREDICTIONS[:1]) == {"R1": "falsified"}
+        "R1": "holds (by the falsification rule, not at every value above)"}
+    assert _said(_sweep({0.25: 1, 0.75: 2}), repeat.PREDICTIONS[:1]) == {"R1": "fails"}
     assert _said(_sweep({0.25: 0}), repeat.PREDICTIONS[:1]) == {
-        "R1": "untestable (no repeat above the mean turn score)"}
+        "R1": "not judged (untestable: no repeat above the mean turn score)"}
     assert repeat.r1_measured(_sweep({0.25: 0, 1.0: 2})) == (
         "repeat 0.25: 0/2 hacked (turn score 0.600); repeat 1: 2/2 hacked (turn score 0.600)")
 
@@ -124,7 +125,7 @@ def test_r2_the_decayed_weight_is_never_hacked():
     only_fixed = _sweep({0.25: 0, 1.0: 2})
     assert repeat.r2_verdict(only_fixed) is NOT_JUDGED and repeat.r2_measured(only_fixed) is None
     assert repeat.r2_verdict({}) is NOT_JUDGED
-    assert _said(_sweep({0.75: 2}, {0.25: 0, 1.0: 1}), repeat.PREDICTIONS) == {"R1": "holds", "R2": "falsified"}
+    assert _said(_sweep({0.75: 2}, {0.25: 0, 1.0: 1}), repeat.PREDICTIONS) == {"R1": "holds", "R2": "fails"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,14 +168,14 @@ def test_w2_is_judged_on_the_advice_teachers_own_gate():
     assert warm.w2_verdict(no_grpo) is NOT_JUDGED and warm.w2_measured(no_grpo) is None
     assert warm.w2_measured(_warm(grpo=0.89, advice=0.6)) == "final success: advice-OPSD 0.60, GRPO 0.89, ref-OPSD 0.70"
     said = _said(_warm(ref_gate=1.5, advice_gate=0.99), warm.PREDICTIONS)
-    assert said["W1"] == "falsified" and said["W2"] == "not judged (the advice teacher's gate failed)"
+    assert said["W1"] == "fails" and said["W2"] == "not judged (the advice teacher's gate failed)"
 
 
 @pytest.mark.parametrize("change", [{"reverse_kl": [0.3, 0.3]}, {"grad_norm": [0.9, 0.2]},
                                     {"clipped_updates": [0.0, 0.0]}, {"response_tokens_late": [20.5, 21.0]}])
 def test_w3_fails_when_any_of_its_signs_is_missing(change):
     assert warm.w3_verdict(_warm(opsd=change)) is FAILS
-    assert _said(_warm(opsd=change), warm.PREDICTIONS)["W3"] == "falsified (in part: see measured)"
+    assert _said(_warm(opsd=change), warm.PREDICTIONS)["W3"] == "fails (in part: see measured)"
 
 
 def test_w3_advice_opsd_moves_the_student_and_ref_opsd_does_not():

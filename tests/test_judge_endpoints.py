@@ -8,17 +8,15 @@ while the others keep scoring, and the run stops only when every endpoint is out
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import json
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from cli_inproc import run_inproc
 from creditlab.errors import ConfigError
 from creditlab.judge import JudgeError, OpenAIJudge, track_usage
 from creditlab.judge.testing import ChatServer
@@ -174,19 +172,6 @@ GOOD = {"id": "good", "prompt": "Aspirin?", "response": "Take aspirin with water
         "rubrics": [{"criterion": "aspirin water", "points": 2}, {"criterion": "rest", "points": 1}]}
 
 
-def cli(*args):
-    from creditlab.cli.main import main
-
-    err, out = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        try:
-            main([str(a) for a in args])
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
-
-
 def write_items(path: Path, n: int) -> None:
     path.write_text("".join(json.dumps({**GOOD, "id": f"g{k}", "prompt": f"Aspirin {k}?"}) + "\n"
                             for k in range(n)))
@@ -196,10 +181,10 @@ def test_cli_scores_over_several_endpoints_and_resumes_with_another_set(tmp_path
     inp, out, urls_file = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "urls.txt"
     write_items(inp, 6)
     dead = dead_url()
-    with ChatServer() as a, ChatServer() as b, ChatServer() as c:
+    with ChatServer() as a, ChatServer() as b, ChatServer() as c, ChatServer() as d:
         urls_file.write_text(f"# judge replicas\n{b.url}\n\n{dead}  # not started\n")
-        r = cli("fork", "score", "--in", inp, "--out", out, "--base-url", a.url, "--base-urls-file", urls_file,
-                "--model", "judge", "--timeout", "2", "--max-retries", "2", "--transport", "asyncio")
+        r = run_inproc("fork", "score", "--in", inp, "--out", out, "--base-url", a.url, "--base-urls-file", urls_file,
+                       "--model", "judge", "--timeout", "2", "--max-retries", "2", "--transport", "asyncio")
         assert r.returncode == 0, r.stderr
         assert f"endpoint: cannot connect to {dead}" in " ".join(r.stderr.split())  # found by the preflight
         summary = " ".join(r.stdout.split())
@@ -208,17 +193,30 @@ def test_cli_scores_over_several_endpoints_and_resumes_with_another_set(tmp_path
         rows = [json.loads(x) for x in out.read_text().splitlines()]
         assert len(rows) == 6 and all(row["error"] is None for row in rows)
         assert rows[0]["settings"]["base_url"] == [a.url, b.url, dead]
-        # Resume against another set of URLs of the same model: allowed, nothing already scored is redone.
+        # Resume against another set of URLs sharing one endpoint with the first (a dropped, c added): the
+        # endpoints of one run serve one model, so it is the same judge; nothing already scored is redone.
         write_items(inp, 8)
-        before = a.stats["requests"] + b.stats["requests"]
-        r = cli("fork", "score", "--in", inp, "--out", out, "--base-url", c.url, "--model", "judge")
+        before = a.stats["requests"], b.stats["requests"] + c.stats["requests"]
+        r = run_inproc("fork", "score", "--in", inp, "--out", out, "--base-url", b.url, "--base-url", c.url,
+                       "--model", "judge")
         assert r.returncode == 0, r.stderr
-        assert c.stats["requests"] == 2 * 5 and a.stats["requests"] + b.stats["requests"] == before
+        assert a.stats["requests"] == before[0] and b.stats["requests"] + c.stats["requests"] - before[1] == 2 * 5
         rows = [json.loads(x) for x in out.read_text().splitlines()]
-        assert len(rows) == 8 and rows[-1]["settings"]["base_url"] == c.url
+        assert len(rows) == 8 and rows[-1]["settings"]["base_url"] == [b.url, c.url]
         # another model is another judge: refused
-        r = cli("fork", "score", "--in", inp, "--out", out, "--base-url", c.url, "--model", "other")
+        r = run_inproc("fork", "score", "--in", inp, "--out", out, "--base-url", c.url, "--model", "other")
         assert r.returncode == 2 and "differs in: model" in " ".join(r.stderr.split())
+        # one replica fewer than the last run (c alone): linked to a's rows through b, so the same judge
+        r = run_inproc("fork", "score", "--in", inp, "--out", out, "--base-url", c.url, "--model", "judge")
+        assert r.returncode == 0, r.stderr
+        # endpoints linked to none of those that scored the rows may be another judge: refused
+        (tmp_path / "d.txt").write_text(d.url + "\n")
+        r = run_inproc("fork", "score", "--in", inp, "--out", out, "--base-urls-file", tmp_path / "d.txt",
+                       "--model", "judge")
+        flat = " ".join(r.stderr.split())
+        assert r.returncode == 2 and "Traceback" not in r.stderr and d.stats["requests"] == 0, r.stderr
+        assert flat.startswith("error: --base-urls-file:") and \
+            f"scored by the judge at {a.url}, {b.url}, {dead}, {c.url}, and this run's endpoints ({d.url})" in flat
 
 
 def test_cli_endpoint_list_mistakes_are_one_line_errors(tmp_path):
@@ -236,7 +234,7 @@ def test_cli_endpoint_list_mistakes_are_one_line_errors(tmp_path):
     (tmp_path / "empty.txt").write_text("# nothing\n")
     cases.append((["--base-urls-file", tmp_path / "empty.txt"], "holds no URL"))
     for extra, needle in cases:
-        r = cli("fork", "score", "--in", inp, "--out", out, *extra)
+        r = run_inproc("fork", "score", "--in", inp, "--out", out, *extra)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (extra, r.stderr)
         assert needle in " ".join(r.stderr.split()), (needle, r.stderr)
     assert not out.exists()

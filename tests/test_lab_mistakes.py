@@ -1,4 +1,5 @@
-"""Lab CLI mistakes: more workers than CPUs, a Ray address nobody answers at, a resume after the code changed."""
+"""Lab CLI mistakes: more workers than CPUs, workers for the serial executor, a Ray address nobody answers at,
+a resume after the code changed."""
 
 import json
 import socket
@@ -41,6 +42,24 @@ def test_the_cli_caps_workers_and_says_so(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"--workers 64 is more than the {local_cpus()} CPUs of this machine" in " ".join(out.split())
 
+
+
+def test_workers_with_the_serial_executor_are_refused_naming_both_flags(tmp_path, capsys):
+    """``--workers 2 --executor serial`` used to run one cell at a time without a word."""
+    from creditlab.cli.main import main
+
+    with pytest.raises(ConfigError, match=r"--workers: --workers 2 with --executor serial: .*one cell at a time"):
+        make_executor(2, "serial")
+    assert type(make_executor(1, "serial")).__name__ == "SerialExecutor"  # one worker: what serial is
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as e:
+        main(["lab", "coverage", "--quick", "-e", "dose", "--seeds", "1", "--updates", "4", "--workers", "2",
+              "--executor", "serial", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    line = " ".join(err.split())
+    assert "--workers 2 with --executor serial" in line and "--executor process" in line
+    assert not out.exists()  # refused before anything was written
 
 def _free_port() -> int:
     with socket.socket() as s:

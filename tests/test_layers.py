@@ -2,8 +2,9 @@
 and no module imports itself back through others.
 
 Bottom up: ``core``; ``envs`` and ``models``; ``judge``; ``rewards``; ``diagnose``; ``train``; ``lab``;
-``labs``; ``integrations``; ``cli``. ``creditlab.errors`` and the package root (``__version__``) are
-importable from every layer. Stated in docs/design.md.
+``labs``; ``integrations``; ``cli``. ``creditlab.errors``, ``creditlab._outlock`` (the lock of an output)
+and the package root (``__version__``) sit under every layer and are importable from all of them; they
+import only each other. Stated in docs/design.md.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "creditlab"
 LAYERS = [("core",), ("envs", "models"), ("judge",), ("rewards",), ("diagnose",), ("train",), ("lab",), ("labs",),
           ("integrations",), ("cli",)]
 RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
-ANYWHERE = {"creditlab", "creditlab.errors"}
+#: the modules under every layer (not in a package of a layer), importable from every layer
+ANYWHERE = {"creditlab", "creditlab.errors", "creditlab._outlock"}
 
 
 def _module_name(path: Path) -> str:
@@ -70,6 +72,14 @@ def test_a_module_imports_only_from_lower_layers(module):
     upward = sorted(m for m in _imports(MODULES[module]) - ANYWHERE
                     if _layer(m) is not None and RANK[_layer(m)] > RANK[own])
     assert not upward, f"{module} ({own}) imports from a higher layer: {upward}"
+
+
+def test_the_modules_under_every_layer_are_listed_and_import_only_each_other():
+    top = {m for m in MODULES if _layer(m) is None}
+    assert top == ANYWHERE, sorted(top ^ ANYWHERE)
+    for module in sorted(top):
+        others = sorted(_imports(MODULES[module]) - ANYWHERE)
+        assert not others, f"{module} sits under every layer but imports {others}"
 
 
 def test_the_layer_check_finds_an_upward_import(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ from creditlab.lab.protocol import run_lab
 from creditlab.labs.mismatch import ARMS, LAB, MismatchConfig, arm_triple, score_curve
 from creditlab.models.quant import PRECISIONS
 from creditlab.models.tiny_lm import StackedTinyLM, TinyLM, TinyLMConfig
-from creditlab.train.toolshop_base import BaseConfig, base_policy
+from creditlab.train.toolshop_base import BaseConfig
 from creditlab.train.toolshop_grpo import GRPOConfig, train_grpo_stacked
 from creditlab.train.toolshop_rollout import make_tasks, rollout_stacked, stacked_logprobs
 
@@ -20,18 +20,6 @@ TINY_GRPO = GRPOConfig(updates=2, tasks_per_update=2, group_size=2, chain_length
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory, one_thread):
-    path = tmp_path_factory.mktemp("mismatch-cache")
-    base_policy(TINY_BASE, cache_dir=path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def base(cache):
-    return base_policy(TINY_BASE, cache_dir=cache)
 
 
 def _models(n=3):
@@ -161,8 +149,8 @@ def test_stacked_gradients_are_per_model_and_clipped_per_model():
 # rollout_stacked and train_grpo_stacked
 
 
-def test_stacked_rollout_logprobs_pairing_and_independence(base):
-    stack = StackedTinyLM([base, base])
+def test_stacked_rollout_logprobs_pairing_and_independence(tiny_base):
+    stack = StackedTinyLM([tiny_base, tiny_base])
     tasks = make_tasks(range(6), (2, 3))
     u = torch.rand(1, 6, 48, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     b = rollout_stacked(stack, [tasks, tasks], u.expand(2, -1, -1), precision=("fp32", "fp32"), max_len=48)
@@ -171,7 +159,7 @@ def test_stacked_rollout_logprobs_pairing_and_independence(base):
     lp = stacked_logprobs(stack, b.tokens)
     assert torch.allclose(lp[b.policy_mask], b.rollout_logprobs[b.policy_mask], atol=1e-5)
     # one model alone draws what it draws inside the stack
-    alone = rollout_stacked(StackedTinyLM([base]), [tasks], u, max_len=48)
+    alone = rollout_stacked(StackedTinyLM([tiny_base]), [tasks], u, max_len=48)
     L = alone.tokens.size(-1)
     assert torch.equal(alone.tokens[0], b.tokens[0, :, :L]) and torch.equal(alone.success[0], b.success[0])
     # the environment saw the sampled tokens: the actions are the policy tokens without their EOA
@@ -191,10 +179,10 @@ def test_stacked_rollout_logprobs_pairing_and_independence(base):
     assert d.abs().mean() > 1e-4  # an fp32 learner does not reproduce the FP4 engine
 
 
-def test_stacked_trainer_pairs_arms_and_is_independent_of_stack_mates(base):
+def test_stacked_trainer_pairs_arms_and_is_independent_of_stack_mates(tiny_base):
     cfgs = [replace(TINY_GRPO, rollout_precision=e, learner_precision=lp, correction=c)
             for e, lp, c in (("fp8", "fp8", "none"), ("fp8", "fp8", "interq"), ("fp8", "fp32", "none"))]
-    rows = train_grpo_stacked(StackedTinyLM([base] * 3), cfgs)
+    rows = train_grpo_stacked(StackedTinyLM([tiny_base] * 3), cfgs)
     first = [r[0] for r in rows]
     # update 0: one engine, one base policy, same uniforms: the same rollouts in every arm
     assert first[0]["reward/success"] == first[1]["reward/success"] == first[2]["reward/success"]
@@ -202,13 +190,13 @@ def test_stacked_trainer_pairs_arms_and_is_independent_of_stack_mates(base):
     assert first[2]["mismatch/k3"] > first[0]["mismatch/k3"] > 0  # naive fp32 learner vs QAT
     assert first[0]["eval/success"] == first[1]["eval/success"] == first[2]["eval/success"]
     assert {"eval/interaction_cost", "eval/cap_exhaustion", "time/rollout_s"} <= set(rows[0][-1]) | set(rows[0][0])
-    alone = train_grpo_stacked(StackedTinyLM([base]), cfgs[1:2])[0]
+    alone = train_grpo_stacked(StackedTinyLM([tiny_base]), cfgs[1:2])[0]
     for a, b in zip(alone, rows[1], strict=True):
         for k in ("reward/success", "mismatch/k3", "eval/success", "loss/policy"):
             if k in a:
                 assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
     with pytest.raises(ConfigError, match="lr"):
-        train_grpo_stacked(StackedTinyLM([base] * 2), [cfgs[0], replace(cfgs[1], lr=1e-3)])
+        train_grpo_stacked(StackedTinyLM([tiny_base] * 2), [cfgs[0], replace(cfgs[1], lr=1e-3)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,8 +208,8 @@ def _tiny(cache, **kw):
                           experiments=("fp8", "nvfp4"), cache_dir=str(cache), **kw)
 
 
-def test_lab_writes_every_table_and_plot_and_resumes(tmp_path, cache):
-    cfg = _tiny(cache, arms=("fp32", "naive", "qat", "qat_interq"))
+def test_lab_writes_every_table_and_plot_and_resumes(tmp_path, tiny_base_cache):
+    cfg = _tiny(tiny_base_cache, arms=("fp32", "naive", "qat", "qat_interq"))
     out = tmp_path / "out"
     said = []
     res = run_lab(LAB, cfg, out, progress=False, status=said.append)
@@ -233,7 +221,10 @@ def test_lab_writes_every_table_and_plot_and_resumes(tmp_path, cache):
                                            "mismatch_dose.png", "mismatch_phase_map.png"}
     assert said[0].startswith("Gate:") and "drift_qat" in said[0] and len(said) == 2  # the gate, then the summary
     assert set(res.tables["gate"].frame["engine"]) == {"fp8", "int8", "nvfp4", "mxfp4"}
-    assert set(res.tables["predictions"].frame["prediction"]) == {"a", "b"}
+    assert {p.split(":")[0] for p in res.tables["predictions"].frame["prediction"]} == {
+        "(a) at fp8", "(b) at fp8", "(a) at nvfp4", "(b) at nvfp4"}
+    assert list(res.tables)[-1] == "predictions"  # the lab's one predictions table, judged after every other
+    assert set(res.tables["predictions"].frame["experiment"]) == {"comparison"}
     dose = res.tables["dose"].frame
     assert set(dose["engine"]) == {"fp32", "fp8", "int8", "nvfp4", "mxfp4"} and len(dose) == 9
     assert dose.set_index(["engine", "learner"])["k3"][("fp32", "fp32")] < 1e-9
@@ -288,14 +279,14 @@ def test_quick_config_is_valid_and_small():
     assert q.grpo.updates * q.grpo.tasks_per_update * q.grpo.group_size < 1000
 
 
-def test_dump_writes_each_arm_in_the_diagnose_schema_and_diagnose_tells_them_apart(tmp_path, cache):
+def test_dump_writes_each_arm_in_the_diagnose_schema_and_diagnose_tells_them_apart(tmp_path, tiny_base_cache):
     """--dump: one file per dose, arm and seed, which diagnose reads: K3 is float noise in the fp32 arm
     and not in the naive arm (an fp32 learner on an FP4 engine); the dump does not change a number."""
     from creditlab.diagnose.checks import run_checks
     from creditlab.diagnose.readers import read_dump
 
-    cfg = replace(_tiny(cache, arms=("fp32", "naive"), dump_dir=str(tmp_path / "dump")), experiments=("nvfp4",),
-                  seeds=1, smooth=1)
+    cfg = replace(_tiny(tiny_base_cache, arms=("fp32", "naive"), dump_dir=str(tmp_path / "dump")),
+                  experiments=("nvfp4",), seeds=1, smooth=1)
     res = run_lab(LAB, cfg, tmp_path / "out", progress=False)
     names = sorted(p.name for p in (tmp_path / "dump").iterdir())
     assert names == ["mismatch-fp32-fp32-seed=0.jsonl", "mismatch-nvfp4-naive-seed=0.jsonl"]

@@ -3,7 +3,7 @@
 Thought tokens are reward-neutral (the environment drops them), appended after the vocabulary (no id
 moves) and off by default (the cache keys of existing base policies stay); the gate's metrics match a
 slow per-trajectory loop on random ragged batches and a hand-computed case; the predictions table
-reads a hand-made summary the way docs/mismatch.md states the predictions.
+reads hand-made tables the way docs/mismatch.md states the predictions (each rule: holds, fails, not judged).
 """
 
 import math
@@ -39,8 +39,9 @@ from creditlab.labs.mismatch import (
     fp32_band,
     gate_metrics,
     gate_table,
-    predictions_table,
+    verdict_less_stable,
     verdict_rolls_back,
+    verdict_stays,
 )
 from creditlab.train.toolshop_base import BaseConfig
 
@@ -190,6 +191,28 @@ UPDATES = 400
 FP32 = _summary("fp32", [0.0, 0.02, 0.035, 0.01, 0.0], dose="fp32")  # its own band: 0.035
 
 
+def _judged(rows, diffs, dose="nvfp4", updates=UPDATES, protocol="paper", curves=None, smooth=1):
+    """The comparison's predictions of ``protocol`` judged on hand-made tables: arm -> its row of the
+    predictions table (the lab's one table: experiment, prediction, measured, verdict)."""
+    from dataclasses import replace
+
+    from creditlab.lab.experiment import predictions_table
+    from creditlab.lab.protocol import Table
+    from creditlab.labs.mismatch.comparison import JUDGED, predictions
+
+    base = MismatchConfig()
+    cfg = replace(base, experiments=(dose,), protocol=protocol, smooth=smooth,
+                  grpo=replace(base.grpo, updates=updates))
+    tabs = {"summary": Table(pd.DataFrame(rows), "s"), "diff_vs_fp32": Table(diffs, "d")}
+    if curves is not None:
+        tabs["curves"] = Table(curves, "c")
+    preds = predictions(cfg)
+    table = predictions_table([("comparison", p) for p in preds], tabs)
+    arm_of = {p.claim: arm for p, (_, arm) in zip(preds, [j for _ in range(len(preds) // len(JUDGED))
+                                                         for j in JUDGED], strict=True)}
+    return table.assign(arm=table["prediction"].map(arm_of)).set_index("arm")
+
+
 def test_predictions_are_read_as_the_docs_state_them():
     rows = (FP32
             + _summary("qat", [0.05, 0.04, 0.06, 0.0, 0.01])                   # (a) 3 of 5 beyond 0.035: holds
@@ -200,16 +223,39 @@ def test_predictions_are_read_as_the_docs_state_them():
             + _summary("qat_global", [0.0, 0.0, 0.0, 0.0, 0.0], finals=[0.8, 0.81, 0.79, 0.8, 0.8]))
     diffs = pd.DataFrame([{"diff": "qat_interq - fp32", "dose": "nvfp4", "final": 0.0, "final_lo": -0.04,
                            "final_hi": 0.03}])
-    p = predictions_table(pd.DataFrame(rows), diffs, ["nvfp4"], UPDATES).set_index("arm")
-    assert p.loc["qat", "verdict"] == "holds" and p.loc["qat", "held"] and p.loc["qat", "prediction"] == "a"
+    p = _judged(rows, diffs)
+    assert list(p.index) == ["qat", "qat_interq", "qat_tis", "qat_mis", "qat_prefix", "qat_global"]  # (a)-(d)
+    assert set(p["experiment"]) == {"comparison"}
+    assert p.loc["qat", "verdict"] == "holds" and p.loc["qat", "prediction"].startswith("(a) at nvfp4: QAT")
+    assert p.loc["qat", "measured"] == ("rollback > 0.035 (the fp32 band) with the best window ending after update "
+                                        "200 in 3/5 seeds; K3 late/early 1.50")
     assert p.loc["qat_tis", "verdict"] == p.loc["qat_mis", "verdict"] == "fails"
-    assert p.loc["qat_interq", "held"] and p.loc["qat_interq", "prediction"] == "b"
-    assert p.loc["qat_prefix", "held"] and not p.loc["qat_global", "held"]
+    assert p.loc["qat_interq", "verdict"] == "holds" and p.loc["qat_interq", "prediction"].startswith("(b)")
+    assert p.loc["qat_interq", "measured"] == "rollback <= 0.03 in 4/5 seeds; final - fp32 in [-0.040, 0.030]"
+    assert p.loc["qat_prefix", "verdict"] == "holds" and p.loc["qat_global", "verdict"] == "fails"
     wide = diffs.assign(final_lo=-0.06)  # the interval leaves [-0.05, 0.05]: (b) fails
-    assert predictions_table(pd.DataFrame(rows), wide, ["nvfp4"], UPDATES).set_index("arm").loc[
-        "qat_interq", "verdict"] == "fails"
-    assert predictions_table(pd.DataFrame(rows), diffs.iloc[:0], ["nvfp4"], UPDATES).set_index("arm").loc[
-        "qat_interq", "verdict"] == "not judged"  # no paired difference with fp32
+    assert _judged(rows, wide).loc["qat_interq", "verdict"] == "fails"
+    assert _judged(rows, diffs.iloc[:0]).loc["qat_interq", "verdict"] == "not judged"  # no paired difference
+    assert _judged(rows, diffs, dose="fp8").empty  # another dose than the rows': nothing measured, no row
+    only_qat = _judged(FP32 + _summary("qat", [0.05, 0.04, 0.06, 0.0, 0.01]), diffs.iloc[:0])
+    assert list(only_qat.index) == ["qat"]  # an arm that did not run is left out
+
+
+def test_the_rules_of_b_and_d_on_hand_made_tables():
+    inter = pd.DataFrame(_summary("qat_interq", [0.0, 0.01, 0.02, 0.05, 0.0])).set_index("seed")
+    diff = pd.DataFrame([{"final_lo": -0.04, "final_hi": 0.03}])
+    assert verdict_stays(inter, diff, 0.03, 4) == "holds"
+    assert verdict_stays(inter, diff, 0.015, 4) == "fails"  # 3 of 5 within a tighter limit
+    assert verdict_stays(inter, diff.assign(final_hi=0.06), 0.03, 4) == "fails"  # final not within 0.05 of fp32
+    assert verdict_stays(inter, diff.iloc[:0], 0.03, 4) == "not judged"  # no paired difference with fp32
+    assert verdict_stays(inter, diff, math.nan, 4) == "not judged"  # no fp32 band to count within
+    prefix = pd.DataFrame(_summary("qat_prefix", [0.03, 0.02, 0.03, 0.0, 0.01])).set_index("seed")
+    assert verdict_less_stable(prefix, inter, 3) == "holds"  # a larger rollback in 3 of 5 seeds
+    steady = pd.DataFrame(_summary("qat_global", [0.0] * 5, finals=[0.8, 0.81, 0.79, 0.8, 0.8])).set_index("seed")
+    assert verdict_less_stable(steady, inter, 3) == "fails"
+    spread = steady.assign(final=[0.5, 0.9, 0.6, 0.95, 0.7])  # sd >= 2x InterQ's (0): holds on the second part
+    assert verdict_less_stable(spread, inter.assign(final=[0.8, 0.82, 0.79, 0.81, 0.8]), 3) == "holds"
+    assert verdict_less_stable(prefix, inter.iloc[:0], 3) == "not judged"  # no common seed
 
 
 def test_a_rollback_counts_for_prediction_a_only_beyond_the_fp32_band_and_late():
@@ -328,27 +374,35 @@ def test_fp32_saturation_by_hand():
     assert fp32_saturation(pd.DataFrame(columns=["update", "eval/success"]), 3) is None
 
 
-def test_the_two_core_registration_reads_late_from_fp32_saturation_and_b_from_the_band():
-    from creditlab.labs.mismatch import REGISTRATIONS
+def _saturating_at(update, updates=100, seeds=2):
+    """``curves`` rows of the fp32 arm whose held-out success jumps from 0 to 1 at ``update`` (None: never
+    rises), every 10 updates."""
+    return pd.DataFrame([{"arm": "fp32", "dose": "fp32", "seed": s, "update": float(u),
+                          "success": 1.0 if update is not None and u >= update else 0.0}
+                         for s in range(seeds) for u in range(0, updates + 1, 10)])
 
-    reg = REGISTRATIONS["two-core"]
+
+def test_the_two_core_registration_reads_late_from_fp32_saturation_and_b_from_the_band():
     rows = (FP32  # band 0.035
             + _summary("qat", [0.05, 0.04, 0.06, 0.0, 0.01], best_update=60.0)
             + _summary("qat_interq", [0.0, 0.034, 0.035, 0.05, 0.0]))  # 4 of 5 within the band (0.035)
     diffs = pd.DataFrame([{"diff": "qat_interq - fp32", "dose": "mxfp4", "final": 0.0, "final_lo": -0.04,
                            "final_hi": 0.03}])
-    df = pd.DataFrame(rows).assign(dose=lambda d: d["dose"].replace("nvfp4", "mxfp4"))
-    p = predictions_table(df, diffs, ["mxfp4"], 100, reg, late_after=50.0).set_index("arm")
+    df = [{**r, "dose": "mxfp4" if r["dose"] == "nvfp4" else r["dose"]} for r in rows]
+
+    def judged(curves, protocol="two-core"):
+        return _judged(df, diffs, dose="mxfp4", updates=100, protocol=protocol, curves=curves)
+
+    p = judged(_saturating_at(50))
     assert p.loc["qat", "verdict"] == "holds" and "at or after update 50 (fp32 saturates)" in p.loc["qat", "measured"]
     assert p.loc["qat_interq", "verdict"] == "holds" and "rollback <= 0.035" in p.loc["qat_interq", "measured"]
     # the best window before saturation: not late
-    assert predictions_table(df, diffs, ["mxfp4"], 100, reg, late_after=70.0).set_index("arm").loc[
-        "qat", "verdict"] == "fails"
+    assert judged(_saturating_at(70)).loc["qat", "verdict"] == "fails"
     # the fp32 arm never saturated: (a) not judged
-    assert predictions_table(df, diffs, ["mxfp4"], 100, reg, late_after=None).set_index("arm").loc[
-        "qat", "verdict"] == "not judged"
+    assert judged(_saturating_at(None)).loc["qat", "verdict"] == "not judged"
+    assert judged(None).loc["qat", "verdict"] == "not judged"  # no curves at all
     # under the paper registration (b) counts rollbacks <= 0.03: 3 of 5, fails
-    assert predictions_table(df, diffs, ["mxfp4"], 100).set_index("arm").loc["qat_interq", "verdict"] == "fails"
+    assert judged(_saturating_at(50), protocol="paper").loc["qat_interq", "verdict"] == "fails"
 
 
 def test_the_two_core_protocol_config_and_its_cells():

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from creditlab._outlock import OutLock
 from creditlab.cli.main import main
 from creditlab.diagnose import read_dump, write_dump
-from creditlab.diagnose._outlock import OutLock
 from creditlab.diagnose.report import REPORT_MARK
 from creditlab.errors import ConfigError
 from creditlab.lab.protocol import run_lab

@@ -61,3 +61,22 @@ def test_bad_step():
         decay(1.0)(-1)
     with pytest.raises(ValueError, match="k"):
         constant(1.0)(float("nan"))
+
+
+def test_the_schedule_record_names_a_registered_kind():
+    """One record for every holder of a scheduled weight: the trainer integrations' settings and the labs'
+    configs build the same :class:`Schedule`, which evaluates the registered kind."""
+    from creditlab.core.schedules import SCHEDULES, Schedule
+    from creditlab.integrations._common import CreditSettings
+
+    assert list(SCHEDULES) == ["constant", "decay"]
+    rec = Schedule("decay", l0=0.8, start=20, end=30, power=3)
+    assert [rec(k) for k in (0, 22, 30)] == [decay(0.8)(k) for k in (0, 22, 30)]
+    assert Schedule("constant", l0=0.3)(1e6) == 0.3
+    assert pickle.loads(pickle.dumps(rec)) == rec
+    settings = CreditSettings(prm_lambda=0.8, prm_schedule="decay")
+    assert settings.schedule() == rec
+    with pytest.raises(ValueError, match="schedule: unknown 'cosine'; valid: constant, decay"):
+        Schedule("cosine")
+    with pytest.raises(ValueError, match="end"):
+        Schedule("decay", start=5, end=1)

@@ -288,21 +288,41 @@ def test_grpo_trainer_runs_logs_and_uses_pluggable_weights(model):
 
 
 def test_prm_advantage_with_a_schedule_matches_core(model):
+    """The registered ``prm`` geometry with a Schedule record (the lab's path and the integrations') equals
+    core's PRM mixing bit for bit, and the weight it used is what the trainer reports."""
     from creditlab.core.advantages import prm_mixed_advantages
-    from creditlab.core.schedules import decay
-    from creditlab.train.toolshop_grpo import make_prm_advantage
+    from creditlab.core.schedules import Schedule
     from creditlab.train.toolshop_rollout import successful_read_scores, turn_mask_of
 
     batch = _rollout(model, n=8, group_ids=[0, 0, 0, 0, 1, 1, 1, 1])
     rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 1])
-    lam = decay(1.0, start=2, end=4)
-    fn = make_prm_advantage(successful_read_scores, lam)
+    lam = Schedule("decay", l0=1.0, start=2, end=4)
+    fn = make_advantage("prm", conserve=False, step_scores=successful_read_scores, lam=lam)
     scores = successful_read_scores(batch)
     for k in (0, 3, 10):
         want = prm_mixed_advantages(rewards, scores, turn_mask_of(batch), batch.group_ids, lam(k))
-        assert torch.allclose(fn(batch, rewards, k), turns_to_tokens(want, batch))
+        assert torch.equal(fn(batch, rewards, k), turns_to_tokens(want, batch))
+    assert [fn.params_at(k) for k in (0, 3, 10)] == [{"lam": 1.0}, {"lam": 0.125}, {"lam": 0.0}]
+    assert 0.0 < lam(3) < 1.0  # the weights differ, so the equality above is not 0 == 0 at every update
     # after the decay only the outcome remains: the GRPO advantage on every policy token
     out = fn(batch, rewards, 10)
     grpo = make_advantage("grpo")(batch, rewards, 0)
     pm = batch.policy_mask
     assert torch.allclose(out[pm], grpo[:, None].expand_as(out)[pm], atol=1e-6)
+
+
+def test_the_trainer_reports_the_prm_weight_it_used(model):
+    """``adv/lam`` in each update's row is the schedule's value at that update, read from the advantage the
+    trainer called (a lab logs it from there, not from its own recomputation)."""
+    from creditlab.core.schedules import Schedule
+    from creditlab.train.toolshop_rollout import successful_read_scores
+
+    m = TinyLM(model.cfg)
+    m.load_state_dict(model.state_dict())
+    cfg = GRPOConfig(updates=3, tasks_per_update=2, group_size=2, chain_lengths=(2,), max_len=64, eval_every=0)
+    lam = Schedule("decay", l0=0.8, start=1, end=3, power=1)
+    adv = make_advantage("prm", conserve=False, step_scores=successful_read_scores, lam=lam)
+    rows = train_grpo(m, cfg, advantage=adv)
+    assert [r["adv/lam"] for r in rows] == pytest.approx([0.8, 0.8, 0.4])
+    plain = train_grpo(TinyLM(model.cfg), cfg)
+    assert "adv/lam" not in plain[0]  # no scheduled parameter, nothing reported

@@ -53,6 +53,9 @@ def _cases():
                   **token_row(rng, [int(n)], noise=0.05 if n == 300 else 0.2)}
                  for i, n in enumerate([300] * 13 + list(rng.integers(20, 290, 19)))],
         "padding": _padded(rng), "zero_engine": _zero_engine(rng),
+        # more turns than diagnose's --max-turns default draws (16): the value reads the last of them
+        "long": [{"step": 0, "group": i // 4, "reward": float(i % 2), **token_row(rng, [20] * 24, noise=0.05)}
+                 for i in range(16)],
     }
 
 
@@ -78,7 +81,7 @@ def _zero_engine(rng):
 
 
 @pytest.mark.parametrize("case", ["clean", "drift", "leak", "nan", "topk", "lengths", "ties", "padding",
-                                  "zero_engine"])
+                                  "zero_engine", "long"])
 def test_batch_values_are_the_checks_values_on_the_same_batch(tmp_path, case):
     rows = _cases()[case]
     for r in rows:
@@ -102,6 +105,8 @@ def test_batch_values_are_the_checks_values_on_the_same_batch(tmp_path, case):
                "zero_engine": "mismatch.placeholder_logprobs"}
     if case in flagged:  # each planted failure reaches its threshold live too
         assert res[flagged[case]].status in ("warn", "fail")
+    if case == "long":  # every turn is read, live as in the dump
+        assert res["mismatch.prefix_drift"].details["turn_last"] == 23
 
 
 def test_batch_values_read_nothing_on_the_host_and_run_on_meta(host_reads):

@@ -211,7 +211,7 @@ def test_trainer_mixin_gives_turns_step_and_dumps(tmp_path):
     adv = out["advantages"]
     assert adv[lm == 0].abs().max() == 0  # observation tokens get no credit: turns come from loss_mask
     assert cs._STEP[0] == 7
-    rows = cs.rows_from_training_batch(out, step=7)
+    rows = cs.dump_rows(out, step=7)
     assert sum(rows[0]["policy_mask"]) == int(lm[0].sum()) and rows[0]["step"] == 7
     dump = read_dump(tmp_path / "dumps")  # what `creditlab diagnose` reads
     assert len(dump.reward) == 8 and set(dump.group_labels) == {"p0", "p1"} and dump.tokens is not None
@@ -292,7 +292,7 @@ def test_fork_env_through_skyrl_gym(monkeypatch):
             seen["items"] = items
             return [ForkResult(id=it.id, reward=0.75, precision=1.0, recall=0.6) for it in items]
 
-    monkeypatch.setattr(cs, "fork_reward", lambda **judge: seen.setdefault("judge", judge) and FakeReward())
+    monkeypatch.setattr(cs, "cached_fork_reward", lambda **judge: seen.setdefault("judge", judge) and FakeReward())
     env = skyrl_gym.make("creditlab_fork", env_config={}, extras={
         "reward_spec": {"ground_truth": [{"criterion": "mentions water", "points": 1}],
                         "judge": {"judge": "openai", "base_url": "http://x/v1", "model": "m"}}})

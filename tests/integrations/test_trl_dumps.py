@@ -164,3 +164,75 @@ def test_trainer_metrics_equal_trls_own_sampling_metrics(tmp_path, mode, clip):
         for name, values in ours.items():
             assert js["trl"][name]["by_step"] == pytest.approx(values.tolist(), rel=1e-12), name
         assert js["creditlab"]["mismatch/k3"]["all"] > 1e-3
+
+
+# -- the dumped groups are TRL's groups, under every setting of its batch arithmetic ------------------
+
+PROMPTS = ["take aspirin", "drink tea", "take water", "drink honey", "rest sleep", "lemon honey", "fever cough",
+           "take lemon tea"]  # "take lemon tea": prompts of different lengths are fine here
+
+
+def _echo_rollout_func(tokenizer):
+    """A ``rollout_func`` whose completion repeats the prompt (then EOS): the response text names the prompt.
+    Each call's prompts (TRL's generation batch, in its order) are kept in ``calls``."""
+    def rollout_func(prompts, trainer):
+        rollout_func.calls.append(list(prompts))
+        prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+        completion_ids = [ids + [tokenizer.eos_token_id] for ids in prompt_ids]
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids,
+                "logprobs": [[-0.5] * len(c) for c in completion_ids]}
+
+    rollout_func.calls = []
+    return rollout_func
+
+
+def prompt_reward(prompts, completions, **kwargs):  # one value per prompt: every TRL group is degenerate
+    return [float(PROMPTS.index(p)) for p in prompts]
+
+
+# (per_device_train_batch_size, num_generations, the rest of TRL's batch arithmetic)
+GROUPINGS = {
+    "2 generations per step": (4, 4, dict(gradient_accumulation_steps=2, steps_per_generation=1)),
+    "one generation per step": (8, 4, {}),
+    "a group over 2 micro-batches": (2, 4, dict(gradient_accumulation_steps=2)),
+    "3 generations per step, 2 groups each": (4, 2, dict(gradient_accumulation_steps=3, steps_per_generation=1)),
+    "one generation for 4 steps": (2, 4, dict(generation_batch_size=8, max_steps=4)),
+    "2 generations per step of 2 micro-batches": (4, 4, dict(gradient_accumulation_steps=4, steps_per_generation=2)),
+    "batches reused (num_iterations 2)": (4, 2, dict(gradient_accumulation_steps=2, steps_per_generation=1,
+                                                     num_iterations=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(GROUPINGS))
+def test_dumped_groups_are_trls_groups(tmp_path, name):
+    """TRL forms its groups (the advantage baseline) from ``num_generations`` consecutive completions of each
+    generation batch; with several generation batches at one global step (``steps_per_generation`` <
+    ``gradient_accumulation_steps``) the dump used to give each batch's groups the same numbers, merging two
+    prompts into one (step, group): ``baseline.degenerate_groups`` read 0.0 where every group is degenerate."""
+    bs, G, rest = GROUPINGS[name]
+    tok = tiny_tokenizer()
+    rf = _echo_rollout_func(tok)
+    dump = tmp_path / "dump.jsonl"
+    tr = CreditlabGRPOTrainer(model=tiny_model(), reward_funcs=prompt_reward, processing_class=tok,
+                              args=_args(tmp_path, **{"per_device_train_batch_size": bs, "num_generations": G, **rest}),
+                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}), rollout_func=rf, correction=None,
+                              dump=dump)
+    tr.train()
+    d = read_dump(dump)
+    prompts = [p for call in rf.calls for p in call]  # TRL's generation batches, in the dump's order
+    assert len(d) == len(prompts) and d.texts["response"] == prompts  # the response repeats the prompt
+    # TRL's grouping: blocks of G consecutive completions of each generation batch
+    want, start = set(), 0
+    for call in rf.calls:
+        assert len(call) % G == 0
+        want |= {frozenset(range(start + k, start + k + G)) for k in range(0, len(call), G)}
+        start += len(call)
+    got: dict[tuple, set] = {}
+    for i, (step, g) in enumerate(zip(d.step.tolist(), d.group.tolist(), strict=True)):
+        got.setdefault((step, d.group_labels[g]), set()).add(i)
+    assert {frozenset(rows) for rows in got.values()} == want
+    assert all(len(rows) == G and len({prompts[i] for i in rows}) == 1 for rows in got.values())
+    several = len(rf.calls) > len(set(d.step.tolist()))  # generation batches sharing a step: what it was about
+    assert several == name[0].isdigit(), name  # "N generations per step" cases, and only them
+    res = {r.id: r for r in run_checks(d)}["baseline.degenerate_groups"]
+    assert res.value == 1.0 and res.details["groups"] == len(want)

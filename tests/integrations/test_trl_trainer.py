@@ -17,7 +17,7 @@ from creditlab.core.advantages import prm_mixed_advantages
 from creditlab.core.correction import interq_weights
 from creditlab.errors import ConfigError, InputError
 from creditlab.integrations._common import turn_layout
-from creditlab.integrations.trl import CreditlabGRPOTrainer, fork_reward_func
+from creditlab.integrations.trl import CreditlabGRPOTrainer, fork_reward
 from creditlab.judge.testing import ChatServer
 
 RUBRICS = [{"criterion": "aspirin water", "points": 2}, {"criterion": "rest", "points": 1}]
@@ -95,7 +95,7 @@ def test_a_few_grpo_steps_with_fork_reward_and_interq_weights(tmp_path):
     model = tiny_model()
     before = [p.detach().clone() for p in model.parameters()]
     with ChatServer() as srv:
-        fork = fork_reward_func("openai", base_url=srv.url, model="judge", max_retries=0)
+        fork = fork_reward("openai", base_url=srv.url, model="judge", max_retries=0)
         rf = make_rollout_func(tok)
         tr = CreditlabGRPOTrainer(model=model, reward_funcs=[fork], args=_args(tmp_path, max_steps=3),
                                   train_dataset=_dataset(), processing_class=tok, rollout_func=rf,
@@ -110,10 +110,10 @@ def test_a_few_grpo_steps_with_fork_reward_and_interq_weights(tmp_path):
     assert any(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters(), strict=True))
 
 
-def test_fork_reward_func_is_batched_and_gives_none_on_judge_failure():
+def test_fork_reward_is_batched_and_gives_none_on_judge_failure():
     logged = {}
     with ChatServer() as srv:
-        fork = fork_reward_func("openai", base_url=srv.url, model="judge-fail", max_retries=0, name="fork")
+        fork = fork_reward("openai", base_url=srv.url, model="judge-fail", max_retries=0, name="fork")
         prompts = ["How do I treat a headache?"] * 3
         completions = ["take aspirin with water . rest .", "drink tea .", "rest ."]
         srv.push_faults(["500"])
@@ -134,7 +134,18 @@ def test_configuration_errors(tmp_path):
         CreditlabGRPOTrainer(args=_args(tmp_path), correction_params={"alpha": 1}, **common)
     with pytest.raises(ConfigError, match="credit_settings: unknown key"):
         CreditlabGRPOTrainer(args=_args(tmp_path), credit="prm", credit_settings={"lam": 1}, **common)
-    tr = CreditlabGRPOTrainer(args=_args(tmp_path), correction="interq", **common)  # no rollout log-probs
+    # TRL's plain generation gives no engine log-probs: the correction (interq by default) is refused when
+    # the trainer is built, not at its first step
+    for given in ({}, {"correction": "tis"}):
+        with pytest.raises(ConfigError, match=r"^correction: '(interq|tis)' needs the rollout engine's log-probs.*"
+                                              r"use_vllm=True.*rollout_func.*correction=None$") as err:
+            CreditlabGRPOTrainer(args=_args(tmp_path), **given, **common)
+        assert "\n" not in str(err.value)
+    assert CreditlabGRPOTrainer(args=_args(tmp_path), correction=None, **common).creditlab_correction is None
+    tok = common["processing_class"]
+    tr = CreditlabGRPOTrainer(args=_args(tmp_path), rollout_func=make_rollout_func(tok), **common)
+    assert tr.creditlab_correction == "interq"
+    tr.rollout_func = None  # taken away after the check: the first step still says what is missing
     with pytest.raises(ConfigError, match="rollout engine's log-probs"):
         tr._generate_and_score_completions(_inputs(1))
 
@@ -164,7 +175,7 @@ def test_untested_trl_version_is_refused_unless_allowed(tmp_path, monkeypatch):
     import trl
 
     from creditlab.errors import CreditlabError
-    from creditlab.integrations.trl import check_trl_version
+    from creditlab.integrations.trl import check_version
 
     monkeypatch.setattr(trl, "__version__", "9.9.9")
     monkeypatch.delenv("CREDITLAB_ALLOW_UNTESTED_TRL", raising=False)
@@ -173,9 +184,10 @@ def test_untested_trl_version_is_refused_unless_allowed(tmp_path, monkeypatch):
         CreditlabGRPOTrainer(model=tiny_model(), reward_funcs=_length_reward, args=_args(tmp_path),
                              train_dataset=_dataset(), processing_class=tiny_tokenizer())
     monkeypatch.setenv("CREDITLAB_ALLOW_UNTESTED_TRL", "1")
-    check_trl_version()  # allowed now
+    check_version()  # allowed now
+    tok = tiny_tokenizer()
     tr = CreditlabGRPOTrainer(model=tiny_model(), reward_funcs=_length_reward, args=_args(tmp_path),
-                              train_dataset=_dataset(), processing_class=tiny_tokenizer())
+                              train_dataset=_dataset(), processing_class=tok, rollout_func=make_rollout_func(tok))
     assert tr.creditlab_correction == "interq"
 
 

@@ -1,6 +1,6 @@
 """The TRL integration against every tested TRL release, not only the installed one.
 
-For each version of ``TESTED_TRL_VERSIONS`` other than the installed TRL, a throwaway virtual environment
+For each version of ``TESTED_VERSIONS`` other than the installed TRL, a throwaway virtual environment
 holds that TRL wheel alone (``pip install --no-deps``) and reads everything else (torch, transformers,
 accelerate, datasets, verl, creditlab's test tools...) from this environment, through a ``.pth`` file
 that puts this environment's site-packages after its own: ``import trl`` finds the other release, the
@@ -24,13 +24,13 @@ pytest.importorskip("trl")
 
 import trl  # noqa: E402
 
-from creditlab.integrations.trl import TESTED_TRL_VERSIONS  # noqa: E402
+from creditlab.integrations.trl import TESTED_VERSIONS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # the test files that run TRL's code; ``-k trl`` picks the TRL tests of the mixed ones
 TRL_TESTS = ["test_trl_trainer.py", "test_trl_dumps.py", "test_loss_equivalence.py", "test_registered_arm.py",
              "test_live_checks.py"]
-OTHER_RELEASES = [v for v in TESTED_TRL_VERSIONS if v != trl.__version__]
+OTHER_RELEASES = [v for v in TESTED_VERSIONS if v != trl.__version__]
 # what pip says when it cannot reach the index (then the test is skipped, with pip's words)
 OFFLINE = re.compile(r"No matching distribution found|Could not fetch URL|NewConnectionError|Max retries exceeded|"
                      r"Temporary failure in name resolution|Network is unreachable|ProxyError|ConnectTimeout|"
@@ -141,8 +141,8 @@ def test_the_trl_extra_pins_the_tested_range():
     from packaging.requirements import Requirement
     from packaging.version import Version
 
-    assert trl.__version__ in TESTED_TRL_VERSIONS
+    assert trl.__version__ in TESTED_VERSIONS
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trl"]
     (req,) = [Requirement(r) for r in extra if Requirement(r).name == "trl"]
-    tested = sorted(TESTED_TRL_VERSIONS, key=Version)
+    tested = sorted(TESTED_VERSIONS, key=Version)
     assert {str(s) for s in req.specifier} == {f">={tested[0]}", f"<={tested[-1]}"}

@@ -24,7 +24,7 @@ from verl.utils.skip.skip_manager import SkipManager
 
 import creditlab.integrations.verl as cv
 from creditlab.errors import CreditlabError
-from creditlab.integrations._common import fork_reward
+from creditlab.integrations._common import cached_fork_reward
 from creditlab.judge.testing import ChatServer
 from creditlab.rewards.items import ForkItem, parse_rubrics
 
@@ -140,7 +140,7 @@ def test_fork_through_verls_reward_loop_is_batched(yaml_config, tmp_path):
             # verl's reward loop calls once per sample; the judge saw them as one batch
             assert [b.batches for b in batches][-1] == [len(SAMPLES)]
             kw = cfg.reward.custom_reward_function.reward_kwargs
-            reward = fork_reward("openai", base_url=srv.url, model=kw.model, max_retries=0)
+            reward = cached_fork_reward("openai", base_url=srv.url, model=kw.model, max_retries=0)
             items = [ForkItem(str(i), "user: How do I treat a headache?", tok.decode(tok(t)["input_ids"]),
                               parse_rubrics(RUBRICS, "test")) for t, i in SAMPLES]
             direct = loop.run_until_complete(reward.score(items))

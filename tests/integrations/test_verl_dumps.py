@@ -92,8 +92,8 @@ def test_bypass_mode_dump_says_the_logprobs_are_the_engines(tmp_path):
     # dump_batch called by hand on a bypass batch: the shared storage tells
     b = _batch()
     apply_bypass_mode(b, rollout_corr_config=algo.rollout_correction, policy_loss_config=OmegaConf.create({}))
-    assert {r["logprobs_source"] for r in cverl.rows_from_dataproto(b)} == {VERL_BYPASS}
-    assert {r["logprobs_source"] for r in cverl.rows_from_dataproto(_batch())} == {LEARNER}
+    assert {r["logprobs_source"] for r in cverl.dump_rows(b)} == {VERL_BYPASS}
+    assert {r["logprobs_source"] for r in cverl.dump_rows(_batch())} == {LEARNER}
     # a dump of both runs: the bypass rows are left out of the mismatch checks, and the evidence says so
     k3 = run_checks(read_dump([tmp_path / "bypass", tmp_path / "decoupled"]), only="mismatch.k3")[0]
     assert k3.status in ("warn", "fail") and "8 rows whose logprobs_source says logprobs are the engine's" \
@@ -142,7 +142,7 @@ def test_rejection_sampling_dump_keeps_the_rejected_tokens(tmp_path):
     plain = _batch()
     no_rs = _algo(tmp_path).rollout_correction
     plain, _ = rollout_corr_helper.compute_rollout_correction_and_add_to_batch(plain, no_rs)
-    assert all("rejected" not in r for r in cverl.rows_from_dataproto(plain))
+    assert all("rejected" not in r for r in cverl.dump_rows(plain))
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,7 +420,7 @@ def test_new_columns_are_validated(tmp_path):
     from creditlab.diagnose.schema import write_dump
     from creditlab.errors import InputError
 
-    rows = cverl.rows_from_dataproto(_batch())
+    rows = cverl.dump_rows(_batch())
     bad = [dict(r, logprobs_source="engine") for r in rows]
     write_dump(bad, tmp_path / "source.jsonl")
     with pytest.raises(InputError, match=r"line 1: column 'logprobs_source': 'engine': expected 'learner'"):

@@ -45,7 +45,8 @@ def _common_parameters(lab) -> list[inspect.Parameter]:
         "workers": typer.Option(1, "--workers", help="Worker processes for the cells (process executor; with "
                                                      "--executor ray, the CPUs of a local Ray instance)."),
         "executor": typer.Option(None, "--executor",
-                                 help="Where cells run: serial, process, ray (default: process when --workers > 1). "
+                                 help="Where cells run: serial, process, ray (default: process when --workers > 1; "
+                                      "serial takes no --workers). "
                                       'ray needs pip install "creditlab\\[ray]".'),
         "ray_address": typer.Option(None, "--ray-address", metavar="ADDR",
                                     help="Ray cluster of --executor ray (auto, HOST:PORT, ray://HOST:PORT); default: "

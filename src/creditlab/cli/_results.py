@@ -1,6 +1,6 @@
 """The results file of ``creditlab fork score``: its rows and what is set aside on resume.
 
-* The lock of ``--out`` (a run owns it while it runs) is :class:`creditlab.diagnose._outlock.OutLock`,
+* The lock of ``--out`` (a run owns it while it runs) is :class:`creditlab._outlock.OutLock`,
   the lock of every output creditlab writes.
 * :func:`scan_results`: reads ``--out`` and decides from its content whether it is a results file
   (every line a JSON object with the fields a row has). A line cut off by a killed run (no newline

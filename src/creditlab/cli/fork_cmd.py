@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from creditlab._outlock import OutLock
 from creditlab.cli._apps import fork_app
 from creditlab.cli._results import RowWriter, check_cache, compact, scan_results, set_aside, truncate
-from creditlab.diagnose._outlock import OutLock
 from creditlab.errors import ConfigError
 
 __all__ = ["score"]
@@ -189,9 +189,12 @@ def _hold(ctx: typer.Context, lock: OutLock, console: Console) -> None:
 
 
 DEFAULT_BASE_URL = "http://localhost:8000/v1"
-#: Settings recorded in every row but not compared on resume: where the judge model was served. The
-#: endpoints serve the model named by ``model``, so a rerun against another set of URLs (a restarted
-#: server on another port, one more replica, one fewer) resumes.
+#: Settings recorded in every row but not compared for equality on resume: where the judge model was
+#: served. Two servers may serve different models under one model name (the judge cache keys replies
+#: by endpoint for that reason), so a resume compares the endpoints on their own
+#: (:func:`_endpoint_mismatch`): the rows' endpoints and this run's must share one, directly or through
+#: the runs between (the endpoints of one run serve one model, so one more replica or one fewer resumes);
+#: endpoints linked to none of the rows' are another judge.
 UNCOMPARED = ("base_url",)
 
 
@@ -211,6 +214,47 @@ def _settings_mismatch(rows: list[dict], settings: dict) -> list[str]:
             return ["settings (rows written without them, by another creditlab version)"]
         diff |= {k for k in set(old) | set(settings) if k not in UNCOMPARED and old.get(k) != settings.get(k)}
     return sorted(diff)
+
+
+def _endpoint_mismatch(rows: list[dict], urls: list[str]) -> list[str]:
+    """The endpoints (:func:`~creditlab.judge.cache.endpoint_id`, as the judge cache keys replies) of earlier
+    openai-judge rows that are not the judge of this run's ``urls``, in the order first met; empty when every
+    earlier row is.
+
+    The endpoints of one run serve one model, so endpoints given together in a run (this one, or one that
+    wrote rows) are one judge, and so are runs that share an endpoint: a chain of runs each adding or
+    dropping a replica stays one judge. A row is another judge's when no such chain links it to this run.
+    """
+    from creditlab.judge.cache import endpoint_id
+
+    parent: dict[str, str] = {}
+
+    def find(e: str) -> str:
+        parent.setdefault(e, e)
+        while parent[e] != e:
+            parent[e] = parent[parent[e]]
+            e = parent[e]
+        return e
+
+    def join(ids: list[str]) -> None:
+        for e in ids[1:]:
+            parent[find(e)] = find(ids[0])
+
+    sets: list[list[str]] = []
+    for r in rows:
+        old = r.get("settings")
+        if not isinstance(old, dict) or old.get("judge") != "openai" or not old.get("base_url"):
+            continue
+        was = old["base_url"] if isinstance(old["base_url"], list) else [old["base_url"]]
+        sets.append([endpoint_id(str(u)) for u in was])
+        join(sets[-1])
+    now = [endpoint_id(u) for u in urls]
+    join(now)
+    other: list[str] = []
+    for ids in sets:
+        if find(ids[0]) != find(now[0]):
+            other += [e for e in ids if e not in other]
+    return other
 
 
 def _base_urls(flags: list[str] | None, path: Path | None) -> list[str]:
@@ -296,7 +340,8 @@ def score(
                                    "model that measures topic, not truth; see docs/fork.md)."),
     base_url: list[str] = typer.Option(None, "--base-url",
                                        help=f"Endpoint of the openai judge (default {DEFAULT_BASE_URL}); repeat it "
-                                            "for several endpoints serving the same model."),
+                                            "for several endpoints serving the same model. A rerun into the same "
+                                            "--out needs one endpoint of the runs that scored its rows."),
     base_urls_file: Path = typer.Option(None, "--base-urls-file",
                                         help="File of endpoint URLs, one per line ('#' comments), added to "
                                              "--base-url."),
@@ -352,7 +397,8 @@ def score(
     (--base-url repeated, or --base-urls-file) share the requests by load; one that keeps failing is
     taken out of rotation while the others go on. Rerunning with the same settings skips the ids
     already scored and retries the failed ones; rerunning with other settings (judge, model, mode,
-    beta, tau...) into the same --out refuses unless --force (the endpoint URLs may change), and so
+    beta, tau...) into the same --out refuses unless --force, as does a rerun whose endpoints share
+    none with those that scored the rows (one replica more or fewer resumes), and so
     does a rerun whose prompt, response or rubrics changed under ids already scored, unless
     --rescore-changed. Ctrl-C
     keeps every finished row (exit 130): rerun the same command to resume. Exits 1 when some lines or
@@ -441,6 +487,14 @@ def score(
         raise ConfigError("--out", f"{out} holds rows scored with other settings (differs in: {', '.join(differs)}); "
                                    "rerun with the same options, choose another --out, or pass --force to rescore "
                                    "into this file")
+    other = [] if force or judge != "openai" else _endpoint_mismatch(previous, urls)
+    if other:
+        flag = "--base-urls-file" if base_urls_file is not None and not base_url else "--base-url"
+        raise ConfigError(flag, f"{out} holds rows scored by the judge at {', '.join(other)}, and this run's "
+                                f"endpoints ({', '.join(urls)}) include none of them: another server under the "
+                                "same --model name may be another judge, whose rows would be mixed with these; "
+                                "give one of the endpoints that scored them (one replica more or fewer resumes), "
+                                "choose another --out, or pass --force to rescore into this file")
     changed = [] if force else _changed_inputs(previous, items)
     if changed and not rescore_changed:
         shown = ", ".join(repr(i) for i in changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")

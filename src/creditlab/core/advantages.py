@@ -16,7 +16,7 @@ import torch
 
 from creditlab.core._checks import check_scalar, check_tensor, require_values
 
-__all__ = ["grpo_advantages", "group_stats", "prm_mixed_advantages"]
+__all__ = ["grpo_advantages", "group_stats", "mix_process_advantage", "prm_mixed_advantages"]
 
 
 def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,12 +100,43 @@ def prm_mixed_advantages(
     dims: dict[str, int] = {}
     check_tensor("outcome_rewards", outcome_rewards, shape=("B",), floating=True, finite=True, dims=dims)
     check_tensor("turn_mask", turn_mask, shape=("B", "T"), boolean=True, dims=dims)
+    check_tensor("group_ids", group_ids, shape=("B",), integer=True, dims=dims)
+    check_scalar("eps", eps, low=0.0, low_open=True)
+    a_out = grpo_advantages(outcome_rewards, group_ids, eps)
+    return mix_process_advantage(a_out, turn_scores, turn_mask, group_ids, lam, eps=eps, what="outcome_rewards")
+
+
+def mix_process_advantage(
+    advantages: torch.Tensor,
+    turn_scores: torch.Tensor,
+    turn_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    lam: float,
+    *,
+    eps: float = 1e-6,
+    what: str = "advantages",
+) -> torch.Tensor:
+    """``A[i, t] = advantages[i] + lam * A_proc[i, t]``, ``(B, T)``: a given outcome advantage plus the
+    group-normalised process advantage of :func:`prm_mixed_advantages` (the sum taken in float64, so the
+    two agree bit for bit when ``advantages`` is the GRPO advantage of the outcome rewards). ``what``
+    names the first argument in errors. Masked turns get 0.
+
+    >>> mix_process_advantage(torch.tensor([1.0, -1.0]), torch.tensor([[1.0, 0.0], [0.0, 0.0]]),
+    ...                       torch.tensor([[True, True], [True, False]]), torch.tensor([0, 0]), 0.5)
+    tensor([[ 1.5773,  0.7113],
+            [-1.2887,  0.0000]])
+    """
+    require_values("mix_process_advantage", "the group counts come from the data (torch.unique)",
+                   advantages, turn_scores, turn_mask, group_ids)
+    dims: dict[str, int] = {}
+    check_tensor(what, advantages, shape=("B",), floating=True, finite=True, dims=dims)
+    check_tensor("turn_mask", turn_mask, shape=("B", "T"), boolean=True, dims=dims)
     check_tensor("turn_scores", turn_scores, shape=("B", "T"), floating=True, finite=True,
                  finite_where=turn_mask, dims=dims)
     check_tensor("group_ids", group_ids, shape=("B",), integer=True, dims=dims)
     check_scalar("lam", lam, low=-sys.float_info.max, high=sys.float_info.max)
     check_scalar("eps", eps, low=0.0, low_open=True)  # eps > 0: a group with identical rewards gets 0, not NaN
-    a_out = grpo_advantages(outcome_rewards, group_ids, eps).to(torch.float64)  # (B,)
+    a_out = advantages.to(torch.float64)  # (B,)
     _, inverse = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
     zero = torch.zeros((), dtype=torch.float64, device=turn_scores.device)
@@ -119,4 +150,4 @@ def prm_mixed_advantages(
     std = torch.where(count > 1, (sq / (count - 1).clamp_min(1)).sqrt(), torch.zeros_like(sq))
     a_proc = centred / (std[inverse][:, None] + eps)
     out = torch.where(turn_mask, a_out[:, None] + lam * a_proc, zero)
-    return out.to(torch.promote_types(outcome_rewards.dtype, torch.float32))
+    return out.to(torch.promote_types(advantages.dtype, torch.float32))

@@ -61,7 +61,7 @@ import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import torch
 
@@ -119,6 +119,8 @@ CorrectionFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 CORRECTIONS: Registry[CorrectionFn] = Registry("correction", validate=lambda fn: _arm_parameters(fn, "correction"))
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 _POSITIONAL = 4  # old_logprobs, rollout_logprobs, policy_mask, valid_mask
 #: Keyword an arm may declare that is not one of its parameters: ``check`` (the input checks,
 #: :func:`correction_weights` passes it on). Trainer configs cannot set it.
@@ -454,9 +456,9 @@ class InterQParams:
     """The parameters of InterQ-RL, checked when the record is made.
 
     :data:`INTERQ` (this record with no arguments) is the one source of their defaults: every
-    function of this module that takes them (:func:`interq_weights`, :func:`interq_terms`,
-    :func:`mismatch_metrics`, :func:`allocate_budget`, the ``interq`` / ``prefix`` / ``global`` arms)
-    declares ``param: type = INTERQ.param``.
+    function of this module that declares them (:func:`interq_weights`, :func:`mismatch_metrics`,
+    :func:`allocate_budget`) declares ``param: type = INTERQ.param``, and :func:`interq_terms` and the
+    ``interq`` / ``prefix`` / ``global`` arms take the keyword parameters of :func:`interq_weights`.
     """
 
     eps_low: float = 0.025
@@ -482,6 +484,49 @@ class InterQParams:
 
 #: The default InterQ-RL parameters.
 INTERQ = InterQParams()
+
+
+@dataclass(frozen=True)
+class _InterQSettings(InterQParams):
+    """What a call of :func:`interq_weights` sets: InterQ-RL's parameters (checked when the record is
+    made), then ``mode`` and ``check`` (checked where they are used). :func:`interq_weights` declares
+    them as its keyword parameters, with these defaults; :func:`interq_terms` and the mode arms take
+    its keyword parameters (:func:`_keywords_of`) and make this record of them."""
+
+    mode: str = "interq"
+    check: bool = True
+
+
+def _with_keywords_of(fn: Callable[..., Any], model: Callable[..., Any], leave_out: tuple[str, ...] = ()) -> None:
+    """Give ``fn(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, **settings)`` the keyword-only
+    parameters of ``model`` (but ``leave_out``) instead of ``**settings`` in its signature: what
+    ``inspect``, ``help`` and the registry (:func:`correction_params`) read. ``fn`` checks the names it
+    is given with :func:`_known_keywords`."""
+    sig = inspect.signature(fn)
+    fixed = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    keywords = [p for p in inspect.signature(model).parameters.values()
+                if p.kind is p.KEYWORD_ONLY and p.name not in leave_out]
+    fn.__signature__ = sig.replace(parameters=[*fixed, *keywords])  # type: ignore[attr-defined]
+
+
+def _keywords_of(model: Callable[_P, Any]) -> Callable[[Callable[..., _R]], Callable[_P, _R]]:
+    """Decorator: the function takes the parameters of ``model``, for type checkers (``_P``) and at run
+    time (:func:`_with_keywords_of`)."""
+
+    def take(fn: Callable[..., _R]) -> Callable[_P, _R]:
+        _with_keywords_of(fn, model)
+        return fn
+
+    return take
+
+
+def _known_keywords(fn: Callable[..., Any], settings: Mapping[str, Any]) -> None:
+    """The :class:`TypeError` of a call of ``fn`` (see :func:`_with_keywords_of`) with a keyword its
+    signature does not name."""
+    names = fn.__signature__.parameters  # type: ignore[attr-defined]
+    unknown = [k for k in settings if k not in names]
+    if unknown:
+        raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {unknown[0]!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -872,36 +917,6 @@ def _interq_metrics(run: _Pass) -> dict[str, torch.Tensor]:
     return metrics
 
 
-def interq_terms(
-    old_logprobs: torch.Tensor,
-    rollout_logprobs: torch.Tensor,
-    policy_mask: torch.Tensor,
-    valid_mask: torch.Tensor | None = None,
-    *,
-    eps_low: float = INTERQ.eps_low,
-    eps_high: float = INTERQ.eps_high,
-    alpha_g: float = INTERQ.alpha_g,
-    rho_eps: float = INTERQ.rho_eps,
-    iters: int | None = INTERQ.iters,
-    mode: str = "interq",
-    check: bool = True,
-) -> InterQTerms:
-    """All intermediate quantities of :func:`interq_weights` (for diagnostics, labs and tests).
-
-    Pass them to :func:`mismatch_metrics` (``terms=``) to get the mismatch fingerprints of the same
-    batch without a second InterQ pass. ``check``: as in :func:`interq_weights`.
-    """
-    require_values("interq_terms", "it reads the segment count on the host" + _NO_READS,
-                   old_logprobs, rollout_logprobs, policy_mask, valid_mask)
-    p = InterQParams(eps_low, eps_high, alpha_g, rho_eps, iters)
-    with torch.no_grad():
-        run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, mode, check=check)
-        q, b = run.interq, run.bounds.segments
-        clip = run.full(q.clip, 0.0)
-        return InterQTerms(run.full(q.weights, 1.0), run.full(q.displacement, 0.0), clip > 0, clip < 0, q.C,
-                           q.rho, q.alpha, segments_from_bounds(b), b)
-
-
 def interq_weights(
     old_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
@@ -952,28 +967,51 @@ def interq_weights(
     """
     require_values("interq_weights", "it reads the segment count and its metrics on the host" + _NO_READS,
                    old_logprobs, rollout_logprobs, policy_mask, valid_mask)
-    p = InterQParams(eps_low, eps_high, alpha_g, rho_eps, iters)
+    p = _InterQSettings(eps_low, eps_high, alpha_g, rho_eps, iters, mode, check)
     with torch.no_grad():
-        run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, mode, check=check)
+        run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, p.mode, check=p.check)
         metrics = _interq_metrics(run)
         weights = run.full(run.interq.weights, 1.0)
     return weights, _to_floats(metrics)
+
+
+@_keywords_of(interq_weights)
+def interq_terms(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    policy_mask: torch.Tensor,
+    valid_mask: torch.Tensor | None = None,
+    **settings: Any,
+) -> InterQTerms:
+    """All intermediate quantities of :func:`interq_weights` (for diagnostics, labs and tests).
+
+    Takes the keyword parameters of :func:`interq_weights`. Pass them to :func:`mismatch_metrics`
+    (``terms=``) to get the mismatch fingerprints of the same batch without a second InterQ pass.
+    """
+    _known_keywords(interq_terms, settings)
+    require_values("interq_terms", "it reads the segment count on the host" + _NO_READS,
+                   old_logprobs, rollout_logprobs, policy_mask, valid_mask)
+    p = _InterQSettings(**settings)
+    with torch.no_grad():
+        run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, p.mode, check=p.check)
+        q, b = run.interq, run.bounds.segments
+        clip = run.full(q.clip, 0.0)
+        return InterQTerms(run.full(q.weights, 1.0), run.full(q.displacement, 0.0), clip > 0, clip < 0, q.C,
+                           q.rho, q.alpha, segments_from_bounds(b), b)
 
 
 def _mode_arm(mode: str) -> CorrectionFn:
     """The registered arm ``mode``: :func:`interq_weights` with that ``mode``, under the module-level name
     ``_<mode>_arm`` (so that it pickles)."""
 
-    def arm(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *, eps_low: float = INTERQ.eps_low,
-            eps_high: float = INTERQ.eps_high, alpha_g: float = INTERQ.alpha_g, rho_eps: float = INTERQ.rho_eps,
-            iters: int | None = INTERQ.iters, check: bool = True):
-        return interq_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask, eps_low=eps_low,
-                              eps_high=eps_high, alpha_g=alpha_g, rho_eps=rho_eps, iters=iters, mode=mode,
-                              check=check)
+    def arm(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, **params):
+        _known_keywords(arm, params)
+        return interq_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask, **params, mode=mode)
 
     arm.__name__ = arm.__qualname__ = f"_{mode}_arm"
     arm.__doc__ = (f"Registered arm ``{mode}``: :func:`interq_weights` with ``mode=\"{mode}\"`` (same "
                    "parameters, same result).")
+    _with_keywords_of(arm, interq_weights, leave_out=("mode",))
     return register_correction(mode)(arm)
 
 

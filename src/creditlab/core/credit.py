@@ -25,7 +25,7 @@ Shapes follow docs/design.md section 3:
 * binary / discretized: outcome rounded to {0,1} / to a few levels, then GRPO, then uniform
 * reward_to_go: ``a[i,t] = (sum_{u>=t} r[i,u] - mean_g R) / (std_g R + eps)`` with
   ``R_i = sum_u r[i,u]``; with terminal-only reward it is constant over t, i.e. uniform.
-* prm: ``a[i,t] = A_i + lam A_proc[i,t]`` (:func:`creditlab.core.advantages.prm_mixed_advantages`).
+* prm: ``a[i,t] = A_i + lam A_proc[i,t]`` (:func:`creditlab.core.advantages.mix_process_advantage`).
 
 Registry
 --------
@@ -46,7 +46,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from creditlab.core._checks import any_true, check_scalar, check_tensor, require_values
-from creditlab.core.advantages import group_stats, grpo_advantages, prm_mixed_advantages
+from creditlab.core.advantages import group_stats, grpo_advantages, mix_process_advantage
 from creditlab.core.registry import Registry, check_name, keyword_parameters, signature_of
 from creditlab.errors import ConfigError, InputError
 
@@ -557,12 +557,13 @@ def _reward_to_go(batch: StepBatch, *, conserve: bool = True, eps: float = 1e-6)
 @register_geometry("prm", needs=("advantages", "step_scores"))
 def _prm(batch: StepBatch, *, conserve: bool = True, lam: float = 0.5, eps: float = 1e-6) -> torch.Tensor:
     """Registered ``prm``: ``A_i + lam A_proc[i,t]`` with ``A_proc`` the group-normalised process score
-    ``step_scores`` (:func:`~creditlab.core.advantages.prm_mixed_advantages` of zero outcomes, added to
-    ``A_i``); ``conserve`` rescales each row to ``sum_t |a| = |A_i|``."""
+    ``step_scores`` (:func:`~creditlab.core.advantages.mix_process_advantage`: with ``A_i`` the GRPO
+    advantage of the rewards it equals :func:`~creditlab.core.advantages.prm_mixed_advantages` bit for
+    bit); ``conserve`` rescales each row to ``sum_t |a| = |A_i|``. ``lam`` is the weight at this update
+    (a trainer evaluates its :class:`~creditlab.core.schedules.Schedule` at its step)."""
     scores = _field(batch, "step_scores", "prm")
     A = _advantages(batch, eps)
-    proc = prm_mixed_advantages(torch.zeros_like(A), scores, batch.step_mask, batch.group_ids, lam, eps=eps)
-    out = A.to(proc.dtype)[:, None] + proc
+    out = mix_process_advantage(A, scores, batch.step_mask, batch.group_ids, lam, eps=eps)
     out = torch.where(batch.step_mask, out, torch.zeros_like(out)).to(A.dtype)
     return conserve_credit(out, A, batch.step_mask) if conserve else out
 

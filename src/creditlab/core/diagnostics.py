@@ -252,7 +252,7 @@ class CheckParams:
     min_measurable: int     # a side needs this many measurable tokens
     negligible_share: float  # at most this share measurable: no side to take (0)
     turn_min_tokens: int    # a turn counts with this many usable tokens
-    max_turns: int          # turns from this index on are left out
+    max_turns: int | None   # turns from this index on are left out (None: none, every turn of the batch)
     seq_min_rows: int       # the sequence ratio needs this many rows with tokens
 
 
@@ -375,7 +375,7 @@ def batch_check_values(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
         if L > 1:
             first[:, 1:] &= ~pm[:, :-1]
         turn = torch.cumsum(first, 1) - 1
-        T = int(p.max_turns)
+        T = max(1, (L + 1) // 2) if p.max_turns is None else int(p.max_turns)  # a row has <= ceil(L/2) turns
         bucket = torch.where(usable & (turn < T), turn, T).reshape(-1)
         E = torch.cumsum(delta, 1)
         cnt = torch.zeros(T + 1, dtype=_F64, device=dev).scatter_add_(0, bucket, uf.reshape(-1))[:T]

@@ -3,6 +3,14 @@
 A schedule is a small frozen dataclass with ``__call__(k) -> float``: picklable (it crosses
 process pools) and printable (it is logged with the config). Build one with :func:`constant` or
 :func:`decay`.
+
+Every kind is registered by name in :data:`SCHEDULES` (``constant``, ``decay``), and a
+:class:`Schedule` is the one settings record that names a kind with its parameters: the trainer
+integrations build it from their config keys (``prm_schedule``, ``prm_lambda``, ``prm_start``,
+``prm_end``, ``prm_power``) and the labs from their own config, so both evaluate the same function.
+
+>>> Schedule("decay", l0=1.0, start=20, end=30, power=3)(25)
+0.125
 """
 
 from __future__ import annotations
@@ -11,9 +19,10 @@ import math
 from dataclasses import dataclass
 
 from creditlab.core._checks import check_scalar
+from creditlab.core.registry import Registry
 from creditlab.errors import ConfigError
 
-__all__ = ["Constant", "Decay", "constant", "decay"]
+__all__ = ["SCHEDULES", "Constant", "Decay", "Schedule", "constant", "decay", "get_schedule"]
 
 
 def _finite(name: str, value: float) -> float:
@@ -91,3 +100,50 @@ def decay(l0: float, start: float = 20, end: float = 30, power: float = 3) -> De
     if power <= 0:
         raise ConfigError("power", f"must be > 0, got {power}")
     return Decay(l0, start, end, power)
+
+
+#: Every schedule kind by name: ``name -> factory(l0, start, end, power) -> schedule``.
+SCHEDULES: Registry = Registry("schedule")
+
+
+def _constant(l0: float, start: float, end: float, power: float) -> Constant:
+    """``constant`` in the factory shape of :data:`SCHEDULES` (it has no start, end or power)."""
+    return constant(l0)
+
+
+SCHEDULES.register("constant", _constant)
+SCHEDULES.register("decay", decay)
+
+
+def get_schedule(name: str):
+    """The factory of the schedule kind ``name``; :class:`ConfigError` listing the kinds otherwise."""
+    return SCHEDULES.get(name)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A schedule by kind and parameters: the settings record every caller of a scheduled weight holds.
+
+    ``kind`` names an entry of :data:`SCHEDULES`; ``l0`` is the weight (``constant``'s value, the start
+    of ``decay``); ``start``, ``end``, ``power`` are :func:`decay`'s (unused by ``constant``). The
+    parameters are checked when the record is made (:class:`ConfigError` naming the parameter).
+
+    >>> Schedule("constant", l0=0.3)(1000)
+    0.3
+    """
+
+    kind: str = "constant"
+    l0: float = 0.5
+    start: float = 20
+    end: float = 30
+    power: float = 3
+
+    def __post_init__(self) -> None:
+        self.build()
+
+    def build(self) -> Constant | Decay:
+        """The schedule itself (:class:`Constant` or :class:`Decay`)."""
+        return get_schedule(self.kind)(self.l0, self.start, self.end, self.power)
+
+    def __call__(self, k: float) -> float:
+        return self.build()(k)

@@ -123,6 +123,12 @@ def _declared(spec: Sequence[str], columns: list[str], rows: list[dict], where: 
     names, weights = [], []
     for item in spec:
         name, eq, w = item.partition("=")
+        if name in TRL_KEYS:
+            raise ConfigError("--reward-column", f"{item!r}: {name!r} is a column TRL writes itself "
+                                                 f"({', '.join(TRL_KEYS)}), not a reward function's")
+        if name in names:
+            raise ConfigError("--reward-column", f"{item!r}: column {name!r} is named twice; name each reward "
+                                                 "function once, with its weight (NAME=WEIGHT)")
         if name not in columns:
             cands = [c for c in columns if c not in TRL_KEYS]
             raise ConfigError("--reward-column", f"{where(0, name)}: no such column in this TRL completions table; "
@@ -135,6 +141,9 @@ def _declared(spec: Sequence[str], columns: list[str], rows: list[dict], where: 
             weight = math.nan
         if not math.isfinite(weight):
             raise ConfigError("--reward-column", f"expected NAME or NAME=WEIGHT with a number, got {item!r}")
+        if weight == 0:
+            raise ConfigError("--reward-column", f"{item!r}: a weight of 0 counts nothing; leave {name!r} out "
+                                                 "(the columns named are the whole reward)")
         names.append(name)
         weights.append(weight)
     return names, np.asarray(weights, dtype=np.float64)
@@ -173,9 +182,6 @@ def reward_columns(rows: list[dict], columns: list[str], keys: list[tuple],
         rest = [c for c in numeric if c not in used]
         return f"; not counted: {', '.join(rest)} (log_extra columns)" if rest else ""
 
-    if len(lead) == 1 or len([c for c in lead if c in numeric]) == 1 and lead[0] in numeric:
-        return lead, (f"TRL reward-function column{'s' if len(lead) > 1 else ''} {' + '.join(lead)} (the only "
-                      f"numeric column TRL writes before the log_extra ones){others(lead)}")
     per = _matrix(rows, lead)
     adv = _matrix(rows, ["advantage"])[:, 0]
     fits = []
@@ -183,16 +189,44 @@ def reward_columns(rows: list[dict], columns: list[str], keys: list[tuple],
         part = per[:, :j]
         r = np.where(np.isnan(part).all(1), np.nan, np.nansum(part, 1))
         fits.append(_fits(r, adv, keys))
-    fits_m = np.asarray(fits)  # (candidates, groups)
-    telling = (fits_m == 1).any(0)
-    ok = [j for j in range(len(lead)) if telling.any() and bool((fits_m[j][telling] == 1).all())]
+    fits_m = np.asarray(fits)  # (candidates, groups); NaN: the group tells nothing about that candidate
+    group_of = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    first_row = {}
+    for i, k in enumerate(keys):
+        first_row.setdefault(group_of[k], i)
+
+    def contradicted(j: int) -> np.ndarray:
+        return np.flatnonzero(fits_m[j] == 0)  # groups whose advantage this candidate does not reproduce
+
+    single = len(lead) == 1 or len([c for c in lead if c in numeric]) == 1 and lead[0] in numeric
+    if single:
+        bad = contradicted(0)
+        if bad.size:  # one function, yet its column does not give the advantage: a negative weight, or not TRL's
+            n_told = int((~np.isnan(fits_m[0])).sum())
+            raise InputError(
+                f"{where(first_row[int(bad[0])], 'advantage')}: the only reward-function column of this TRL "
+                f"completions table, {lead[0]}, does not reproduce the logged advantage in {bad.size:,} of the "
+                f"{n_told:,} groups that tell (a negative reward_weights?): name the reward function and its "
+                "weight with --reward-column NAME=WEIGHT")
+        return lead, (f"TRL reward-function column{'s' if len(lead) > 1 else ''} {' + '.join(lead)} (the only "
+                      f"numeric column TRL writes before the log_extra ones){others(lead)}")
+    told = ~np.isnan(fits_m)
+    telling = told.any(0)
+    # a candidate is the reward when it reproduces the advantage in every group that tells about it: a group
+    # no candidate reproduces is evidence too (weights other than 1), never left out
+    ok = [j for j in range(len(lead)) if told[j].any() and bool((fits_m[j][told[j]] == 1).all())]
     if not ok:
         tried = "; ".join(" + ".join(lead[:j + 1]) for j in range(len(lead)))
+        none_fit = np.flatnonzero(telling & ~(fits_m == 1).any(0))
+        at = first_row[int(none_fit[0])] if none_fit.size else 0
+        groups = (f" (in {none_fit.size:,} of {int(telling.sum()):,} groups none does, the first at this row)"
+                  if none_fit.size else "")
         raise InputError(
-            f"{where(0, 'advantage')}: TRL's completions table does not mark which of its numeric columns are reward "
+            f"{where(at, 'advantage')}: TRL's completions table does not mark which of its numeric columns are reward "
             f"functions and which log_extra added, and no sum of its leading ones ({tried}) reproduces the logged "
-            "advantage (non-default reward_weights, or multi_objective_aggregation='normalize_then_sum'?): name "
-            "the reward functions with --reward-column NAME[=WEIGHT] (repeatable)")
+            f"advantage{groups} (non-default reward_weights, or multi_objective_aggregation='normalize_then_sum'?): "
+            "name the reward functions with --reward-column NAME[=WEIGHT] (repeatable)")
+    telling = (fits_m == 1).any(0)
     j = ok[0] + 1
     while j < len(lead) and lead[j] not in numeric:  # a function that scored nothing in this table
         j += 1

@@ -145,7 +145,8 @@ def register_check(id: str, *, title: str, needs: Sequence[str], threshold: Thre
 
 
 class Context:
-    """The dump, with the quantities several checks share computed once on first use."""
+    """The dump, with the quantities several checks share computed once on first use. ``max_turns``:
+    the turns the by-turn plot draws (``--max-turns``); every check reads every turn."""
 
     def __init__(self, dump: Dump, *, max_turns: int = 16):
         if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 2:
@@ -474,19 +475,21 @@ DRIFT_WARN, DRIFT_FAIL, TURN_MIN_TOKENS, DRIFT_GROWTH = 2.2, 8.1, 20, 1.5
 
 
 def turn_profile(ctx: Context) -> dict[str, np.ndarray]:
-    """By turn ``k < max_turns``: tokens, mean and RMS of the current (``delta``) and the prefix
-    (``E``) log ratio over the usable policy tokens of turn ``k``."""
+    """By turn, every turn of the dump: tokens, mean and RMS of the current (``delta``) and the prefix
+    (``E``) log ratio over the usable policy tokens of turn ``k``. The turns (``"turn"``) are
+    ``0 .. max_turns - 1`` (with 0 tokens where none) and every later turn that has usable tokens."""
     ts = ctx.tokens
-    T = ctx.max_turns
-    sel = ts.usable & (ts.turn >= 0) & (ts.turn < T)
-    k = ts.turn[sel]
+    sel = ts.usable & (ts.turn >= 0)
+    turns = np.union1d(np.arange(ctx.max_turns), np.unique(ts.turn[sel]))  # turn ids may be sparse
+    T = turns.shape[0]
+    k = np.searchsorted(turns, ts.turn[sel])
     d, E = ts.delta[sel], ts.prefix[sel]
     n = np.bincount(k, minlength=T).astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         def mean(w):
             return np.where(n > 0, np.bincount(k, weights=w, minlength=T) / np.maximum(n, 1), np.nan)
 
-        return {"turn": np.arange(T), "tokens": n, "current_mean": mean(d), "prefix_mean": mean(E),
+        return {"turn": turns, "tokens": n, "current_mean": mean(d), "prefix_mean": mean(E),
                 "current_rms": np.sqrt(mean(d * d)), "prefix_rms": np.sqrt(mean(E * E))}
 
 
@@ -502,15 +505,23 @@ def check_prefix_drift(ctx: Context) -> Outcome:
     if copied is not None:
         return copied
     prof = turn_profile(ctx)
-    good = np.flatnonzero(prof["tokens"] >= TURN_MIN_TOKENS)
-    series = {k: v for k, v in prof.items()}
+    good = np.flatnonzero(prof["tokens"] >= TURN_MIN_TOKENS)  # every turn of the dump counts
+    drawn = prof["turn"] < ctx.max_turns  # --max-turns limits the plot, never the value
+    series: dict[str, Any] = {k: v[drawn] for k, v in prof.items()}
+    hidden = prof["turn"][good][prof["turn"][good] >= ctx.max_turns]
+    not_drawn = ""
+    if hidden.size:
+        series["not_drawn"] = (int(hidden.size), int(hidden[0]), int(hidden[-1]), ctx.max_turns)
+        not_drawn = (f" The plot draws turns 0-{ctx.max_turns - 1} (--max-turns {ctx.max_turns}); the "
+                     f"{hidden.size:,} later turn{'s' if hidden.size > 1 else ''} with {TURN_MIN_TOKENS}+ tokens "
+                     f"({_span(hidden)}) {'are' if hidden.size > 1 else 'is'} left out of it, not of the value.")
     if good.size < 2:
         return Outcome("skipped", None, f"Needs policy tokens in at least 2 turns ({TURN_MIN_TOKENS}+ tokens each); "
                        f"this dump has {good.size}: without a history there is nothing to compound.",
                        series=series)
-    first, last = int(good[0]), int(good[-1])
-    p0, pK = float(prof["prefix_rms"][first]), float(prof["prefix_rms"][last])
-    c0, cK = float(prof["current_rms"][first]), float(prof["current_rms"][last])
+    first, last = int(prof["turn"][good[0]]), int(prof["turn"][good[-1]])
+    p0, pK = float(prof["prefix_rms"][good[0]]), float(prof["prefix_rms"][good[-1]])
+    c0, cK = float(prof["current_rms"][good[0]]), float(prof["current_rms"][good[-1]])
     grows = pK >= DRIFT_GROWTH * p0
     status = "fail" if pK >= DRIFT_FAIL and grows else "warn" if pK >= DRIFT_WARN and grows else "ok"
     flat = cK <= max(2 * c0, c0 + 1e-3)  # changes below 1e-3 nats are float noise, not growth
@@ -521,11 +532,23 @@ def check_prefix_drift(ctx: Context) -> Outcome:
         cur = f"and the current one grows{' too' if verb == 'grows' else ''} ({format_value(c0)} -> {format_value(cK)})"
     span = (f"{verb} from {format_value(p0)} at turn {first} to {format_value(pK)} nats at turn {last}"
             if verb != "stays" else f"stays at {format_value(pK)} nats from turn {first} to turn {last}")
-    msg = f"The RMS prefix log ratio {span} {cur}{_excluded(ctx)}."
+    msg = f"The RMS prefix log ratio {span} {cur}{_excluded(ctx)}.{not_drawn}"
     details = {"turn_first": first, "turn_last": last, "prefix_rms_first": p0, "prefix_rms_last": pK,
                "current_rms_first": c0, "current_rms_last": cK,
-               "prefix_mean_last": float(prof["prefix_mean"][last]), "current_flat": flat}
+               "prefix_mean_last": float(prof["prefix_mean"][good[-1]]), "current_flat": flat,
+               "turns": int(good.size), "turns_not_drawn": int(hidden.size)}
     return Outcome(status, pK, msg, details, series)
+
+
+def _span(turns: np.ndarray) -> str:
+    """"turn 17", "turns 16-29" (consecutive) or "turns 16, 18 and 40"."""
+    t = [int(x) for x in turns]
+    if len(t) == 1:
+        return f"turn {t[0]}"
+    if t[-1] - t[0] == len(t) - 1:
+        return f"turns {t[0]}-{t[-1]}"
+    head = ", ".join(map(str, t[:4]))
+    return f"turns {head} and {len(t) - 4} more" if len(t) > 5 else f"turns {', '.join(map(str, t[:-1]))} and {t[-1]}"
 
 
 ONE_SIDED_WARN, ONE_SIDED_FAIL, MEASURABLE, MIN_MEASURABLE, NEGLIGIBLE_SHARE = 0.75, 0.9, 1e-5, 100, 0.05
@@ -737,9 +760,10 @@ def check_sequence_ratio(ctx: Context) -> Outcome:
 
 CHECK_PARAMS = CheckParams(logprob_tol=POSITIVE_TOL, run_min=RUN_MIN, run_gap=RUN_GAP, measurable=MEASURABLE,
                            min_measurable=MIN_MEASURABLE, negligible_share=NEGLIGIBLE_SHARE,
-                           turn_min_tokens=TURN_MIN_TOKENS, max_turns=16, seq_min_rows=SEQ_MIN_ROWS)
+                           turn_min_tokens=TURN_MIN_TOKENS, max_turns=None, seq_min_rows=SEQ_MIN_ROWS)
 """The constants of the token-level checks, for :func:`creditlab.core.diagnostics.batch_check_values` (the
-values the trainer integrations log each step; ``max_turns`` is :class:`Context`'s default)."""
+values the trainer integrations log each step; ``max_turns`` None: every turn of the batch counts, as every
+turn of a dump does in :func:`check_prefix_drift`)."""
 
 
 # ------------------------------------------------------------------------------------------------

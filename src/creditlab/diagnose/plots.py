@@ -87,7 +87,13 @@ def _prefix(r: CheckResult, path: Path) -> Path:
     bx.set_title("Signed mean (learner - engine)")
     bx.legend(fontsize=8)
     bx.grid(alpha=0.3)
-    fig.suptitle(f"mismatch.prefix_drift ({r.status})", fontsize=10)
+    hidden = s.get("not_drawn")  # (turns, first, last, --max-turns): turns the value reads, not drawn
+    note = ""
+    if hidden:
+        k, a, b, m = hidden
+        note = (f"; {k} later turn{'s' if k > 1 else ''} ({a}-{b}) not drawn (--max-turns {m}), the value reads "
+                "them")
+    fig.suptitle(f"mismatch.prefix_drift ({r.status}){note}", fontsize=10)
     return _save(fig, path)
 
 

@@ -35,20 +35,25 @@ These are warnings (:attr:`Dump.warnings`, shown in the report): what a writer l
 skipped: an empty file, an incomplete last line of the newest file of a directory or of the files
 given (a job still writing), a row cut off by its writer at the end of an older file or before rows
 appended later (a crashed trainer, resumed: a whole row appended on the cut-off line is read), a gzip
-stream that stops early; rows repeating identical rows of the same step written elsewhere (left out);
-response lengths in characters in some files and in tokens in others.
+stream that stops early, a gzip member cut off before a later one (every complete row of every member is
+read, each cut named with its byte and line), bytes between gzip members that are no gzip data (named,
+not read); rows repeating identical rows of the same step written elsewhere (left out); response lengths
+in characters in some files and in tokens in others. A gzip file with nothing readable is an input error.
 """
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import hashlib
+import io
 import itertools
 import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -362,12 +367,6 @@ def _starts_like_json(path: Path) -> bool:
         return fh.read(64).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{")
 
 
-def _open_text(path: Path, gz: bool):
-    if gz:
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
-
-
 _ROW_START = re.compile(r'\{\s*"')
 
 
@@ -431,9 +430,243 @@ def _after_cut(text: str) -> tuple[int, dict] | None:
     return None
 
 
-def _bad_utf8(path: Path, gz: bool) -> tuple[int, int] | None:
-    """``(line, byte)`` of the first byte of ``path`` that is not UTF-8 (None if none is found)."""
-    with (gzip.open(path, "rb") if gz else open(path, "rb")) as fh:
+_GZ_MAGIC = b"\x1f\x8b\x08"
+_GZ_CHUNK = 1 << 16
+_GZ_OUT = 1 << 22  # at most this much output per decompress call
+
+
+def _gz_feed(d: Any, data: bytes) -> Iterator[bytes]:
+    """Decompress ``data`` with ``d`` in bounded pieces (until the member ends)."""
+    while data and not d.eof:
+        out = d.decompress(data, _GZ_OUT)
+        data = d.unconsumed_tail
+        if out:
+            yield out
+
+
+class _GzLayout(NamedTuple):
+    segments: list[tuple[int, int, bool]]  # (start, stop, complete) of each member read; stop: its end or cut
+    junk: list[tuple[int, int, str]]        # (start, stop, why) of bytes that are no readable gzip data
+
+
+def _gzip_layout(buf: bytes) -> _GzLayout:
+    """The members of gzip data that may have been cut and appended to (a writer killed mid-member, then
+    another appending a new member): each member that decompresses to its end, each one cut off (read up
+    to where the next member starts, or to the end of the data), and the bytes between that are none.
+
+    A member is cut off when decompressing it fails or runs out of data before its end: its bytes stop at
+    the first later gzip header from which decompressing runs without error to a member's end, to the end
+    of the data, or to a later such header (the decompressor of the cut member would read on into the
+    next member's bytes as if they were its own, giving garbage, hence the search)."""
+    n = len(buf)
+    cands = []
+    k = buf.find(_GZ_MAGIC)
+    while k >= 0:
+        cands.append(k)
+        k = buf.find(_GZ_MAGIC, k + 1)
+    probes: dict[int, tuple[str, int, str]] = {}
+    accepted: dict[int, bool] = {}
+
+    def probe(q: int) -> tuple[str, int, str]:
+        """("complete", end, ""), ("open", n, "") (ran out of data) or ("error", chunk start, message) of
+        decompressing from ``q``, fed in pieces that end at every candidate header."""
+        if q in probes:
+            return probes[q]
+        d = zlib.decompressobj(31)
+        i = bisect.bisect_right(cands, q)
+        pos, res = q, ("open", n, "")
+        while pos < n:
+            stop = min(n, pos + _GZ_CHUNK)
+            if i < len(cands) and cands[i] < stop:
+                stop = cands[i]
+                i += 1
+            try:
+                for _ in _gz_feed(d, buf[pos:stop]):
+                    pass
+            except zlib.error as err:
+                res = ("error", pos, str(err))
+                break
+            if d.eof:
+                res = ("complete", stop - len(d.unused_data), "")
+                break
+            pos = stop
+        probes[q] = res
+        return res
+
+    def good(q: int) -> bool:
+        """A header at ``q`` starts a member: it decompresses without error to a member's end, to the end
+        of the data, or into the bytes of a later member that does."""
+        if q not in accepted:
+            st, at, _ = probe(q)
+            accepted[q] = st != "error" or any(
+                good(c) for c in cands[bisect.bisect_right(cands, q):bisect.bisect_right(cands, at)])
+        return accepted[q]
+
+    def next_member(after: int, limit: int) -> int | None:
+        return next((c for c in cands[bisect.bisect_right(cands, after):bisect.bisect_right(cands, limit)]
+                     if good(c)), None)
+
+    segments: list[tuple[int, int, bool]] = []
+    junk: list[tuple[int, int, str]] = []
+    pos = 0
+    while pos < n:
+        if buf[pos:pos + 3] == _GZ_MAGIC:
+            st, at, msg = probe(pos)
+            if st == "complete":
+                segments.append((pos, at, True))
+                pos = at
+                continue
+            nxt = next_member(pos, n if st == "open" else at)
+            if nxt is not None:
+                segments.append((pos, nxt, False))
+                pos = nxt
+                continue
+            if st == "open":
+                segments.append((pos, n, False))
+                break
+            segments.append((pos, at, False))
+            junk.append((at, n, f"decompressing member {len(segments)} fails there: {msg}"))
+            break
+        nxt = next_member(pos, n)
+        stop = n if nxt is None else nxt
+        if buf[pos:stop].count(0) != stop - pos:  # zero padding after the last member is allowed
+            junk.append((pos, stop, "no gzip header there"))
+        if nxt is None:
+            break
+        pos = nxt
+    return _GzLayout(segments, junk)
+
+
+class _ChunkReader(io.RawIOBase):
+    """A binary stream over an iterator of bytes."""
+
+    def __init__(self, chunks: Iterator[bytes]):
+        self._it, self._buf = chunks, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while not self._buf:
+            nxt = next(self._it, None)
+            if nxt is None:
+                return 0
+            self._buf = nxt
+        k = min(len(b), len(self._buf))
+        b[:k] = self._buf[:k]
+        self._buf = self._buf[k:]
+        return k
+
+
+class _GzRecovered:
+    """The rows a gzip file holds around cuts: every member's text, each cut-off member's up to its cut
+    (the line it cut off left out as an empty line, so line numbers stay those of the text), in order.
+    After a read, ``lines`` holds the line range ``(first, last)`` of each member and ``cut_lines`` the
+    line each cut-off member (but the last) left unfinished (0: it ends at a line end)."""
+
+    def __init__(self, path: Path, buf: bytes, layout: _GzLayout):
+        self.path, self.buf, self.layout = path, buf, layout
+        self.lines: list[tuple[int, int]] = []
+        self.cut_lines: dict[int, int] = {}
+
+    def _chunks(self) -> Iterator[bytes]:
+        self.lines, self.cut_lines = [], {}
+        done = 0  # lines emitted
+        segs = self.layout.segments
+        for k, (s, e, complete) in enumerate(segs):
+            first = done + 1
+            d = zlib.decompressobj(31)
+            hold = not complete and not self.open_tail(k)  # its unfinished last line is left out
+            tail = b""
+
+            def flushed(d=d) -> Iterator[bytes]:  # what a cut member's decompressor still holds
+                try:
+                    yield d.flush()
+                except zlib.error:
+                    return
+
+            pieces = _gz_feed(d, self.buf[s:e])
+            if not complete:
+                pieces = itertools.chain(pieces, flushed())
+            for out in pieces:
+                if hold:
+                    out = tail + out
+                    cut = out.rfind(b"\n") + 1
+                    out, tail = out[:cut], out[cut:]
+                done += out.count(b"\n")
+                if out:
+                    yield out
+            if hold:
+                self.cut_lines[k] = done + 1 if tail.strip() else 0
+                if tail.strip():
+                    done += 1
+                    yield b"\n"
+            self.lines.append((first, done))
+
+    def open_tail(self, k: int) -> bool:
+        """Whether member ``k`` is the last and runs out of data before its end (a writer still writing,
+        or one that stopped): the readers' warning for a cut-off gzip stream says so."""
+        segs = self.layout.segments
+        return k == len(segs) - 1 and not segs[k][2] and segs[k][1] == len(self.buf)
+
+    def open_bytes(self) -> io.BufferedReader:
+        return io.BufferedReader(_ChunkReader(self._chunks()), buffer_size=1 << 16)
+
+    def open_text(self) -> io.TextIOWrapper:
+        return io.TextIOWrapper(self.open_bytes(), encoding="utf-8")
+
+    def notes(self, numbers: list[int]) -> list[str]:
+        """The warnings: each member cut off before a later one, and the bytes no member holds."""
+        segs = self.layout.segments
+        out = []
+        nums = np.asarray(numbers, dtype=np.int64)
+
+        def rows_in(k: int) -> int:
+            a, b = self.lines[k] if k < len(self.lines) else (1, 0)
+            return int(((nums >= a) & (nums <= b)).sum())
+
+        M = len(segs)
+        for k, (s, e, complete) in enumerate(segs):
+            if complete or self.open_tail(k):
+                continue
+            line = self.cut_lines.get(k, 0)
+            lost = (f"line {line}, the row the cut falls in, was skipped" if line else
+                    "the cut falls at a line end, so no row was cut in two" if self.lines[k][1] >= self.lines[k][0]
+                    else "none of its text is in the file")
+            if k < M - 1:
+                later = sum(rows_in(j) for j in range(k + 1, M))
+                out.append(f"{self.path}: gzip member {k + 1} of {M} (bytes {s:,}-{e:,}) is cut off at byte {e:,} "
+                           "and followed by a new member (a writer killed mid-write, then another one appending "
+                           f"to the file; what the first had not written is not in the file): {lost}; the "
+                           f"{rows_in(k):,} rows before the cut and the {later:,} rows after it were read.")
+            else:
+                out.append(f"{self.path}: gzip member {k + 1} of {M} (bytes {s:,}-{e:,}) cannot be decompressed "
+                           f"past byte {e:,}: {lost}; the {rows_in(k):,} rows before it were read.")
+        for a, b, why in self.layout.junk:
+            out.append(f"{self.path}: bytes {a:,}-{b:,} ({b - a:,} bytes) are not readable gzip data ({why}) and "
+                       "were not read: any rows in them are lost (a file damaged on disk, or written into by "
+                       "something else).")
+        return out
+
+
+def _gzip_recovered(path: Path) -> _GzRecovered | None:
+    """The rows of a gzip file that Python's gzip module cannot read to its end (a cut member, another
+    after it, bytes that are no gzip data), or None when every member is whole (what failed was not the
+    compression). An input error when no member holds anything readable."""
+    buf = path.read_bytes()
+    layout = _gzip_layout(buf)
+    if not layout.junk and all(c for _, _, c in layout.segments):
+        return None
+    if not any(e > s for s, e, _ in layout.segments):
+        a, b, why = layout.junk[0] if layout.junk else (0, len(buf), "")
+        raise InputError(f"{path}: cannot be read: not a readable gzip stream (bytes {a:,}-{b:,}: {why}); "
+                         "recompress the rows with gzip, or pass them uncompressed as .jsonl")
+    return _GzRecovered(path, buf, layout)
+
+
+def _bad_utf8(open_bytes: Callable[[], Any]) -> tuple[int, int] | None:
+    """``(line, byte)`` of the first byte of a binary stream that is not UTF-8 (None if none is found)."""
+    with open_bytes() as fh:
         for n, raw in enumerate(fh, 1):
             try:
                 raw.decode("utf-8")
@@ -448,6 +681,52 @@ def _lines(numbers: list[int]) -> str:
     return f"line {head}" if len(numbers) == 1 else f"lines {head}{more}"
 
 
+@dataclass
+class _Lines:
+    """What reading a JSONL text gave: its rows, their line numbers, and what its writer left unfinished."""
+
+    rows: list[dict] = field(default_factory=list)
+    numbers: list[int] = field(default_factory=list)
+    torn: tuple[int, str] | None = None  # an incomplete line, until the next line tells whether it was the last
+    cut_mid: list[int] = field(default_factory=list)  # cut-off lines followed by rows written later
+    joined: list[int] = field(default_factory=list)   # ... with the first later row on the same line
+
+
+def _parse_lines(path: Path, fh: Any, tick: Callable[[int], None] | None, live: bool) -> _Lines:
+    got = _Lines()
+    read = 0  # characters, about the bytes of the (uncompressed) file
+    for n, line in enumerate(fh, 1):
+        read += len(line)
+        if tick is not None and n % 2000 == 0:
+            tick(read)
+        if not line.strip():
+            continue
+        if got.torn is not None:  # the incomplete line was not the last: rows were appended after it
+            got.cut_mid.append(got.torn[0])
+            got.torn = None
+        if n == 1:
+            line = line.lstrip("\ufeff")
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            after = None if live and not line.endswith("\n") else _after_cut(line)
+            if after is None:
+                if (live and not line.endswith("\n")) or _cut_off(line, err):
+                    got.torn = (n, line)
+                    continue
+                raise InputError(f"{path}: line {n}: not valid JSON ({err.msg} at column {err.colno}): each line "
+                                 "must be one JSON object (one trajectory); fix or remove that line") from None
+            got.joined.append(n)
+            obj = after[1]
+        except RecursionError:
+            raise InputError(f"{path}: line {n}: not valid JSON (nested too deep)") from None
+        if not isinstance(obj, dict):
+            raise InputError(f"{path}: line {n}: expected a JSON object (one trajectory), got {type(obj).__name__}")
+        got.rows.append(obj)
+        got.numbers.append(n)
+    return got
+
+
 def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None, *, live: bool = False,
                 gz: bool = False) -> _Part:
     """Rows of a JSONL file (``gz``: gzip-compressed). A line its writer did not finish (an incomplete
@@ -455,58 +734,49 @@ def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None, *, live: 
     (``live``: a job still writing; any incomplete last line there), the last line of an older file (a
     writer that stopped mid-row), or a line followed by rows appended later (a crashed writer, then a
     resumed one; a whole row appended on the cut-off line is read). Any other line that is not a JSON
-    object is an error naming it."""
-    rows: list[dict] = []
-    numbers: list[int] = []
+    object is an error naming it.
+
+    A gzip file whose compressed stream is cut off is read up to the cut; one cut and then appended to
+    (a new gzip member after the cut-off one), or holding bytes that are no gzip data, is read member by
+    member (:func:`_gzip_layout`): every complete row of every member, with a warning naming each cut,
+    the line it cut off and the bytes that could not be read."""
     warnings: list[str] = []
-    torn: tuple[int, str] | None = None  # an incomplete line, until the next line tells whether it was the last
-    cut_mid: list[int] = []              # cut-off lines followed by rows written later
-    joined: list[int] = []               # ... with the first later row on the same line
-    read = 0  # characters, about the bytes of the (uncompressed) file
     stream_cut = False
+    rec: _GzRecovered | None = None
+
+    def open_bytes():
+        if rec is not None:
+            return rec.open_bytes()
+        return gzip.open(path, "rb") if gz else open(path, "rb")
+
     try:
-        with _open_text(path, gz) as fh:
+        if not gz:
+            with open(path, encoding="utf-8") as fh:
+                got = _parse_lines(path, fh, tick, live)
+        else:
             try:
-                for n, line in enumerate(fh, 1):
-                    read += len(line)
-                    if tick is not None and n % 2000 == 0:
-                        tick(read)
-                    if not line.strip():
-                        continue
-                    if torn is not None:  # the incomplete line was not the last: rows were appended after it
-                        cut_mid.append(torn[0])
-                        torn = None
-                    if n == 1:
-                        line = line.lstrip("\ufeff")
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        got = None if live and not line.endswith("\n") else _after_cut(line)
-                        if got is None:
-                            if (live and not line.endswith("\n")) or _cut_off(line, err):
-                                torn = (n, line)
-                                continue
-                            raise InputError(f"{path}: line {n}: not valid JSON ({err.msg} at column {err.colno}): "
-                                             "each line must be one JSON object (one trajectory); fix or remove "
-                                             "that line") from None
-                        joined.append(n)
-                        obj = got[1]
-                    except RecursionError:
-                        raise InputError(f"{path}: line {n}: not valid JSON (nested too deep)") from None
-                    if not isinstance(obj, dict):
-                        raise InputError(f"{path}: line {n}: expected a JSON object (one trajectory), "
-                                         f"got {type(obj).__name__}")
-                    rows.append(obj)
-                    numbers.append(n)
-            except EOFError:  # a gzip stream that stops before its end
-                stream_cut = True
+                with gzip.open(path, "rt", encoding="utf-8") as fh:
+                    got = _parse_lines(path, fh, tick, live)
+            except (EOFError, zlib.error, OSError, UnicodeDecodeError, InputError):
+                # a stream cut off, or one that fails: read it member by member. A cut member followed by
+                # another decompresses into garbage (or runs to the end), so what the first read gave is
+                # not trusted; a file whose members are all whole failed for another reason: raise that
+                rec = _gzip_recovered(path)
+                if rec is None:
+                    raise
+                with rec.open_text() as fh:
+                    got = _parse_lines(path, fh, tick, live)
+                stream_cut = rec.open_tail(len(rec.layout.segments) - 1)
     except UnicodeDecodeError as err:
-        at, byte = _bad_utf8(path, gz) or (None, err.object[err.start])
+        at, byte = _bad_utf8(open_bytes) or (None, err.object[err.start])
         raise InputError(f"{path}: {f'line {at}: ' if at else ''}not UTF-8 text (byte 0x{byte:02x}"
                          f"{' in the decompressed text' if gz else ''}): not a JSONL dump (one JSON object per "
                          "line), nor gzip or parquet; pass the dump in one of those formats") from None
-    except (OSError, gzip.BadGzipFile) as err:
+    except (OSError, EOFError, zlib.error) as err:
         raise InputError(f"{path}: cannot be read ({err})") from None
+    rows, numbers, torn, cut_mid, joined = got.rows, got.numbers, got.torn, got.cut_mid, got.joined
+    if rec is not None:
+        warnings += rec.notes(numbers)
     if cut_mid or joined:
         both = sorted(cut_mid + joined)
         same = (f"; the row written after it on the same line ({_lines(joined)}) was read"
@@ -528,9 +798,14 @@ def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None, *, live: 
     if stream_cut:
         why = ("the newest file of the input, probably still being written" if live else
                "its writer stopped before closing it (e.g. crashed)")
-        warnings.append(f"{path}: the gzip stream is cut off ({why}): the rows before the cut "
+        last = rec.layout.segments[-1][0] if rec is not None else 0
+        at = f" at byte {len(rec.buf):,}" if rec is not None else ""
+        member = f" (in its last member, from byte {last:,})" if rec is not None and last else ""
+        warnings.append(f"{path}: the gzip stream is cut off{at}{member} ({why}): the rows before the cut "
                         f"({len(rows):,}) were read.")
     if not rows:
+        if rec is not None and rec.layout.junk:
+            raise InputError(f"{path}: cannot be read: holds no complete row ({warnings[0]})")
         if warnings:
             why = ("a job still writing it?" if live else "its writer stopped mid-row, e.g. crashed")
             raise _Skipped(warnings[0], f"{path}: holds no complete row: its only row is cut off ({why}); "

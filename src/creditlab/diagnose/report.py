@@ -12,7 +12,7 @@ input (:class:`~creditlab.errors.ConfigError` naming ``--out`` and the file; not
 into a directory that holds an earlier report of its own replaces it and says so
 (:attr:`Diagnosis.replaced`); a run that ends in an error there rewrites that ``diagnose.json`` and
 ``report.md`` with the error and removes its plots, so no stale report claims a verdict on input that
-could not be read. A run holds the lock ``<out>.lock`` (:class:`~creditlab.diagnose._outlock.OutLock`)
+could not be read. A run holds the lock ``<out>.lock`` (:class:`~creditlab._outlock.OutLock`)
 from start to end: a second run into the same ``--out`` is refused, naming the first.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from creditlab.diagnose._outlock import OutLock
+from creditlab._outlock import OutLock
 from creditlab.diagnose._trl_logs import FORMAT_TRL
 from creditlab.diagnose.checks import CheckResult, format_value, run_checks
 from creditlab.diagnose.plots import PLOTS, plot_result

@@ -205,7 +205,7 @@ def rows_from_arrays(
 def _json_default(x: Any) -> Any:
     if isinstance(x, np.generic):
         return x.item()
-    if isinstance(x, torch.Tensor):
+    if isinstance(x, torch.Tensor | np.ndarray):
         return x.tolist()
     if isinstance(x, tuple | set | frozenset):
         return list(x)
@@ -318,12 +318,18 @@ def write_dump(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike, *, ap
       naming ``path`` (:func:`check_dump_path`), with nothing written.
 
     ``append=False``: refuse (:class:`ConfigError`) a dump that already holds rows instead of adding to it.
+    No rows (an empty list, an iterator already used up) is an :class:`InputError` with nothing written: an
+    empty file or part would make the whole dump unreadable.
+    Values may be torch tensors and numpy arrays or scalars (as lists and numbers) in every format;
     ``turns`` entries are stored as JSON text in parquet (their values are of any type); the readers
     decode them.
     """
     path = Path(path)
     kind = check_dump_path(path, append=append)
     rows = [dict(r) for r in rows]
+    if not rows:
+        raise InputError(f"write_dump: no rows to write to {path} (an empty list, or an iterator already used up); "
+                         "nothing was written")
     if kind == "jsonl":
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.name.endswith(".gz"):
@@ -384,6 +390,16 @@ def _write_table(table: Any, path: Path) -> None:
     pq.write_table(table, path)
 
 
+def _plain(v: Any) -> Any:
+    """A column value as pyarrow takes it: a torch tensor or numpy array as a list (a 0-dim one as a
+    number), a numpy scalar as a number, as the JSONL writer does (:func:`_json_default`)."""
+    if isinstance(v, torch.Tensor | np.ndarray):
+        return v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
 def _parquet_table(rows: list[dict[str, Any]]) -> Any:
     """The rows as one pyarrow table (the column types of the schema)."""
     import pyarrow as pa
@@ -395,7 +411,7 @@ def _parquet_table(rows: list[dict[str, Any]]) -> Any:
                 names.append(k)
     cols: dict[str, pa.Array] = {}
     for k in names:
-        vals = [r.get(k) for r in rows]
+        vals = [_plain(r.get(k)) for r in rows]
         kind = COLUMN_BY_NAME[k].kind if k in COLUMN_BY_NAME else None
         if kind == "turns" or (kind is None and any(isinstance(v, Mapping | list) for v in vals)):
             cols[k] = pa.array([None if v is None else json.dumps(v, ensure_ascii=False, default=_json_default)

@@ -1,4 +1,4 @@
-"""Pieces shared by the verl and TRL integrations (no trainer library is imported here).
+"""Pieces shared by the integrations (no trainer library is imported here).
 
 * :class:`TurnLayout`: the turns of a ``(B, L)`` token batch (a turn is a maximal run of policy
   tokens, i.e. of 1s in verl's ``response_mask`` or in TRL's ``completion_mask * tool_mask``),
@@ -6,9 +6,11 @@
 * :func:`turn_credit`: any credit geometry registered in :data:`creditlab.core.credit.GEOMETRIES`
   (uniform, per_turn, ..., PRM mixing) on a ``(B, T)`` turn tensor, with its parameters taken from
   :class:`CreditSettings`.
-* :func:`fork_reward`: one cached :class:`~creditlab.rewards.fork.FORKReward` per judge config, and
+* :func:`cached_fork_reward`: one cached :class:`~creditlab.rewards.fork.FORKReward` per judge config, and
   :class:`MicroBatcher`, which coalesces concurrent single-sample calls into one batched
   ``FORKReward.score`` call (verl calls its reward function once per sample, concurrently).
+* :func:`check_tested_version`: the ``check_version`` of the integration contract
+  (:data:`creditlab.integrations.CONTRACT`).
 """
 
 from __future__ import annotations
@@ -27,15 +29,16 @@ import torch
 from creditlab.core import credit
 from creditlab.core._checks import check_scalar, check_tensor
 from creditlab.core.masks import Segments, segments
-from creditlab.core.schedules import constant, decay
-from creditlab.errors import ConfigError, InputError
+from creditlab.core.schedules import SCHEDULES, Schedule
+from creditlab.errors import ConfigError, CreditlabError, InputError
 
 __all__ = [
     "BatcherCache",
     "CreditSettings",
     "MicroBatcher",
     "TurnLayout",
-    "fork_reward",
+    "cached_fork_reward",
+    "check_tested_version",
     "group_ids",
     "token_reward_advantages",
     "turn_credit",
@@ -160,15 +163,15 @@ class CreditSettings:
         if "conserve" in items and not isinstance(items["conserve"], bool):
             raise ConfigError(f"{where}.conserve", f"must be true or false, got {items['conserve']!r}")
         out = cls(**items)
-        if out.prm_schedule not in ("constant", "decay"):
-            raise ConfigError(f"{where}.prm_schedule", f"unknown {out.prm_schedule!r}; valid: constant, decay")
+        if out.prm_schedule not in SCHEDULES:
+            raise ConfigError(f"{where}.prm_schedule", f"unknown {out.prm_schedule!r}; valid: {', '.join(SCHEDULES)}")
         out.schedule()  # validates the schedule parameters
         return out
 
-    def schedule(self):
-        if self.prm_schedule == "decay":
-            return decay(self.prm_lambda, self.prm_start, self.prm_end, self.prm_power)
-        return constant(self.prm_lambda)
+    def schedule(self) -> Schedule:
+        """The ``prm`` weight as the :class:`~creditlab.core.schedules.Schedule` record the labs hold too
+        (kind ``prm_schedule`` of :data:`~creditlab.core.schedules.SCHEDULES`), evaluated at the step."""
+        return Schedule(self.prm_schedule, self.prm_lambda, self.prm_start, self.prm_end, self.prm_power)
 
 
 def group_ids(index: Any, what: str) -> torch.Tensor:
@@ -267,6 +270,20 @@ _SETTING_PARAMS = frozenset(f for f in CreditSettings.__dataclass_fields__ if f 
 
 
 # --------------------------------------------------------------------------------------------
+# version check
+
+
+def check_tested_version(module: str, trainer: str, found: str, tested: tuple[str, ...], env: str) -> str:
+    """``found`` when it is in ``tested`` or the environment variable ``env`` is ``1``; otherwise a
+    :class:`CreditlabError` of one line naming ``found``, the tested versions and ``env`` (``module``: the
+    integration, ``trainer``: the trainer's name as users write it)."""
+    if found not in tested and os.environ.get(env) != "1":
+        raise CreditlabError(f"{module} was tested with {trainer} {', '.join(tested)}, found {found}: install a "
+                             f"tested version, or set {env}=1 to try anyway")
+    return found
+
+
+# --------------------------------------------------------------------------------------------
 # FORK judge construction and micro-batching
 
 
@@ -274,7 +291,7 @@ _REWARDS: dict[tuple, Any] = {}
 _REWARDS_LOCK = threading.Lock()
 
 
-def fork_reward(judge: str = "offline", *, base_url: str | None = None, model: str | None = None,
+def cached_fork_reward(judge: str = "offline", *, base_url: str | None = None, model: str | None = None,
                 api_key_env: str = "OPENAI_API_KEY", concurrency: int = 16, timeout: float = 60.0,
                 max_retries: int = 4, beta: float | None = None, tau: str | float = "judge", mode: str = "fork",
                 assume_correct: bool = False, match_threshold: float = 0.55, offline_tau: float = 0.75,

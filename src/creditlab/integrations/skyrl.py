@@ -34,10 +34,17 @@ already initialised.
   ``response_mask`` (every response token), so per-turn geometries need the ``loss_mask``, which
   :class:`CreditlabTrainerMixin` passes (and the global step, for the PRM ``decay`` schedule).
 * **FORK reward** as the skyrl-gym environment ``creditlab_fork`` (:class:`ForkEnv`) and the plain
-  function :func:`fork_score`.
-* **Rollout dumps** for ``creditlab diagnose``: :func:`rows_from_training_batch` / :func:`dump_batch`
+  function :func:`fork_reward`.
+* **Rollout dumps** for ``creditlab diagnose``: :func:`dump_rows` / :func:`dump_batch`
   on SkyRL's ``TrainingInputBatch``; :class:`CreditlabTrainerMixin` writes one per step when
   ``trainer.algorithm.creditlab.dump_dir`` is set.
+* **Live checks**: :func:`live_metrics`, the values of ``creditlab diagnose``'s batch checks on a
+  ``TrainingInputBatch`` as ``creditlab/<check>`` floats (:class:`CreditlabTrainerMixin` does not log
+  them yet).
+
+The names of the integration contract (:data:`creditlab.integrations.CONTRACT`): :data:`TESTED_VERSIONS`,
+:data:`ALLOW_UNTESTED_ENV`, :func:`check_version`, :func:`install`, :func:`dump_rows`, :func:`fork_reward`,
+:func:`live_metrics`.
 
 ``trainer.algorithm.creditlab`` is the field of :class:`CreditlabAlgorithmConfig`; build the config
 with :data:`CreditlabSkyRLConfig` (SkyRL's ``make_config``), e.g.
@@ -57,18 +64,26 @@ from typing import Any
 
 import torch
 
-try:
-    import skyrl
-except ModuleNotFoundError as err:  # pragma: no cover - depends on the environment
-    raise ImportError('creditlab.integrations.skyrl needs SkyRL: pip install "creditlab[skyrl]"') from err
+from creditlab.integrations import import_trainer
+
+skyrl = import_trainer("skyrl")
 
 from creditlab.core import correction, credit
 from creditlab.core._checks import check_tensor
 from creditlab.errors import ConfigError, CreditlabError, InputError
-from creditlab.integrations._common import CreditSettings, fork_reward, group_ids, token_reward_advantages
+from creditlab.integrations import _live
+from creditlab.integrations._common import (
+    CreditSettings,
+    cached_fork_reward,
+    check_tested_version,
+    group_ids,
+    token_reward_advantages,
+)
 
 #: SkyRL versions this module was tested against (``CREDITLAB_ALLOW_UNTESTED_SKYRL=1`` lets another through).
-TESTED_SKYRL_VERSIONS = ("0.3.0", "0.4.0")
+TESTED_VERSIONS = ("0.3.0", "0.4.0")
+#: Set to ``1`` to let an untested SkyRL version through (:func:`check_version`).
+ALLOW_UNTESTED_ENV = "CREDITLAB_ALLOW_UNTESTED_SKYRL"
 #: Registered names start with this: ``creditlab_<arm>`` (losses), ``creditlab_<geometry>`` (estimators).
 PREFIX = "creditlab_"
 #: The loss of creditlab's method, InterQ-RL.
@@ -89,15 +104,12 @@ def _skyrl_version() -> str:
         return getattr(skyrl, "__version__", "unknown")
 
 
-def check_version() -> str:
-    """The installed SkyRL version; :class:`CreditlabError` when untested (unless
-    ``CREDITLAB_ALLOW_UNTESTED_SKYRL=1``)."""
-    found = _skyrl_version()
-    if found not in TESTED_SKYRL_VERSIONS and os.environ.get("CREDITLAB_ALLOW_UNTESTED_SKYRL") != "1":
-        raise CreditlabError(
-            f"creditlab.integrations.skyrl was tested with SkyRL {', '.join(TESTED_SKYRL_VERSIONS)}, found {found}: "
-            "install a tested version, or set CREDITLAB_ALLOW_UNTESTED_SKYRL=1 to try anyway")
-    return found
+def check_version(version: str | None = None) -> str:
+    """``version`` (default: the installed SkyRL's) when it is in :data:`TESTED_VERSIONS` or
+    ``CREDITLAB_ALLOW_UNTESTED_SKYRL=1`` is set; otherwise a one-line :class:`CreditlabError` naming it
+    (checked when this module is imported)."""
+    found = _skyrl_version() if version is None else version
+    return check_tested_version(__name__, "SkyRL", found, TESTED_VERSIONS, ALLOW_UNTESTED_ENV)
 
 
 check_version()
@@ -123,7 +135,8 @@ __all__ = [
     "POLICY_LOSSES",  # noqa: F822
     "POLICY_LOSS",
     "PREFIX",
-    "TESTED_SKYRL_VERSIONS",
+    "ALLOW_UNTESTED_ENV",
+    "TESTED_VERSIONS",
     "CreditlabAlgorithmConfig",
     "CreditlabSkyRLConfig",
     "CreditlabTrainerMixin",
@@ -131,9 +144,10 @@ __all__ = [
     "SkyRLFunction",
     "check_version",
     "dump_batch",
-    "fork_score",
+    "dump_rows",
+    "fork_reward",
     "install",
-    "rows_from_training_batch",
+    "live_metrics",
     "set_global_step",
 ]
 
@@ -415,12 +429,18 @@ def _register(registry: Any, name: str, fn: Any) -> bool:
     return True
 
 
-def install() -> None:
+def install() -> dict[str, tuple[str, ...]]:
     """Register ``creditlab_<arm>`` in SkyRL's ``PolicyLossRegistry`` and ``creditlab_<geometry>`` in its
-    ``AdvantageEstimatorRegistry`` for every arm and geometry registered now (idempotent: call again
-    after registering one), and sync with SkyRL's registry actor when Ray is initialised."""
+    ``AdvantageEstimatorRegistry`` for every arm and geometry registered now, and the skyrl-gym
+    environment ``creditlab_fork`` (after :func:`check_version`; idempotent: call again after registering
+    an arm or a geometry), and sync with SkyRL's registry actor when Ray is initialised.
+
+    Returns what SkyRL now takes from creditlab, by config field: ``trainer.algorithm.policy_loss_type``,
+    ``trainer.algorithm.advantage_estimator`` and ``environment.env_class``.
+    """
     import ray
 
+    check_version()
     for kind, registry, keys in ((POLICY_LOSS, ppo_utils.PolicyLossRegistry, correction.CORRECTIONS),
                                  (ADVANTAGE_ESTIMATOR, ppo_utils.AdvantageEstimatorRegistry, credit.GEOMETRIES)):
         for key in list(keys):
@@ -428,6 +448,9 @@ def install() -> None:
     _install_fork_env()
     if ray.is_initialized():
         ppo_utils.sync_registries()
+    return {"trainer.algorithm.policy_loss_type": tuple(PREFIX + a for a in correction.CORRECTIONS),
+            "trainer.algorithm.advantage_estimator": tuple(PREFIX + g for g in credit.GEOMETRIES),
+            "environment.env_class": (FORK_ENV,)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,7 +482,7 @@ class CreditlabTrainerMixin:
 # rollout dumps
 
 
-def rows_from_training_batch(data: Any, step: int = 0) -> list[dict[str, Any]]:
+def dump_rows(data: Any, step: int = 0) -> list[dict[str, Any]]:
     """Dump rows (docs/diagnose.md) of a SkyRL ``TrainingInputBatch``, one per response.
 
     Reads ``loss_mask`` (the policy mask: 0 on tool / observation tokens), ``response_mask`` (the
@@ -492,11 +515,40 @@ def rows_from_training_batch(data: Any, step: int = 0) -> list[dict[str, Any]]:
 
 
 def dump_batch(data: Any, path: str | os.PathLike, step: int = 0) -> Any:
-    """Write :func:`rows_from_training_batch` of ``data`` to ``path`` (a directory gets one parquet part
+    """Write :func:`dump_rows` of ``data`` to ``path`` (a directory gets one parquet part
     per call, a ``*.jsonl`` file is appended to); returns the file written."""
     from creditlab.diagnose.schema import write_dump
 
-    return write_dump(rows_from_training_batch(data, step), path, append=True)
+    return write_dump(dump_rows(data, step), path, append=True)
+
+
+def live_metrics(data: Any) -> dict[str, float]:
+    """The live check values (:mod:`creditlab.integrations._live`) of a SkyRL ``TrainingInputBatch`` as
+    ``creditlab/<check>`` floats, read in one host read (NaN ones left out).
+
+    From the batch :func:`dump_rows` reads: the learner's ``action_log_probs`` and the engine's
+    ``rollout_logprobs`` on the ``loss_mask`` (without both, only ``baseline/degenerate_groups``), the
+    groups from ``metadata["uids"]`` and the rewards as the row sums of ``rewards``; rows added by
+    SkyRL's padding are left out.
+    """
+    meta = getattr(data, "metadata", None) or {}
+    pm = data.get("loss_mask", None)
+    if pm is None:
+        return {}
+    uids = meta.get("uids")
+    B = len(uids) if uids is not None else pm.shape[0]
+    pm = pm[:B] > 0
+    old, rollout = data.get("action_log_probs", None), data.get("rollout_logprobs", None)
+    if old is None or rollout is None:
+        old = rollout = None
+    else:
+        old, rollout = old[:B], rollout[:B]
+    groups = rewards = None
+    if uids is not None and data.get("rewards", None) is not None:
+        groups = group_ids(uids, "SkyRL's uids").to(pm.device)
+        rewards = data["rewards"][:B].sum(-1)
+    values = _live.to_floats(_live.batch_values(old, rollout, pm, group_ids=groups, rewards=rewards))
+    return {k: v for k, v in values.items() if v == v}
 
 
 # --------------------------------------------------------------------------------------------
@@ -525,17 +577,17 @@ def _run(coro):
     return box["value"]
 
 
-def fork_score(prompt: Any, response: str, rubrics: Any, *, item_id: str = "", **judge: Any) -> dict[str, float]:
+def fork_reward(prompt: Any, response: str, rubrics: Any, *, item_id: str = "", **judge: Any) -> dict[str, float]:
     """FORK of one response: ``{"score", "precision", "recall"}``. ``rubrics`` is a list of
     ``{"criterion", "points"}`` records (or its JSON text), ``prompt`` a string or chat messages;
-    ``judge`` are the options of :func:`creditlab.integrations._common.fork_reward` (``judge``,
+    ``judge`` are the options of :func:`creditlab.integrations._common.cached_fork_reward` (``judge``,
     ``base_url``, ``model``, ``beta``, ...). A judge failure raises :class:`CreditlabError`."""
     from creditlab.rewards.items import ForkItem, parse_rubrics, render_messages
 
     where = f"sample {item_id or '?'}"
     item = ForkItem(item_id, render_messages(prompt, where, "prompt"), str(response),
                     parse_rubrics(rubrics, where, "ground_truth"))
-    reward = fork_reward(**judge)
+    reward = cached_fork_reward(**judge)
     res = _run(reward.score([item]))[0]
     if res.reward is None:
         raise CreditlabError(f"FORK reward of {where}: {res.error}")
@@ -569,7 +621,7 @@ class ForkEnv(BaseTextEnv):
         return prompt, {}
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
-        res = fork_score(self.prompt, action, self.rubrics, item_id=self.item_id, **self.judge)
+        res = fork_reward(self.prompt, action, self.rubrics, item_id=self.item_id, **self.judge)
         return BaseTextEnvStepOutput(observations=[], reward=res["score"], done=True,
                                      metadata={"precision": res["precision"], "recall": res["recall"]})
 

@@ -30,13 +30,19 @@
     :mod:`creditlab.integrations._live`), kept as device tensors and read once per logging step with
     TRL's own metrics, and one warning line when a check crosses its warn threshold.
 
-The trainer refuses a TRL version it was not tested with (:data:`TESTED_TRL_VERSIONS`);
+The trainer refuses a TRL version it was not tested with (:data:`TESTED_VERSIONS`, :func:`check_version`);
 ``CREDITLAB_ALLOW_UNTESTED_TRL=1`` lets another version through. The TRL internals it uses
 (``_generate_and_score_completions``, ``_get_per_token_logps_and_entropies``, ``log``, ``_metrics``,
 ``_logs``) are the same in TRL 1.15.0 and 1.16.0. TRL 1.15.0's own log-prob kernel needs Triton on a
 CUDA / XPU device (its GRPOTrainer does not run on CPU); 1.16.0 added a CPU path.
-* :func:`fork_reward_func`: FORK as an async, batched GRPO reward function (``None`` where the judge
+* :func:`fork_reward`: FORK as an async, batched GRPO reward function (``None`` where the judge
   failed, which TRL skips); precision and recall are logged as ``reward/fork/precision|recall``.
+* :func:`dump_rows` and :func:`live_metrics`: the dump rows and the live check values of one output of
+  ``_generate_and_score_completions`` (what the trainer writes and logs).
+
+The names of the integration contract (:data:`creditlab.integrations.CONTRACT`): :data:`TESTED_VERSIONS`,
+:data:`ALLOW_UNTESTED_ENV`, :func:`check_version`, :func:`install` (TRL has no registry: it checks the
+version and registers nothing), :func:`dump_rows`, :func:`fork_reward`, :func:`live_metrics`.
 """
 
 from __future__ import annotations
@@ -49,25 +55,30 @@ from typing import Any
 
 import torch
 
-try:
-    import trl
-    from trl import GRPOTrainer
-except ModuleNotFoundError as err:  # one line naming the extra, not a traceback into our import
-    if err.name != "trl":
-        raise
-    raise ImportError('creditlab.integrations.trl needs TRL: pip install "creditlab[trl]"') from None
+from creditlab.integrations import import_trainer
+
+trl = import_trainer("trl")
+from trl import GRPOTrainer
 
 from creditlab.core import correction as _correction
 from creditlab.core import credit as _credit
 from creditlab.errors import ConfigError, CreditlabError, InputError
-from creditlab.integrations._common import CreditSettings, fork_reward, turn_credit, turn_layout
-from creditlab.integrations._live import LiveWarnings, batch_values
+from creditlab.integrations._common import (
+    CreditSettings,
+    cached_fork_reward,
+    check_tested_version,
+    turn_credit,
+    turn_layout,
+)
+from creditlab.integrations._live import LiveWarnings, batch_values, to_floats
 
-__all__ = ["CORRECTIONS", "CREDITS", "TESTED_TRL_VERSIONS", "CreditlabGRPOTrainer", "check_trl_version",  # noqa: F822
-           "dump_rows", "fork_reward_func"]
+__all__ = ["ALLOW_UNTESTED_ENV", "CORRECTIONS", "CREDITS", "TESTED_VERSIONS", "CreditlabGRPOTrainer",  # noqa: F822
+           "check_version", "dump_rows", "fork_reward", "install", "live_metrics"]
 
 #: TRL versions this module was tested against (``CREDITLAB_ALLOW_UNTESTED_TRL=1`` lets another through).
-TESTED_TRL_VERSIONS = ("1.15.0", "1.16.0")
+TESTED_VERSIONS = ("1.15.0", "1.16.0")
+#: Set to ``1`` to let an untested TRL version through (:func:`check_version`).
+ALLOW_UNTESTED_ENV = "CREDITLAB_ALLOW_UNTESTED_TRL"
 #: Values of ``correction`` (``None``: leave TRL's ratio alone): the live registry of arms.
 CORRECTIONS = _correction.CORRECTIONS
 #: What TRL gives a credit geometry: its outcome advantages, per-turn scores from the samples, and
@@ -93,14 +104,21 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def check_trl_version(version: str | None = None) -> None:
-    """Raise :class:`CreditlabError` unless ``version`` (default: the installed TRL's) was tested, or
-    ``CREDITLAB_ALLOW_UNTESTED_TRL=1`` is set."""
-    version = trl.__version__ if version is None else version
-    if version not in TESTED_TRL_VERSIONS and os.environ.get("CREDITLAB_ALLOW_UNTESTED_TRL") != "1":
-        raise CreditlabError(f"CreditlabGRPOTrainer was tested with TRL {', '.join(TESTED_TRL_VERSIONS)}, "
-                             f"found {version}: install a tested version, or set CREDITLAB_ALLOW_UNTESTED_TRL=1 "
-                             "to try anyway")
+def check_version(version: str | None = None) -> str:
+    """``version`` (default: the installed TRL's) when it is in :data:`TESTED_VERSIONS` or
+    ``CREDITLAB_ALLOW_UNTESTED_TRL=1`` is set; otherwise a one-line :class:`CreditlabError` naming it
+    (:class:`CreditlabGRPOTrainer` checks it when it is built)."""
+    found = trl.__version__ if version is None else version
+    return check_tested_version(__name__, "TRL", found, TESTED_VERSIONS, ALLOW_UNTESTED_ENV)
+
+
+def install() -> dict[str, tuple[str, ...]]:
+    """:func:`check_version`, and nothing to register: TRL has no registry for losses, advantages or
+    rollout corrections, so creditlab comes in as objects you pass (:class:`CreditlabGRPOTrainer`, the
+    reward function of :func:`fork_reward`). Returns ``{}`` (the integration contract's "what was
+    registered"); idempotent."""
+    check_version()
+    return {}
 
 
 class CreditlabGRPOTrainer(GRPOTrainer):
@@ -109,7 +127,8 @@ class CreditlabGRPOTrainer(GRPOTrainer):
     Args (keyword-only, everything else goes to ``GRPOTrainer``):
         correction: a registered arm (:data:`CORRECTIONS`: ``interq``, ``prefix``, ``global``, ``tis``,
             ``mis``, ``seq_is``, ``geo``, ``none``, or one added with ``register_correction``) or None.
-            Needs rollout log-probs (vLLM, or ``rollout_func``).
+            Needs rollout log-probs (vLLM, or ``rollout_func``): with neither (``use_vllm=False`` and no
+            ``rollout_func``) the trainer is refused when built, naming what to set.
         correction_params: keyword parameters of the arm (e.g. ``{"alpha_g": 0.5, "eps_low": 0.025}``).
         credit: a registered geometry TRL can feed (:data:`CREDITS`: ``uniform``, ``per_turn``,
             ``concentrated``, ``shuffled``, ``prm``, ``random_k``, ``targeted``, or one added with
@@ -134,7 +153,7 @@ class CreditlabGRPOTrainer(GRPOTrainer):
                  credit: str | None = None, credit_settings: CreditSettings | dict | None = None,
                  turn_scores_key: str = "turn_scores", dump: str | os.PathLike | None = None,
                  live_checks: bool = True, **kwargs: Any):
-        check_trl_version()
+        check_version()
         if correction is not None:
             _correction.get_correction(correction)
         if credit is not None:
@@ -167,6 +186,11 @@ class CreditlabGRPOTrainer(GRPOTrainer):
             except InputError as err:
                 raise ConfigError("correction_params", f"{err} (arm {correction!r})") from None
         super().__init__(*args, **kwargs)
+        if correction is not None and not self.use_vllm and self.rollout_func is None:
+            raise ConfigError("correction", f"{correction!r} needs the rollout engine's log-probs, and TRL's plain "
+                                            "transformers generation gives none (use_vllm=False, no rollout_func): "
+                                            "set use_vllm=True in GRPOConfig, pass a rollout_func that returns "
+                                            "'logprobs', or pass correction=None")
         if dump is not None and self.accelerator.num_processes > 1:
             from creditlab.diagnose.schema import check_dump_path
 
@@ -242,6 +266,17 @@ class CreditlabGRPOTrainer(GRPOTrainer):
         super().log(logs, start_time)
 
     _creditlab_old: torch.Tensor | None = None  # learner log-probs computed by the dump, reused by the correction
+    _creditlab_dump_step: int | None = None  # the global step of the last dumped batch
+    _creditlab_group_base = 0  # groups of that step dumped before the next batch (group ids continue from it)
+
+    def _group_ids(self, B: int, mode: str, device: torch.device | None = None) -> torch.Tensor:
+        """TRL's group of each of this process's ``B`` completions of a generation batch: TRL gathers the
+        batch over processes (in process order) and forms its groups from ``num_generations``
+        (``num_generations_eval`` in eval) consecutive completions of it (``rewards.view(-1, G)``)."""
+        G = self.num_generations if mode == "train" else (getattr(self, "num_generations_eval", None)
+                                                          or self.num_generations)
+        start = self.accelerator.process_index * B
+        return (torch.arange(B, device=device) + start) // G
 
     # -- helpers -------------------------------------------------------------------------------
     def _rewards(self, B: int) -> torch.Tensor | None:
@@ -265,12 +300,9 @@ class CreditlabGRPOTrainer(GRPOTrainer):
         old = out.get("old_per_token_logps")
         if old is None:
             old = self._creditlab_old
-        B = pm.shape[0]
-        start = self.accelerator.process_index * B
-        groups = (torch.arange(B) + start) // self.num_generations - start // self.num_generations
-        rewards = self._rewards(B)
-        values = batch_values(old, out.get("sampling_per_token_logps"), pm, group_ids=groups.to(pm.device),
-                              rewards=None if rewards is None else rewards.to(pm.device))
+        groups = self._group_ids(pm.shape[0], mode)  # TRL's groups, numbered from 0 on this process
+        values = _live_tensors(out, self._rewards(pm.shape[0]), group_ids=groups - groups[:1].sum(),
+                               old_logprobs=old, policy_mask=pm)
         buf = self._creditlab_live[mode]
         for k, v in values.items():
             buf.setdefault(k, []).append(v.detach())
@@ -290,8 +322,15 @@ class CreditlabGRPOTrainer(GRPOTrainer):
         if rewards is None:
             raise CreditlabError(f"dump: TRL's reward log holds fewer than the batch's {B} completions")
         completions = list(self._logs["completion"])[-n_all:][start:start + B]
-        rows = dump_rows(out, rewards, step=int(self.state.global_step), old_logprobs=old,
-                         group_ids=(torch.arange(B) + start) // self.num_generations,
+        step = int(self.state.global_step)
+        # TRL generates several batches at one global step when steps_per_generation <
+        # gradient_accumulation_steps (each with its own groups numbered from 0): a step's later batches
+        # continue its numbering, so each (step, group) is one of TRL's groups
+        if self._creditlab_dump_step != step:
+            self._creditlab_dump_step, self._creditlab_group_base = step, 0
+        groups = self._creditlab_group_base + self._group_ids(B, mode)
+        self._creditlab_group_base += -(-n_all // self.num_generations)  # the batch's groups, all processes
+        rows = dump_rows(out, rewards, step=step, old_logprobs=old, group_ids=groups,
                          responses=completions if all(isinstance(c, str) for c in completions) else None)
         if rows:
             write_dump(rows, self._dump_path(), append=True)
@@ -342,8 +381,8 @@ class CreditlabGRPOTrainer(GRPOTrainer):
                     raise InputError(f"{key}: sample {i} has {len(vals)} scores for {n_turns[i]} turns")
                 scores[i, : len(vals)] = torch.tensor(vals, dtype=torch.float64)
             scores = scores.to(device=pm.device)
-        start = self.accelerator.process_index * B
-        group_ids = (torch.arange(B, device=pm.device) + start) // self.num_generations
+        mode = "train" if self.model.training else "eval"
+        group_ids = self._group_ids(B, mode, device=pm.device)
         a = turn_credit(self.creditlab_credit, lay.step_mask, group_ids, advantages=advantages.to(torch.float64),
                         step_scores=scores, step=int(self.state.global_step), settings=self.creditlab_credit_settings)
         return lay.to_tokens(a).to(advantages.dtype)
@@ -362,7 +401,7 @@ def dump_rows(out: dict[str, Any], rewards: torch.Tensor, *, step: int, group_id
     from creditlab.diagnose.schema import rows_from_arrays
 
     cm = out["completion_mask"].detach().cpu().bool()
-    pm = cm & out["tool_mask"].detach().cpu().bool() if "tool_mask" in out else cm
+    pm = _policy_mask(out).detach().cpu()
     old = old_logprobs if old_logprobs is not None else out.get("old_per_token_logps")
     rollout = out.get("sampling_per_token_logps")
     token: dict[str, Any] = {}
@@ -376,15 +415,47 @@ def dump_rows(out: dict[str, Any], rewards: torch.Tensor, *, step: int, group_id
     return [r for r, k in zip(rows, keep, strict=True) if k]
 
 
-def fork_reward_func(judge: str = "offline", *, name: str = "fork", **options: Any):
+def _policy_mask(out: dict[str, Any]) -> torch.Tensor:
+    """``completion_mask * tool_mask`` as bool (tool / environment tokens are 0)."""
+    pm = out["completion_mask"].bool()
+    return pm & out["tool_mask"].bool() if "tool_mask" in out else pm
+
+
+def _live_tensors(out: dict[str, Any], rewards: torch.Tensor | None, *, group_ids: torch.Tensor | None,
+                 old_logprobs: torch.Tensor | None, policy_mask: torch.Tensor | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """The live check values of one output as 0-dim device tensors (no host read)."""
+    pm = _policy_mask(out) if policy_mask is None else policy_mask
+    old = old_logprobs if old_logprobs is not None else out.get("old_per_token_logps")
+    return batch_values(old, out.get("sampling_per_token_logps"), pm,
+                        group_ids=None if group_ids is None else group_ids.to(pm.device),
+                        rewards=None if rewards is None else rewards.to(pm.device))
+
+
+def live_metrics(out: dict[str, Any], rewards: torch.Tensor | None = None, *, group_ids: torch.Tensor | None = None,
+                 old_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+    """The live check values (:mod:`creditlab.integrations._live`) of one output of TRL's
+    ``_generate_and_score_completions``, as the ``creditlab/<check>`` floats :class:`CreditlabGRPOTrainer`
+    logs, read in one host read (NaN ones left out).
+
+    The mismatch checks need the engine's ``sampling_per_token_logps`` and the learner's ``old_logprobs``
+    (default: ``out["old_per_token_logps"]``) on the policy mask ``completion_mask * tool_mask``;
+    ``baseline/degenerate_groups`` needs the ``(B,)`` ``rewards`` and ``group_ids`` (the trainer's: TRL's
+    weighted reward and blocks of ``num_generations`` completions). What is missing is not computed.
+    """
+    values = to_floats(_live_tensors(out, rewards, group_ids=group_ids, old_logprobs=old_logprobs))
+    return {k: v for k, v in values.items() if v == v}
+
+
+def fork_reward(judge: str = "offline", *, name: str = "fork", **options: Any):
     """An async, batched TRL reward function computing FORK (``name`` is the logged reward name).
 
-    ``options`` are those of :func:`creditlab.integrations._common.fork_reward` (``base_url``,
+    ``options`` are those of :func:`creditlab.integrations._common.cached_fork_reward` (``base_url``,
     ``model``, ``beta``, ``tau``, ``mode``, ``assume_correct``...). The rubrics come from the dataset
     column ``rubrics`` (one list of ``{"criterion", "points"}`` records per sample). All completions
     of a step go to the judge in one batched call; a completion whose judging failed gets ``None``.
     """
-    reward = fork_reward(judge, **options)
+    reward = cached_fork_reward(judge, **options)
 
     async def fork(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
         from creditlab.rewards.fork import trl_items

@@ -5,7 +5,9 @@ Load it in every verl process with verl's external-module mechanism::
     export VERL_USE_EXTERNAL_MODULES=creditlab.integrations.verl
 
 Importing the module registers everything (idempotently; importing or calling :func:`install` again
-changes nothing):
+changes nothing). The names of the integration contract (:data:`creditlab.integrations.CONTRACT`):
+:data:`TESTED_VERSIONS`, :data:`ALLOW_UNTESTED_ENV`, :func:`check_version`, :func:`install`,
+:func:`dump_rows`, :func:`fork_reward`, :func:`live_metrics`.
 
 * **Rollout correction** (InterQ-RL and the baselines of :mod:`creditlab.core.correction`):
   ``algorithm.rollout_correction.rollout_is: creditlab_<arm>[:key=value,...]`` with ``<arm>`` any arm
@@ -36,7 +38,7 @@ changes nothing):
   normalisation: the same loss as verl's ``vanilla`` (tested), from creditlab's implementation. It
   reads no tensor value on the host (verl calls it once per micro-batch): metrics are 0-dim tensors
   and non-finite inputs are counted in ``actor/creditlab_nonfinite_tokens`` instead of raising.
-* **FORK reward function** :func:`fork_compute_score` (async, micro-batched).
+* **FORK reward function** :func:`fork_reward` (async, micro-batched).
 * **Rollout dumps** for ``creditlab diagnose``: with ``algorithm.creditlab.dump_dir`` set, every
   training step's batch is written in the dump schema (docs/diagnose.md) right after verl computes the
   advantages, before the actor update (``ray_trainer.compute_advantage`` is wrapped, and in the v1
@@ -47,7 +49,7 @@ changes nothing):
   from before rejection sampling with the tokens ``rollout_rs`` rejected in ``rejected``, the score
   (row sum of ``token_level_scores``), the ``uid`` and the reward function's ``precision`` /
   ``recall`` when they reach the batch (the legacy trainer puts them there; the v1 trainer does not).
-  :func:`rows_from_dataproto` / :func:`dump_batch` do the same for any ``DataProto``.
+  :func:`dump_rows` / :func:`dump_batch` do the same for any ``DataProto``.
 * **Live checks**: every step's ``compute_data_metrics`` (wrapped, :func:`install_live_checks`) carries
   the values of ``creditlab diagnose``'s batch checks as ``rollout_corr/creditlab/<check>``
   (:func:`live_metrics`, computed without a host read and read once per step), and a check crossing
@@ -88,12 +90,9 @@ from typing import Any
 import numpy as np
 import torch
 
-try:
-    import verl
-except ModuleNotFoundError as err:  # one line naming the extra, not a traceback into our import
-    if err.name != "verl":
-        raise
-    raise ImportError('creditlab.integrations.verl needs verl: pip install "creditlab[verl]"') from None
+from creditlab.integrations import import_trainer
+
+verl = import_trainer("verl")
 from verl.trainer.ppo import core_algos, rollout_corr_helper
 from verl.utils.skip.skip_manager import SkipManager
 
@@ -105,7 +104,8 @@ from creditlab.integrations._common import (
     BatcherCache,
     CreditSettings,
     MicroBatcher,
-    fork_reward,
+    cached_fork_reward,
+    check_tested_version,
     group_ids,
     token_reward_advantages,
     turn_layout,
@@ -113,15 +113,19 @@ from creditlab.integrations._common import (
 
 __all__ = [
     "AGG_MODES",
+    "ALLOW_UNTESTED_ENV",
     "ESTIMATORS",  # noqa: F822  (module __getattr__: a live view of the geometry registry)
     "ROLLOUT_PREFIX",
-    "TESTED_VERL_VERSIONS",
+    "TESTED_VERSIONS",
     "DUMP_KEYS",
     "LIVE_ENV",
     "VERL_PREFIX",
+    "WRAPPED",
+    "check_version",
     "compute_policy_loss_creditlab",
     "dump_batch",
-    "fork_compute_score",
+    "dump_rows",
+    "fork_reward",
     "install",
     "install_dump_hook",
     "install_estimators",
@@ -132,12 +136,13 @@ __all__ = [
     "pack_turn_rewards",
     "parse_rollout_is",
     "rollout_weights",
-    "rows_from_dataproto",
 ]
 
 #: verl versions this module was tested against (``CREDITLAB_ALLOW_UNTESTED_VERL=1`` lets another
 #: version through when the wrapped function's signature is unchanged).
-TESTED_VERL_VERSIONS = ("0.9.1",)
+TESTED_VERSIONS = ("0.9.1",)
+#: Set to ``1`` to let an untested verl version through (:func:`check_version`).
+ALLOW_UNTESTED_ENV = "CREDITLAB_ALLOW_UNTESTED_VERL"
 #: ``algorithm.rollout_correction.rollout_is`` values starting with this go to creditlab:
 #: ``creditlab_<arm>`` for every arm of :data:`creditlab.core.correction.CORRECTIONS`.
 ROLLOUT_PREFIX = "creditlab_"
@@ -150,6 +155,13 @@ def __getattr__(name: str):
     if name == "ESTIMATORS":  # a live view: the geometries registered now
         return tuple(ROLLOUT_PREFIX + g for g in credit.GEOMETRIES)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def check_version(version: str | None = None) -> str:
+    """``version`` (default: the installed verl's) when it is in :data:`TESTED_VERSIONS` or
+    ``CREDITLAB_ALLOW_UNTESTED_VERL=1`` is set; otherwise a one-line :class:`CreditlabError` naming it."""
+    found = getattr(verl, "__version__", "unknown") if version is None else version
+    return check_tested_version(__name__, "verl", found, TESTED_VERSIONS, ALLOW_UNTESTED_ENV)
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,11 +300,7 @@ def install_rollout_correction() -> None:
     current = rollout_corr_helper.compute_rollout_correction_weights
     if getattr(current, "__creditlab_original__", None) is not None:
         return
-    version = getattr(verl, "__version__", "unknown")
-    if version not in TESTED_VERL_VERSIONS and os.environ.get("CREDITLAB_ALLOW_UNTESTED_VERL") != "1":
-        raise CreditlabError(
-            f"creditlab.integrations.verl was tested with verl {', '.join(TESTED_VERL_VERSIONS)}, found {version}: "
-            "install a tested version, or set CREDITLAB_ALLOW_UNTESTED_VERL=1 to try anyway")
+    version = check_version()
     names = tuple(inspect.signature(current).parameters)
     if names != _WRAPPED_SIGNATURE:
         raise CreditlabError(
@@ -486,16 +494,16 @@ def install_policy_loss() -> None:
 _BATCHERS = BatcherCache()
 
 
-async def fork_compute_score(data_source: Any = None, solution_str: str = "", ground_truth: Any = None,
-                             extra_info: dict | None = None, *, judge: str = "offline", base_url: str | None = None,
-                             model: str | None = None, api_key_env: str = "OPENAI_API_KEY", concurrency: int = 16,
-                             timeout: float = 60.0, max_retries: int = 4, beta: float | None = None,
-                             tau: str | float = "judge", mode: str = "fork", assume_correct: bool = False,
-                             match_threshold: float = 0.55, offline_tau: float = 0.75, cache_path: str | None = None,
-                             max_batch: int = 64, max_wait_s: float = 0.05, **kwargs: Any) -> dict[str, float]:
+async def fork_reward(data_source: Any = None, solution_str: str = "", ground_truth: Any = None,
+                      extra_info: dict | None = None, *, judge: str = "offline", base_url: str | None = None,
+                      model: str | None = None, api_key_env: str = "OPENAI_API_KEY", concurrency: int = 16,
+                      timeout: float = 60.0, max_retries: int = 4, beta: float | None = None,
+                      tau: str | float = "judge", mode: str = "fork", assume_correct: bool = False,
+                      match_threshold: float = 0.55, offline_tau: float = 0.75, cache_path: str | None = None,
+                      max_batch: int = 64, max_wait_s: float = 0.05, **kwargs: Any) -> dict[str, float]:
     """verl custom reward function (``reward.custom_reward_function``): FORK of one response.
 
-    Set ``path: pkg://creditlab.integrations.verl`` and ``name: fork_compute_score``; the judge options
+    Set ``path: pkg://creditlab.integrations.verl`` and ``name: fork_reward``; the judge options
     go in ``reward_kwargs``. verl calls it once per sample, concurrently; calls are coalesced into
     batches of at most ``max_batch`` (waiting at most ``max_wait_s``) that the judge scores together.
 
@@ -514,10 +522,10 @@ async def fork_compute_score(data_source: Any = None, solution_str: str = "", gr
     where = f"sample {item_id or '?'} ({data_source})"
     item = ForkItem(item_id, render_messages(prompt, where, "prompt"), str(solution_str),
                     parse_rubrics(ground_truth, where, "ground_truth"))
-    reward = fork_reward(judge, base_url=base_url, model=model, api_key_env=api_key_env, concurrency=concurrency,
-                         timeout=timeout, max_retries=max_retries, beta=beta, tau=tau, mode=mode,
-                         assume_correct=assume_correct, match_threshold=match_threshold, offline_tau=offline_tau,
-                         cache_path=cache_path)
+    reward = cached_fork_reward(judge, base_url=base_url, model=model, api_key_env=api_key_env, concurrency=concurrency,
+                                timeout=timeout, max_retries=max_retries, beta=beta, tau=tau, mode=mode,
+                                assume_correct=assume_correct, match_threshold=match_threshold, offline_tau=offline_tau,
+                                cache_path=cache_path)
     import asyncio
 
     batcher = _BATCHERS.get(asyncio.get_running_loop(), (id(reward), int(max_batch), float(max_wait_s)),
@@ -548,8 +556,8 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.numel() > 0 and a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
 
 
-def rows_from_dataproto(data: Any, step: int | None = None, *, logprobs_source: str | None = None,
-                        mask_before_rejection: torch.Tensor | None = None) -> list[dict[str, Any]]:
+def dump_rows(data: Any, step: int | None = None, *, logprobs_source: str | None = None,
+              mask_before_rejection: torch.Tensor | None = None) -> list[dict[str, Any]]:
     """Dump rows (docs/diagnose.md) of a verl ``DataProto`` batch, one per response.
 
     Reads ``response_mask`` (the policy mask: 0 on tool/observation tokens), ``old_log_probs`` (the
@@ -622,12 +630,12 @@ def rows_from_dataproto(data: Any, step: int | None = None, *, logprobs_source: 
 
 def dump_batch(data: Any, path: str | os.PathLike, step: int | None = None, *, logprobs_source: str | None = None,
                mask_before_rejection: torch.Tensor | None = None) -> Any:
-    """Write :func:`rows_from_dataproto` of ``data`` to ``path`` (a directory gets one parquet part per
+    """Write :func:`dump_rows` of ``data`` to ``path`` (a directory gets one parquet part per
     call, a ``*.jsonl`` file is appended to); returns the file written."""
     from creditlab.diagnose.schema import write_dump
 
-    rows = rows_from_dataproto(data, step, logprobs_source=logprobs_source,
-                               mask_before_rejection=mask_before_rejection)
+    rows = dump_rows(data, step, logprobs_source=logprobs_source,
+                     mask_before_rejection=mask_before_rejection)
     return write_dump(rows, path, append=True)
 
 
@@ -867,14 +875,34 @@ def install_live_checks() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def install() -> None:
+#: The verl functions :func:`install` wraps (by dotted path; the v1 trainer's
+#: ``compute_advantage_for_multi_trajectories`` too, when ``verl.trainer.ppo.v1.utils`` is imported).
+WRAPPED = ("verl.trainer.ppo.rollout_corr_helper.compute_rollout_correction_weights",
+           "verl.trainer.ppo.rollout_corr_helper.compute_rollout_correction_and_add_to_batch",
+           "verl.trainer.ppo.ray_trainer.compute_advantage",
+           "verl.trainer.ppo.metric_utils.compute_data_metrics")
+
+
+def install() -> dict[str, tuple[str, ...]]:
     """Register creditlab's estimators, policy loss, rollout correction, dump hook and live checks with verl
-    (idempotent)."""
+    (after :func:`check_version`; idempotent: call again after registering an arm or a geometry).
+
+    Returns what verl now takes from creditlab, by config field: ``algorithm.rollout_correction.rollout_is``
+    (``creditlab_<arm>`` for every registered arm), ``algorithm.adv_estimator`` (``creditlab_<geometry>``
+    in verl's ``ADV_ESTIMATOR_REGISTRY``), ``actor_rollout_ref.actor.policy_loss.loss_mode``
+    (``creditlab_ppo`` in its ``POLICY_LOSS_REGISTRY``), and ``wrapped``: the verl functions wrapped
+    (:data:`WRAPPED`).
+    """
+    check_version()
     install_rollout_correction()
     install_estimators()
     install_policy_loss()
     install_dump_hook()
     install_live_checks()
+    return {"algorithm.rollout_correction.rollout_is": tuple(ROLLOUT_PREFIX + a for a in correction.CORRECTIONS),
+            "algorithm.adv_estimator": tuple(ROLLOUT_PREFIX + g for g in credit.GEOMETRIES),
+            "actor_rollout_ref.actor.policy_loss.loss_mode": ("creditlab_ppo",),
+            "wrapped": WRAPPED}
 
 
 install()

@@ -48,7 +48,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import pandas as pd
 
-from creditlab.diagnose._outlock import OutLock
+from creditlab._outlock import OutLock
 from creditlab.errors import ConfigError, CreditlabError
 from creditlab.lab.report import to_markdown
 from creditlab.lab.runner import Cell, Executor, run_cells

@@ -251,7 +251,8 @@ def make_executor(workers: int = 1, kind: str | None = None, address: str | None
                   warn: Callable[[str], None] | None = None) -> Executor:
     """``serial`` (in process), ``process`` (a local pool of ``workers`` processes) or ``ray`` (Ray tasks
     on the cluster at ``address``, or on a local instance of ``workers`` CPUs when ``workers > 1``, of all
-    CPUs otherwise); ``kind=None`` picks ``process`` when ``workers > 1``.
+    CPUs otherwise); ``kind=None`` picks ``process`` when ``workers > 1``. ``serial`` with ``workers > 1`` is a
+    :class:`ConfigError` naming both flags (it would run one cell at a time).
 
     A local executor (``process``, or ``ray`` without ``address``) gets at most :func:`local_cpus`
     workers: more only oversubscribe the cores; the cap is reported through ``warn`` (default
@@ -264,6 +265,10 @@ def make_executor(workers: int = 1, kind: str | None = None, address: str | None
         raise ConfigError("--executor", f"unknown executor {kind!r}; valid: {', '.join(EXECUTORS)}")
     if address is not None and kind != "ray":
         raise ConfigError("--ray-address", f"needs --executor ray (got --executor {kind})")
+    if kind == "serial" and workers > 1:  # the serial executor has no workers: --workers would do nothing
+        raise ConfigError("--workers", f"--workers {workers} with --executor serial: the serial executor runs one cell "
+                                       f"at a time in this process; drop --workers, or use --executor process (or "
+                                       f"ray) to run {workers} cells at a time")
     cpus = local_cpus()
     if workers > cpus and address is None and kind != "serial":
         (warn or (lambda m: warnings.warn(m, stacklevel=3)))(

@@ -23,8 +23,9 @@ value (beyond, float32 sums overflow to inf or round to 0 and rewards turn NaN o
 
 ``id`` falls back to ``prompt_id`` / ``uid`` (in a file where that value is on several rows without
 an ``id``, e.g. several responses to one HealthBench prompt, the rows get ``<prompt_id>#1``,
-``#2``... in file order), then to a stable hash of what the row holds to score (prompt, response,
-rubric criteria and points: rows that differ in any of them get different ids) so that reruns recognise
+``#2``... in file order, skipping an id another row states itself), then to a stable hash of what
+the row holds to score (prompt, response, rubric criteria and points: rows that differ in any of
+them get different ids) so that reruns recognise
 the row; :attr:`ForkItem.id_from` says which. :attr:`ForkItem.input_hash` identifies what was scored
 (prompt, response, rubric criteria and points), so that a resumed run can tell a row whose input
 changed under the same id.
@@ -327,7 +328,8 @@ def iter_jsonl_items(path: str | Path, *, response_field: str | None = None
     """Yield ``(line_number, item or the InputError of that line)``; blank lines are skipped.
 
     A UTF-8 byte order mark is ignored. Rows without an ``id`` whose ``prompt_id`` (or ``uid``) is on
-    several such rows of the file get the id ``<prompt_id>#<k>``, k = 1, 2... in file order.
+    several such rows of the file get the id ``<prompt_id>#<k>``, k = 1, 2... in file order, skipping a
+    ``k`` whose id another row of the file states itself (its ``id``, or a ``prompt_id`` on one row only).
     """
     rows: list[tuple[int, str, Any]] = []
     with open(path, encoding="utf-8-sig") as fh:
@@ -344,6 +346,9 @@ def iter_jsonl_items(path: str | Path, *, response_field: str | None = None
                 obj = InputError(f"{where}: not valid JSON ({type(err).__name__}: {str(err)[:80] or 'too deep'})")
             rows.append((n, where, obj))
     keys: Counter[str] = Counter(k for _, _, o in rows if (k := _group_key(o)) is not None)
+    # the ids rows state themselves (an 'id', or a prompt_id / uid on one row only): a generated
+    # '<prompt_id>#k' never takes one, wherever in the file it is stated
+    stated = {i for _, _, o in rows if (i := _stated_id(o, keys)) is not None}
     index: Counter[str] = Counter()
     for n, where, obj in rows:
         if isinstance(obj, InputError):
@@ -352,6 +357,8 @@ def iter_jsonl_items(path: str | Path, *, response_field: str | None = None
         key = _group_key(obj)
         if key is not None and keys[key] > 1:
             index[key] += 1  # counted on bad rows too: fixing one does not renumber the others
+            while f"{key}#{index[key]}" in stated:
+                index[key] += 1
         try:
             item = parse_item(obj, where, response_field=response_field)
         except InputError as err:
@@ -360,6 +367,18 @@ def iter_jsonl_items(path: str | Path, *, response_field: str | None = None
         if key is not None and keys[key] > 1:
             item = replace(item, id=f"{key}#{index[key]}", id_from=f"{item.id_from} #k")
         yield n, item
+
+
+def _stated_id(obj: Any, keys: Counter[str]) -> str | None:
+    """The id a row states itself, as text: its ``id``, else its ``prompt_id`` / ``uid`` when no other row
+    without ``id`` has that value (``keys``); None for a row named by a hash or numbered ``#k``."""
+    if not isinstance(obj, dict):
+        return None
+    ident = obj.get("id")
+    if ident is None:
+        key = _group_key(obj)
+        return key if key is not None and keys[key] == 1 else None
+    return str(ident) if isinstance(ident, str | int) and not isinstance(ident, bool) else None
 
 
 def _group_key(obj: Any) -> str | None:

@@ -13,8 +13,8 @@ random numbers: models with the same seed get the same tasks, the same sampling 
 same minibatch order, so arms are paired draw for draw.
 
 Advantages (:data:`AdvantageFn`, ``(batch, rewards, update) -> (B,) | (B, L)``): the built-ins of
-:func:`make_advantage` (outcome GRPO broadcast, credit geometries over turns) and PRM mixing with
-a fixed or scheduled weight (:func:`make_prm_advantage`). Weights (:data:`WeightFn`): the
+:func:`make_advantage`: outcome GRPO broadcast and every registered credit geometry over turns, PRM
+mixing (``prm``) with a fixed or scheduled weight among them. Weights (:data:`WeightFn`): the
 execution-mismatch correction arms of :func:`make_weights`.
 """
 
@@ -46,7 +46,6 @@ from creditlab.train.toolshop_rollout import (
     rollout_stacked,
     sequence_logprobs,
     stacked_logprobs,
-    successful_read_scores,
     turn_mask_of,
     turn_progress_deltas,
     turns_to_tokens,
@@ -58,7 +57,6 @@ __all__ = [
     "WeightFn",
     "advantage_names",
     "make_advantage",
-    "make_prm_advantage",
     "make_weights",
     "task_seeds",
     "train_grpo",
@@ -78,26 +76,34 @@ def advantage_names() -> tuple[str, ...]:
 
 
 def make_advantage(name: str, *, generator: torch.Generator | None = None, conserve: bool = True,
+                   step_scores: Callable[[RolloutBatch], torch.Tensor] | None = None,
                    **params) -> AdvantageFn:
     """A built-in advantage by name: ``grpo`` (outcome GRPO on every policy token, the plain
     broadcast), or a credit geometry of :data:`creditlab.core.credit.GEOMETRIES` over turns,
     looked up with :func:`~creditlab.core.credit.get_geometry`: ``uniform`` (equal credit per
     turn), ``per_turn`` (credit where the verifier's progress rose), ``shuffled`` (the per-turn
-    credit moved to random turns), or any other registered geometry.
+    credit moved to random turns), ``prm`` (the outcome advantage plus a weighted process advantage),
+    or any other registered geometry.
 
     The geometry sees a :class:`~creditlab.core.credit.StepBatch` of turns: ``step_mask`` the turns
     taken (:func:`turn_mask_of`), ``advantages`` the GRPO advantage of the rewards, ``rewards``, and
-    ``step_scores`` the progress the verifier gained at each turn (the positive part of
-    :func:`turn_progress_deltas`: a write that undoes progress gets no credit, not negative credit).
-    ``conserve`` (equal total credit per rollout) and ``params`` go to the geometry (checked
-    against :func:`~creditlab.core.credit.geometry_params`); ``generator`` too when it takes one
-    (``shuffled``, ``random_k``). The per-turn credit is spread on each turn's policy tokens.
+    ``step_scores`` a per-turn score: ``step_scores(batch)``
+    when given (e.g. a process reward for ``prm``), else the progress the verifier gained at each turn
+    (the positive part of :func:`turn_progress_deltas`: a write that undoes progress gets no credit,
+    not negative credit). ``conserve`` (equal total credit per rollout) and ``params`` go to the
+    geometry (checked against :func:`~creditlab.core.credit.geometry_params`); a parameter given as a
+    :class:`~creditlab.core.schedules.Schedule` (e.g. ``prm``'s ``lam``) is evaluated at the update
+    index, as the integrations evaluate theirs at the trainer's step. ``generator`` goes to the geometry
+    when it takes one (``shuffled``, ``random_k``). The per-turn credit is spread on each turn's policy
+    tokens. The returned function's ``params_at(update)`` gives the scheduled values it used (the
+    trainer reports them as ``adv/<name>``, e.g. ``adv/lam``).
     """
     from creditlab.core.advantages import grpo_advantages
     from creditlab.core.credit import StepBatch, geometry_params, get_geometry
+    from creditlab.core.schedules import Schedule
 
     if name == "grpo":
-        if params:
+        if params or step_scores is not None:
             raise ConfigError("advantage", f"grpo takes no parameters, got {sorted(params)}")
 
         def outcome(batch: RolloutBatch, rewards: torch.Tensor, update: int) -> torch.Tensor:
@@ -115,29 +121,23 @@ def make_advantage(name: str, *, generator: torch.Generator | None = None, conse
         raise ConfigError("advantage", f"{name} takes {', '.join(accepted) or 'no parameters'}, got {unknown}")
     if "generator" in accepted:
         params = {**params, "generator": generator}
+    scheduled = {n: v for n, v in params.items() if isinstance(v, Schedule)}
+
+    def params_at(update: int) -> dict[str, float]:
+        return {n: float(v(update)) for n, v in scheduled.items()}
+
+    def scores_of(batch: RolloutBatch) -> torch.Tensor:
+        if step_scores is not None:
+            return step_scores(batch).float()
+        return turn_progress_deltas(batch).clamp(min=0)
 
     def credit(batch: RolloutBatch, rewards: torch.Tensor, update: int) -> torch.Tensor:
         steps = StepBatch(turn_mask_of(batch), batch.group_ids, advantages=grpo_advantages(rewards, batch.group_ids),
-                          rewards=rewards, step_scores=turn_progress_deltas(batch).clamp(min=0))
-        return turns_to_tokens(geometry(steps, conserve=conserve, **params), batch)
+                          rewards=rewards, step_scores=scores_of(batch))
+        return turns_to_tokens(geometry(steps, conserve=conserve, **{**params, **params_at(update)}), batch)
 
+    credit.params_at = params_at  # type: ignore[attr-defined]
     return credit
-
-
-def make_prm_advantage(process_scores: Callable[[RolloutBatch], torch.Tensor] = successful_read_scores,
-                       lam: Callable[[int], float] | float = 0.5) -> AdvantageFn:
-    """PRM mixing: ``A[i,t] = A_out[i] + lam(k) A_proc[i,t]`` per turn
-    (:func:`creditlab.core.advantages.prm_mixed_advantages`), spread on each turn's policy tokens;
-    ``lam`` a number or a schedule of the update index (:mod:`creditlab.core.schedules`)."""
-    from creditlab.core.advantages import prm_mixed_advantages
-
-    def fn(batch: RolloutBatch, rewards: torch.Tensor, update: int) -> torch.Tensor:
-        lam_k = float(lam(update)) if callable(lam) else float(lam)
-        a = prm_mixed_advantages(rewards, process_scores(batch).float(), turn_mask_of(batch), batch.group_ids,
-                                 lam_k)
-        return turns_to_tokens(a, batch)
-
-    return fn
 
 
 def make_weights(arm: str, **params) -> WeightFn:
@@ -274,6 +274,8 @@ def train_grpo(model: TinyLM, cfg: GRPOConfig, *, advantage: AdvantageFn | None 
             on_rollouts(k, batch, rewards, old)
         # --- advantages
         adv = adv_fn(batch, rewards, k)
+        used = getattr(adv_fn, "params_at", None)
+        row.update({f"adv/{n}": v for n, v in (used(k) if used is not None else {}).items()})
         if adv.dim() == 1:
             adv = adv[:, None].expand_as(old)
         # --- weights

@@ -1,5 +1,6 @@
 """What the coverage lab's experiments share: the training cell of the GRPO experiments, the arms of
-the one-update protocol, the runs table, intervals' ranges and the plots' colours."""
+the one-update protocol, the runs table, the paired differences and their reading, intervals' ranges
+and the plots' colours."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from dataclasses import asdict
 import pandas as pd
 
 from creditlab.errors import ConfigError
+from creditlab.lab.experiment import Tables
 from creditlab.lab.protocol import Table
-from creditlab.lab.report import paired_diff
+from creditlab.lab.report import paired_diff, read_diff
 from creditlab.lab.runner import Cell
 from creditlab.train.chain import ChainTrainConfig, ModelSpec, train_chain
 
@@ -69,6 +71,22 @@ def runs_table(name: str, rows: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, T
     every run, one row per model with its learning curve (not in the report)."""
     df = rows.sort_values(["arm", "C", "k", "vd", "exposure", "seed"], kind="stable").reset_index(drop=True)
     return df, {f"{name}_runs": Table(df, f"{name}: every run", report=False)}
+
+
+def runs_of(tabs: Tables, name: str) -> pd.DataFrame:
+    """The rows of an experiment's ``<name>_runs`` table (the one :func:`runs_table` makes)."""
+    return tabs[f"{name}_runs"].frame
+
+
+def score_diffs(df: pd.DataFrame, pairs: list[tuple[str, str]], by: list[str]) -> pd.DataFrame:
+    """:func:`paired_diff` of the final score for each pair of arms (first - second) within each group
+    of ``by`` (rows paired by seed), one table in the order of ``pairs``."""
+    return pd.concat([paired_diff(df, a, b, by, "final_score", bounds=DIFF) for a, b in pairs], ignore_index=True)
+
+
+def read_diffs(diffs: pd.DataFrame, by: list[str]) -> str:
+    """The reading of a table of several paired differences: :func:`read_diff` of each, in order."""
+    return " ".join(read_diff(g, by, what) for what, g in diffs.groupby("diff", sort=False))
 
 
 def _paired_improvements(df: pd.DataFrame, pairs: list[tuple[str, str]], by: list[str]) -> pd.DataFrame:

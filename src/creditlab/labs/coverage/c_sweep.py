@@ -17,28 +17,32 @@ from creditlab.errors import ConfigError
 from creditlab.lab.experiment import Experiment
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import Table
-from creditlab.lab.report import paired_diff, read_diff, small_run_note, summarize
+from creditlab.lab.report import read_diff, small_run_note, summarize
 from creditlab.lab.runner import Cell
 from creditlab.labs.coverage._common import (
     COLORS,
-    DIFF,
     UNIT,
     _band,
     _cells_of,
     check_chains,
+    runs_of,
     runs_table,
+    score_diffs,
 )
 from creditlab.train.chain import ModelSpec
 
 if TYPE_CHECKING:
     from creditlab.labs.coverage import CoverageConfig
 
+#: The arms of the C sweep: uniform credit, and credit concentrated on the first k causal steps.
+ARMS = ("uniform", "concentrated")
+
 
 def plot_c_sweep(df: pd.DataFrame, cfg, out: Path) -> Path:
     T, K, k = cfg.train.T, cfg.train.K, cfg.k
     s = summarize(df, ["C", "arm"], "final_score", UNIT)
     fig, (a1, a2) = new_figure(1, 2, figsize=(11, 4.2))
-    for arm in ("uniform", "concentrated"):
+    for arm in ARMS:
         _band(a1, s[s["arm"] == arm], "C", arm)
     Cs = np.arange(1, T + 1)
     # concentrated credit can only teach the first k causal steps; the rest stay at chance 1/K
@@ -66,7 +70,7 @@ def plot_curves(df: pd.DataFrame, cfg, out: Path) -> Path:
     pick = [C for C in Cs if C in (cfg.k, cfg.k + 1, max(Cs))] or Cs[:3]
     fig, axes = new_figure(1, len(pick), figsize=(4 * len(pick), 3.6), sharey=True, squeeze=False)
     for ax, C in zip(axes[0], pick, strict=True):
-        for arm in ("uniform", "concentrated"):
+        for arm in ARMS:
             sub = df[(df["C"] == C) & (df["arm"] == arm)]
             if sub.empty:
                 continue
@@ -94,36 +98,32 @@ class CSweep(Experiment):
     def cells(self, cfg: CoverageConfig) -> list[Cell]:
         S = range(cfg.seeds)
         return _cells_of("c_sweep", {
-            f"C={C}": [ModelSpec(seed=s, C=C, arm=a, k=cfg.k) for a in ("uniform", "concentrated") for s in S]
+            f"C={C}": [ModelSpec(seed=s, C=C, arm=a, k=cfg.k) for a in ARMS for s in S]
             for C in cfg.Cs}, cfg.train)
 
     def tables(self, rows: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict[str, Table]:
-        rows, tabs = runs_table(self.name, rows[self.name])
-        T = cfg.train.T
-        df = rows
+        df, tabs = runs_table(self.name, rows[self.name])
         s = summarize(df, ["C", "arm"], "final_score", UNIT)
-        s["P_cover"] = [float(p_cover(T, C, cfg.k)) for C in s["C"]]
+        s["P_cover"] = [float(p_cover(cfg.train.T, C, cfg.k)) for C in s["C"]]
         tabs["c_sweep"] = Table(s, f"C sweep (k={cfg.k}): uniform vs concentrated on the first k causal steps")
-        tabs["c_sweep_diff"] = Table(paired_diff(df, "uniform", "concentrated", ["C"], "final_score", bounds=DIFF),
+        tabs["c_sweep_diff"] = Table(score_diffs(df, [("uniform", "concentrated")], ["C"]),
                                      "C sweep: paired difference uniform - concentrated", console=True)
         return tabs
 
     def plots(self, tabs, cfg: CoverageConfig, out: Path) -> list[Path]:
-        runs = tabs[f"{self.name}_runs"].frame
+        runs = runs_of(tabs, self.name)
         return [plot_c_sweep(runs, cfg, out), plot_curves(runs, cfg, out)]
 
     def interpret(self, tabs, cfg: CoverageConfig) -> dict[str, str]:
-        few = small_run_note(cfg.seeds)
-        text: dict[str, str] = {}
         s = tabs["c_sweep"].frame
         conc = s[s["arm"] == "concentrated"].set_index("C")["mean"]
-        text["c_sweep"] = (
+        reading = (
             f"Final score per chain length C for uniform credit and credit concentrated on the first k={cfg.k} "
             f"causal steps; P_cover is the analytic chance that k random steps cover the whole chain. Expected: "
             f"a tie while C <= k, uniform ahead for every C > k. Concentrated scores "
-            + ", ".join(f"{v:.2f} at C={c}" for c, v in conc.items()) + "." + few)
-        text["c_sweep_diff"] = read_diff(tabs["c_sweep_diff"].frame, ["C"], "uniform - concentrated")
-        return text
+            + ", ".join(f"{v:.2f} at C={c}" for c, v in conc.items()) + "." + small_run_note(cfg.seeds))
+        return {"c_sweep": reading,
+                "c_sweep_diff": read_diff(tabs["c_sweep_diff"].frame, ["C"], "uniform - concentrated")}
 
 
 EXPERIMENT = CSweep()

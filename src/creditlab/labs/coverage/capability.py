@@ -8,6 +8,7 @@ fixed in advance: the 95% interval of per_turn - shuffled inside +/- 0.25 x (uni
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from creditlab.errors import ConfigError
-from creditlab.lab.experiment import Experiment, Verdict
+from creditlab.lab.experiment import Experiment, Prediction, Verdict
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import Table
 from creditlab.lab.report import mean_ci, read_diff, small_run_note, sort_in_order, summarize
@@ -128,39 +129,47 @@ def _paired(w: pd.DataFrame, a: str, b: str) -> tuple[float, float, float]:
     return mean_ci((w[a] - w[b]).to_numpy(), bounds=(-2.0, 2.0))
 
 
-def _judged(*values: float) -> bool:
+def _rows_verdict(test: pd.DataFrame, rule) -> Verdict:
+    """``rule`` (a row of ``capability_test`` -> held, None when it cannot tell) at every row, as one verdict
+    (:meth:`Verdict.every`: fails at any row that fails, holds when every row holds)."""
+    return Verdict.every(Verdict.of(rule(r)) for _, r in test.iterrows())
+
+
+def _known(*values: float) -> bool:
     return not any(np.isnan(v) for v in values)
 
 
-def verdict_null(lo: float, hi: float) -> Verdict:
-    """Prediction 1: the 95% interval of per_turn - shuffled contains 0 (not judged without an interval)."""
-    return Verdict.of(bool(lo <= 0.0 <= hi)) if _judged(lo, hi) else Verdict.NOT_JUDGED
+def verdict_null(test: pd.DataFrame) -> Verdict:
+    """Prediction 1 on rows of ``capability_test``: the 95% interval of per_turn - shuffled contains 0 at
+    every row; not judged at a row without an interval (one seed), or without rows."""
+    return _rows_verdict(test, lambda r: bool(r["lo"] <= 0.0 <= r["hi"]) if _known(r["lo"], r["hi"]) else None)
 
 
-def verdict_below(pu_hi: float) -> Verdict:
-    """Prediction 2: the 95% interval of per_turn - uniform lies below 0."""
-    return Verdict.of(bool(pu_hi < 0)) if _judged(pu_hi) else Verdict.NOT_JUDGED
+def verdict_below(test: pd.DataFrame) -> Verdict:
+    """Prediction 2 on rows of ``capability_test``: the 95% interval of per_turn - uniform lies below 0 at every
+    row."""
+    return _rows_verdict(test, lambda r: bool(r["pu_hi"] < 0) if _known(r["pu_hi"]) else None)
 
 
-def verdict_equivalent(lo: float, hi: float, band: float) -> Verdict:
-    """Prediction 3: the 95% interval of per_turn - shuffled lies inside +/- band (fails on an empty band)."""
-    if not _judged(lo, hi, band):
+def verdict_equivalent(test: pd.DataFrame) -> Verdict:
+    """Prediction 3 on rows of ``capability_test``: the 95% interval of per_turn - shuffled lies inside +/- band
+    at every row (fails at a row with an empty band)."""
+    return _rows_verdict(test, lambda r: bool(r["band"] > 0 and r["lo"] > -r["band"] and r["hi"] < r["band"])
+                         if _known(r["lo"], r["hi"], r["band"]) else None)
+
+
+def capability_verdict(test: pd.DataFrame) -> Verdict:
+    """The verdict of what the capability experiment predicts (:data:`CAPABILITY_PREDICTIONS`) on rows of
+    ``capability_test`` at one target (the table's ``verdict`` column: one row each): prediction 1 at 25%,
+    predictions 2 and 3 together at 70% (holds when both hold, fails when either fails, else not judged); not
+    judged at any other target."""
+    if test.empty or test["target"].nunique() != 1:
         return Verdict.NOT_JUDGED
-    return Verdict.of(bool(band > 0 and lo > -band and hi < band))
-
-
-def capability_verdict(target: float, lo: float, hi: float, pu_hi: float, band: float) -> Verdict:
-    """The verdict of what the capability experiment predicts at ``target`` (:data:`CAPABILITY_PREDICTIONS`):
-    prediction 1 at 25%, predictions 2 and 3 together at 70% (holds when both hold, fails when either fails,
-    else not judged); not judged at any other target."""
-    key = round(float(target), 6)
+    key = round(float(test["target"].iloc[0]), 6)
     if key == 0.25:
-        return verdict_null(lo, hi)
+        return verdict_null(test)
     if key == 0.70:
-        both = (verdict_below(pu_hi), verdict_equivalent(lo, hi, band))
-        if Verdict.FAILS in both:
-            return Verdict.FAILS
-        return Verdict.HOLDS if both == (Verdict.HOLDS, Verdict.HOLDS) else Verdict.NOT_JUDGED
+        return Verdict.every((verdict_below(test), verdict_equivalent(test)))
     return Verdict.NOT_JUDGED
 
 
@@ -177,17 +186,71 @@ def capability_test(arms: pd.DataFrame, cfg: CoverageConfig) -> pd.DataFrame:
         equivalent = bool(band > 0 and lo > -band and hi < band)
         null = bool(lo <= 0.0 <= hi)
         below = bool(pu_hi < 0)
-        key = round(float(target), 6)
-        predicted = CAPABILITY_PREDICTIONS.get(key, "-")
-        verdict = capability_verdict(target, lo, hi, pu_hi, band)
-        holds = verdict is Verdict.HOLDS if predicted != "-" else np.nan
         out.append({"C": int(C), "target": float(target), "achieved": float(arms.loc[
             (arms["C"] == C) & (arms["target"] == target) & (arms["arm"] == "uniform"), "completion"].mean()),
             "n": len(w), "per_turn-shuffled": ps, "lo": lo, "hi": hi, "uniform-binary": ub, "band": band,
             "equivalent": equivalent, "null": null, "per_turn-uniform": pu, "pu_lo": pu_lo, "pu_hi": pu_hi,
-            "per_turn<uniform": below, "predicted": predicted, "holds": holds,
-            "verdict": verdict.value if predicted != "-" else "-"})
-    return pd.DataFrame(out)
+            "per_turn<uniform": below, "predicted": CAPABILITY_PREDICTIONS.get(round(float(target), 6), "-")})
+    test = pd.DataFrame(out)
+    verdicts = [capability_verdict(test.iloc[[i]]) for i in range(len(test))]
+    said = test["predicted"] != "-" if len(test) else pd.Series(dtype=bool)
+    test["holds"] = [v is Verdict.HOLDS if p else np.nan for v, p in zip(verdicts, said, strict=True)]
+    test["verdict"] = [v.value if p else "-" for v, p in zip(verdicts, said, strict=True)]
+    return test
+
+
+def _points(tabs: Mapping[str, Table], target: float) -> pd.DataFrame | None:
+    """The rows of ``capability_test`` at ``target``, with the gate of their point (None: no such row)."""
+    if "capability_test" not in tabs:
+        return None
+    t = tabs["capability_test"].frame
+    t = t[np.isclose(t["target"], target)]
+    if t.empty:
+        return None
+    gate = tabs["capability_gate"].frame if "capability_gate" in tabs else pd.DataFrame(columns=["C", "target", "gate"])
+    passed = {(int(c), round(float(g), 6)) for c, g, ok in zip(gate["C"], gate["target"], gate["gate"], strict=True)
+              if ok == "pass"}
+    return t.assign(passes=[(int(c), round(float(g), 6)) in passed for c, g in zip(t["C"], t["target"], strict=True)])
+
+
+def _judge(tabs: Mapping[str, Table], target: float, rule) -> Verdict:
+    """``rule`` on the points at ``target`` that pass their gate; a point that fails its gate is not judged (the
+    docs page: its predictions are not counted as tested), so the prediction does not hold there."""
+    t = _points(tabs, target)
+    if t is None:
+        return Verdict.NOT_JUDGED
+    verdict = rule(t[t["passes"]])
+    return Verdict.NOT_JUDGED if verdict is Verdict.HOLDS and not t["passes"].all() else verdict
+
+
+def _measured(tabs: Mapping[str, Table], target: float, diff: str) -> str | None:
+    """Per C at ``target``: the paired difference ``diff`` (``per_turn-shuffled`` with the band, or
+    ``per_turn-uniform``) with its 95% interval, and the points that failed their gate."""
+    t = _points(tabs, target)
+    if t is None:
+        return None
+    lo, hi = ("lo", "hi") if diff == "per_turn-shuffled" else ("pu_lo", "pu_hi")
+    parts = []
+    for _, r in t.iterrows():
+        part = f"C={int(r['C'])}: {r[diff]:+.4f} [{r[lo]:+.4f}, {r[hi]:+.4f}]"
+        if diff == "per_turn-shuffled" and round(float(target), 6) == 0.70:
+            part += f", band +/-{r['band']:.2g}" if r["band"] > 0 else ", empty band"
+        parts.append(part + ("" if r["passes"] else " (gate failed: not judged)"))
+    return "; ".join(parts)
+
+
+#: The capability experiment's predictions, judged on its ``capability_test`` and ``capability_gate`` tables.
+PREDICTIONS = (
+    Prediction("1: a null at 25%: per_turn - shuffled's interval contains 0 at every C", CAPABILITY_STATED[0],
+               measured=lambda tabs: _measured(tabs, 0.25, "per_turn-shuffled"),
+               verdict=lambda tabs: _judge(tabs, 0.25, verdict_null)),
+    Prediction("2: per_turn < uniform at 70%: per_turn - uniform's interval below 0 at every C", CAPABILITY_STATED[1],
+               measured=lambda tabs: _measured(tabs, 0.70, "per_turn-uniform"),
+               verdict=lambda tabs: _judge(tabs, 0.70, verdict_below)),
+    Prediction("3: the equivalence at 70%: per_turn - shuffled's interval inside the band at every C",
+               CAPABILITY_STATED[2], measured=lambda tabs: _measured(tabs, 0.70, "per_turn-shuffled"),
+               verdict=lambda tabs: _judge(tabs, 0.70, verdict_equivalent)),
+)
 
 
 def capability_diffs(arms: pd.DataFrame) -> pd.DataFrame:
@@ -291,6 +354,7 @@ class Capability(Experiment):
     name = "capability"
     fields = ("capability_Cs", "capability_targets", "capability_seeds", "capability_lr", "capability_max_updates",
               "capability_margin", "capability_gate_reached", "capability_gate_overshoot")
+    predictions = PREDICTIONS
 
     def validate(self, cfg: CoverageConfig) -> None:
         if self.name in cfg.experiments:
@@ -313,9 +377,6 @@ class Capability(Experiment):
             raise ConfigError("capability_margin", f"must be > 0, got {cfg.capability_margin}")
         if not 0.0 <= cfg.capability_gate_reached <= 1.0 or cfg.capability_gate_overshoot < 0:
             raise ConfigError("capability_gate_reached", "gate share must be in [0, 1] and the overshoot >= 0")
-
-    def predictions_text(self, cfg: CoverageConfig) -> tuple[str, ...]:
-        return CAPABILITY_STATED
 
     def cells(self, cfg: CoverageConfig) -> list[Cell]:
         return [Cell("capability", f"final/C={C}", run_capability_cell,

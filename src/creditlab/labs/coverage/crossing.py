@@ -17,13 +17,13 @@ from creditlab.errors import ConfigError
 from creditlab.lab.experiment import Experiment
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import Table
-from creditlab.lab.report import paired_diff, small_run_note
+from creditlab.lab.report import small_run_note
 from creditlab.lab.runner import Cell
 from creditlab.labs.coverage._common import (
-    DIFF,
     _cells_of,
     check_densities,
     runs_table,
+    score_diffs,
 )
 from creditlab.train.chain import ModelSpec
 
@@ -120,11 +120,11 @@ class Crossing(Experiment):
         return out
 
     def tables(self, rows: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict[str, Table]:
-        rows, tabs = runs_table(self.name, rows[self.name])
+        runs, tabs = runs_table(self.name, rows[self.name])
         independent, dependent = CHAIN_KINDS
-        df = rows.assign(chain=lambda d: np.where(d["cfg_state_dependent"], dependent, independent))
+        df = runs.assign(chain=lambda d: np.where(d["cfg_state_dependent"], dependent, independent))
         tabs["crossing_curve"] = Table(
-            paired_diff(df, "targeted", "uniform", ["chain", "vd"], "final_score", bounds=DIFF),
+            score_diffs(df, [("targeted", "uniform")], ["chain", "vd"]),
             f"Crossing (C={cfg.vd_C}, independent exposure): paired difference targeted - uniform by V_d")
         tabs["crossing"] = Table(crossing_table(df, cfg), "Crossing point: the V_d at which targeted credit "
                                                           "passes uniform (bootstrap 95% interval over seeds)",
@@ -135,12 +135,10 @@ class Crossing(Experiment):
         return [plot_crossing(tabs["crossing_curve"].frame, tabs["crossing"].frame, out)]
 
     def interpret(self, tabs, cfg: CoverageConfig) -> dict[str, str]:
-        few = small_run_note(cfg.seeds)
-        text: dict[str, str] = {}
-        text["crossing_curve"] = (
+        reading = (
             "Paired difference targeted - uniform of the final score on a finer V_d grid, for chains whose "
             "policy sees only the step index (independent-step) and chains whose policy also sees the "
-            "correct-prefix length and a broken bit (state-dependent)." + few)
+            "correct-prefix length and a broken bit (state-dependent)." + small_run_note(cfg.seeds))
         parts = []
         for _, r in tabs["crossing"].frame.iterrows():
             if np.isnan(r["crossing"]):
@@ -150,10 +148,10 @@ class Crossing(Experiment):
                 parts.append(f"{r['chain']}: crossing at V_d = {r['crossing']:.2f} ({ci}; "
                              f"{r['no_crossing_share']:.0%} of bootstrap resamples never cross) against the "
                              f"paper's {r['paper']:.2f}")
-        text["crossing"] = ("The crossing is the smallest V_d from which the mean paired difference stays >= 0 "
-                            "on the grid, interpolated linearly; its interval resamples seeds. "
-                            + "; ".join(parts) + ".")
-        return text
+        return {"crossing_curve": reading,
+                "crossing": ("The crossing is the smallest V_d from which the mean paired difference stays >= 0 "
+                             "on the grid, interpolated linearly; its interval resamples seeds. "
+                             + "; ".join(parts) + ".")}
 
 
 EXPERIMENT = Crossing()

@@ -23,6 +23,7 @@ from creditlab.labs.coverage._common import (
     UNIT,
     _cells_of,
     check_chains,
+    runs_of,
     runs_table,
 )
 from creditlab.train.chain import ModelSpec
@@ -76,30 +77,24 @@ class Dose(Experiment):
         return _cells_of("dose", groups, cfg.train)
 
     def tables(self, rows: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict[str, Table]:
-        rows, tabs = runs_table(self.name, rows[self.name])
-        T = cfg.train.T
-        df = rows
+        df, tabs = runs_table(self.name, rows[self.name])
         s = summarize(df, ["arm", "k"], "final_score", UNIT)
         s["aulc"] = summarize(df, ["arm", "k"], "aulc")["mean"]
-        s["P_cover"] = [float(p_cover(T, cfg.dose_C, k)) for k in s["k"]]
+        s["P_cover"] = [float(p_cover(cfg.train.T, cfg.dose_C, k)) for k in s["k"]]
         tabs["dose"] = Table(s, f"Dose-response of coverage (C={cfg.dose_C})")
         return tabs
 
     def plots(self, tabs, cfg: CoverageConfig, out: Path) -> list[Path]:
-        runs = tabs[f"{self.name}_runs"].frame
-        return [plot_dose(runs, cfg, out)]
+        return [plot_dose(runs_of(tabs, self.name), cfg, out)]
 
     def interpret(self, tabs, cfg: CoverageConfig) -> dict[str, str]:
-        few = small_run_note(cfg.seeds)
-        text: dict[str, str] = {}
         s = tabs["dose"].frame
         rk = s[s["arm"] == "random_k"].sort_values("k")
-        text["dose"] = (
+        return {"dose": (
             f"Credit on k steps drawn at random per rollout (same total credit), C={cfg.dose_C}; P_cover is the "
             "analytic chance that one rollout's credit covers the chain. Final score by k: "
             + ", ".join(f"{m:.2f} (k={int(k)})" for k, m in zip(rk["k"], rk["mean"], strict=True))
-            + ". Expected: rising with k toward uniform as coverage grows." + few)
-        return text
+            + ". Expected: rising with k toward uniform as coverage grows." + small_run_note(cfg.seeds))}
 
 
 EXPERIMENT = Dose()

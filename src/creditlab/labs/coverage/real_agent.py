@@ -14,15 +14,16 @@ import pandas as pd
 from creditlab.lab.experiment import Experiment
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import Table
-from creditlab.lab.report import paired_diff, read_diff, small_run_note, summarize
+from creditlab.lab.report import small_run_note, summarize
 from creditlab.lab.runner import Cell
 from creditlab.labs.coverage._common import (
-    DIFF,
     UNIT,
     _band,
     _cells_of,
     check_in_episode,
+    read_diffs,
     runs_table,
+    score_diffs,
 )
 from creditlab.train.chain import ModelSpec
 
@@ -58,34 +59,26 @@ class RealAgent(Experiment):
             for C in cfg.real_agent_Cs}, cfg.train)
 
     def tables(self, rows: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict[str, Table]:
-        rows, tabs = runs_table(self.name, rows[self.name])
-        df = rows
+        df, tabs = runs_table(self.name, rows[self.name])
         s = summarize(df, ["C", "arm"], "final_score", UNIT)
         s.insert(1, "V_d", [1.0 / C for C in s["C"]])
         tabs["real_agent"] = Table(s, "Real-agent regime: the verifier sees only the final write (V_d = 1/C)")
-        tabs["real_agent_diff"] = Table(pd.concat([
-            paired_diff(df, "targeted", "uniform", ["C"], "final_score", bounds=DIFF),
-            paired_diff(df, "per_turn", "uniform", ["C"], "final_score", bounds=DIFF),
-        ], ignore_index=True), "Real-agent regime: paired differences", console=True)
+        tabs["real_agent_diff"] = Table(score_diffs(df, [("targeted", "uniform"), ("per_turn", "uniform")], ["C"]),
+                                        "Real-agent regime: paired differences", console=True)
         return tabs
 
     def plots(self, tabs, cfg: CoverageConfig, out: Path) -> list[Path]:
         return [plot_real_agent(tabs["real_agent"].frame, out)]
 
     def interpret(self, tabs, cfg: CoverageConfig) -> dict[str, str]:
-        few = small_run_note(cfg.seeds)
-        text: dict[str, str] = {}
-        s = tabs["real_agent"].frame
-        piv = s.pivot(index="C", columns="arm", values="mean")
-        text["real_agent"] = (
+        piv = tabs["real_agent"].frame.pivot(index="C", columns="arm", values="mean")
+        reading = (
             "A real tool agent's state-diff verifier sees one step of a chain of 5-8 causal steps (the final "
             "write), so V_d = 1/C is 0.12-0.20, far left on the V_d axis: targeted credit can only teach the "
             "step it sees and per_turn credit falls back to uniform on every failed rollout. Final score: "
             + "; ".join(f"C={C}: uniform {r['uniform']:.2f}, targeted {r['targeted']:.2f}, per_turn "
-                        f"{r['per_turn']:.2f}" for C, r in piv.iterrows()) + "." + few)
-        text["real_agent_diff"] = " ".join(read_diff(g, ["C"], what) for what, g in
-                                           tabs["real_agent_diff"].frame.groupby("diff", sort=False))
-        return text
+                        f"{r['per_turn']:.2f}" for C, r in piv.iterrows()) + "." + small_run_note(cfg.seeds))
+        return {"real_agent": reading, "real_agent_diff": read_diffs(tabs["real_agent_diff"].frame, ["C"])}
 
 
 EXPERIMENT = RealAgent()

@@ -15,30 +15,34 @@ import pandas as pd
 from creditlab.lab.experiment import Experiment
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import Table
-from creditlab.lab.report import paired_diff, read_diff, small_run_note, summarize
+from creditlab.lab.report import small_run_note, summarize
 from creditlab.lab.runner import Cell
 from creditlab.labs.coverage._common import (
     COLORS,
-    DIFF,
     UNIT,
     _cells_of,
     check_chains,
     check_densities,
+    read_diffs,
+    runs_of,
     runs_table,
+    score_diffs,
 )
 from creditlab.train.chain import ModelSpec
 
 if TYPE_CHECKING:
     from creditlab.labs.coverage import CoverageConfig
 
+#: The arms of the shuffled control.
+ARMS = ("uniform", "per_turn", "shuffled")
 
-def plot_shuffle(df: pd.DataFrame, cfg, out: Path) -> Path:
+
+def plot_shuffle(df: pd.DataFrame, out: Path) -> Path:
     s = summarize(df, ["C", "vd", "arm"], "final_score", UNIT)
     confs = s[["C", "vd"]].drop_duplicates().sort_values(["C", "vd"], ascending=[True, False]).values.tolist()
-    arms = ["uniform", "per_turn", "shuffled"]
     fig, ax = new_figure(figsize=(8, 4.2))
     w = 0.26
-    for i, arm in enumerate(arms):
+    for i, arm in enumerate(ARMS):
         ys, lo, hi = [], [], []
         for C, vd in confs:
             r = s[(s["C"] == C) & (s["vd"] == vd) & (s["arm"] == arm)].iloc[0]
@@ -65,37 +69,27 @@ class Shuffle(Experiment):
     def cells(self, cfg: CoverageConfig) -> list[Cell]:
         S = range(cfg.seeds)
         return _cells_of("shuffle", {
-            f"C={C}/vd={vd}": [ModelSpec(seed=s, C=C, arm=a, vd=vd) for a in ("uniform", "per_turn", "shuffled")
-                               for s in S]
+            f"C={C}/vd={vd}": [ModelSpec(seed=s, C=C, arm=a, vd=vd) for a in ARMS for s in S]
             for C in cfg.shuffle_Cs for vd in cfg.shuffle_vds}, cfg.train)
 
     def tables(self, rows: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict[str, Table]:
-        rows, tabs = runs_table(self.name, rows[self.name])
-        df = rows
+        df, tabs = runs_table(self.name, rows[self.name])
         tabs["shuffle"] = Table(summarize(df, ["C", "vd", "arm"], "final_score", UNIT),
                                 "Shuffled control: uniform, per_turn, shuffled")
-        tabs["shuffle_diff"] = Table(pd.concat([
-            paired_diff(df, "per_turn", "shuffled", ["C", "vd"], "final_score", bounds=DIFF),
-            paired_diff(df, "per_turn", "uniform", ["C", "vd"], "final_score", bounds=DIFF),
-            paired_diff(df, "shuffled", "uniform", ["C", "vd"], "final_score", bounds=DIFF),
-        ], ignore_index=True), "Shuffled control: paired differences", console=True)
+        pairs = [("per_turn", "shuffled"), ("per_turn", "uniform"), ("shuffled", "uniform")]
+        tabs["shuffle_diff"] = Table(score_diffs(df, pairs, ["C", "vd"]), "Shuffled control: paired differences",
+                                     console=True)
         return tabs
 
     def plots(self, tabs, cfg: CoverageConfig, out: Path) -> list[Path]:
-        runs = tabs[f"{self.name}_runs"].frame
-        return [plot_shuffle(runs, cfg, out)]
+        return [plot_shuffle(runs_of(tabs, self.name), out)]
 
     def interpret(self, tabs, cfg: CoverageConfig) -> dict[str, str]:
-        few = small_run_note(cfg.seeds)
-        text: dict[str, str] = {}
-        text["shuffle"] = (
-            "per_turn puts the credit on the steps where the verifier saw progress (among the exposed causal "
-            "steps); shuffled permutes the same weights to random steps of the rollout (same concentration, "
-            "no aim). If targeting helped because it aims well, per_turn would beat shuffled." + few)
-        d = tabs["shuffle_diff"].frame
-        text["shuffle_diff"] = " ".join(read_diff(g, ["C", "vd"], what)
-                                        for what, g in d.groupby("diff", sort=False))
-        return text
+        reading = (
+            "per_turn puts the credit on the steps where the verifier saw progress (among the exposed causal steps); "
+            "shuffled permutes the same weights to random steps of the rollout (same concentration, no aim). If "
+            "targeting helped because it aims well, per_turn would beat shuffled." + small_run_note(cfg.seeds))
+        return {"shuffle": reading, "shuffle_diff": read_diffs(tabs["shuffle_diff"].frame, ["C", "vd"])}
 
 
 EXPERIMENT = Shuffle()

@@ -19,7 +19,7 @@ from creditlab.errors import ConfigError
 from creditlab.lab.experiment import Experiment
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import Table
-from creditlab.lab.report import read_diff, summarize
+from creditlab.lab.report import summarize
 from creditlab.lab.runner import Cell
 from creditlab.labs.coverage._common import (
     COLORS,
@@ -27,6 +27,7 @@ from creditlab.labs.coverage._common import (
     SINGLE_ARMS,
     _paired_improvements,
     check_in_episode,
+    read_diffs,
     runs_table,
 )
 from creditlab.train.chain import ChainTrainConfig, ModelSpec, single_update
@@ -125,8 +126,7 @@ class SingleUpdate(Experiment):
                 for ex, C in cfg.single_settings]
 
     def tables(self, rows: dict[str, pd.DataFrame], cfg: CoverageConfig) -> dict[str, Table]:
-        rows, tabs = runs_table(self.name, rows[self.name])
-        df = rows
+        df, tabs = runs_table(self.name, rows[self.name])
         tabs["single_update"] = Table(single_update_table(df), "Single update from shared rollouts: held-out "
                                                                "improvement per arm")
         tabs["single_update_diff"] = Table(single_update_diffs(df), "Single update: paired differences",
@@ -137,8 +137,7 @@ class SingleUpdate(Experiment):
         return [plot_single_update(tabs["single_update"].frame, out)]
 
     def interpret(self, tabs, cfg: CoverageConfig) -> dict[str, str]:
-        text: dict[str, str] = {}
-        text["single_update"] = (
+        reading = (
             f"One update per arm from the same base policy ({cfg.single_base_updates} uniform-credit updates), "
             f"the same {cfg.single_rollouts} rollouts and advantages, a grad-norm clip of {cfg.single_clip} "
             f"(the share of updates where it binds is in the table) and one SGD step of {cfg.single_step}; the "
@@ -148,10 +147,8 @@ class SingleUpdate(Experiment):
             "gain_share is the arm's mean improvement over uniform's (the dense reward's); share_over_binary is "
             "the paper's measure of a coarser reward, the share of the dense reward's gain over binary that the arm "
             "keeps: (arm - binary) / (uniform - binary).")
-        text["single_update_diff"] = " ".join(
-            read_diff(g, ["exposure", "C"], what) for what, g in tabs["single_update_diff"].frame.groupby(
-                "diff", sort=False))
-        return text
+        return {"single_update": reading,
+                "single_update_diff": read_diffs(tabs["single_update_diff"].frame, ["exposure", "C"])}
 
 
 EXPERIMENT = SingleUpdate()

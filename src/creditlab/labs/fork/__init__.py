@@ -43,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 
 from creditlab.lab.experiment import ExperimentLab
-from creditlab.lab.protocol import Table
 from creditlab.lab.report import to_markdown
 from creditlab.labs.fork import deletion, noise, oracle, pitfalls, train, winrate
 from creditlab.labs.fork import map as map_experiment
@@ -52,7 +51,6 @@ from creditlab.labs.fork.noise import chosen_flips, noise_calibration, run_noise
 from creditlab.labs.fork.oracle import oracle_thresholds, run_oracle_cell
 from creditlab.labs.fork.pitfalls import run_pitfall_cell
 from creditlab.labs.fork.train import run_fork_cell
-from creditlab.labs.fork.verdicts import predictions_table
 from creditlab.train.bagofunits import BagTrainConfig
 
 __all__ = ["EXPERIMENTS", "EXPERIMENT_TABLE", "GATE_TOL", "LAB", "PAPER_R", "SHARED_FIELDS", "ForkLab", "ForkLabConfig",
@@ -77,6 +75,7 @@ class ForkLab(ExperimentLab):
                   "2-3).")
     config_type = ForkLabConfig
     experiments = EXPERIMENT_TABLE
+    predictions_name = "fork_predictions"  # predictions 1-5 (creditlab.labs.fork.verdicts), judged on the run
 
     def describe(self, cfg: ForkLabConfig) -> str:
         return (f"Bag-of-units world: {cfg.f_min}-{cfg.f_max} rubric facts per prompt, a fact known with probability "
@@ -96,27 +95,6 @@ class ForkLab(ExperimentLab):
             print("fork lab gate: flip rate of the noisy judge per target correlation with the exact FORK F1 "
                   "(measured on the initial policies' responses)")
             print(to_markdown(gate))
-
-
-    def tables(self, rows, cfg: ForkLabConfig) -> dict[str, Table]:
-        """The experiments' tables, then ``fork_predictions``: predictions 1-5 judged on them
-        (:mod:`creditlab.labs.fork.verdicts`), when an experiment that states some ran."""
-        tabs = super().tables(rows, cfg)
-        pred = predictions_table(tabs)
-        if len(pred):
-            tabs["fork_predictions"] = Table(pred, "The predictions written before the full run, judged on this run",
-                                             console=True)
-        return tabs
-
-    def interpret(self, tabs: dict[str, Table], cfg: ForkLabConfig) -> dict[str, str]:
-        text = super().interpret(tabs, cfg)
-        if "fork_predictions" in tabs:
-            text["fork_predictions"] = (
-                "Each prediction's text, as written before the full run, is in lab.json (predictions). The verdict "
-                "is a fixed rule on the tables above (creditlab.labs.fork.verdicts): holds, fails, or not judged "
-                "(the run cannot say: one seed gives no interval, the point it is about did not run, or an interval "
-                "spans 0 where the prediction does not count that as failing).")
-        return text
 
 
 LAB = ForkLab()

@@ -15,11 +15,12 @@ import pandas as pd
 import torch
 
 from creditlab.errors import ConfigError
-from creditlab.lab.experiment import Experiment
+from creditlab.lab.experiment import Experiment, Prediction
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import Table, check_count
 from creditlab.lab.report import read_diff, small_run_note
 from creditlab.lab.runner import Cell
+from creditlab.labs.fork import verdicts
 from creditlab.labs.fork._common import _COLORS, _ci, _paired
 from creditlab.labs.fork.config import GATE_TOL, PAPER_R, ForkLabConfig
 from creditlab.train.bagofunits import (
@@ -172,6 +173,15 @@ NOISE_STATED = (
     "3. **Noise costs FORK little**: its true F1 at r ≈ 0.714 within 0.05 of its exact-judge F1. "
     "*Falsified* if it drops by more.",
 )
+#: Predictions 1-3, judged on the noise experiment's tables (the rules: :mod:`creditlab.labs.fork.verdicts`).
+NOISE_PREDICTIONS = (
+    Prediction("1: FORK - recall-only above 0 at every r (F1, win rate)", NOISE_STATED[0],
+               measured=verdicts.measured_lead, verdict=verdicts.judge_lead_over_recall),
+    Prediction("2: FORK - mean within noise at every r (F1, win rate)", NOISE_STATED[1],
+               measured=verdicts.measured_mean, verdict=verdicts.judge_mean_within_noise),
+    Prediction(f"3: FORK's F1 at r {PAPER_R:g} within {verdicts.NOISE_COST:g} of exact", NOISE_STATED[2],
+               measured=verdicts.measured_noise_cost, verdict=verdicts.judge_noise_cost),
+)
 
 
 class Noise(Experiment):
@@ -180,6 +190,7 @@ class Noise(Experiment):
     name = "noise"
     groups = ("noise_calibration", "noise")
     fields = ("noise_targets", "noise_flips", "noise_calib_prompts", "noise_arms", "noise_seeds", "noise_updates")
+    predictions = NOISE_PREDICTIONS
 
     def validate(self, cfg: ForkLabConfig) -> None:
         for name in ("noise_seeds", "noise_updates", "noise_calib_prompts"):
@@ -194,9 +205,6 @@ class Noise(Experiment):
             raise ConfigError("noise_flips", f"flip rates in [0, 0.5], 0 included; got {list(flips)}")
         if not cfg.noise_targets or any(not (0.0 < t <= 1.0) for t in cfg.noise_targets):
             raise ConfigError("noise_targets", f"correlations in (0, 1]; got {list(cfg.noise_targets)}")
-
-    def predictions_text(self, cfg: ForkLabConfig) -> tuple[str, ...]:
-        return NOISE_STATED
 
     def cells(self, cfg: ForkLabConfig) -> list[Cell]:
         gate = chosen_flips(noise_calibration(cfg), cfg.noise_targets)

@@ -11,11 +11,12 @@ from pathlib import Path
 import pandas as pd
 
 from creditlab.errors import ConfigError
-from creditlab.lab.experiment import Experiment
+from creditlab.lab.experiment import Experiment, Prediction
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import Table, check_count
 from creditlab.lab.report import read_diff, small_run_note
 from creditlab.lab.runner import Cell
+from creditlab.labs.fork import verdicts
 from creditlab.labs.fork._common import _arm_rows, _bars, _paired
 from creditlab.labs.fork.config import ForkLabConfig
 from creditlab.train.bagofunits import (
@@ -85,6 +86,14 @@ PITFALLS_STATED = (
     "part about FORK) if FORK's satisfaction change has an interval below 0 in either setting; the "
     "recall-only part is falsified in a setting where recall-only's change has an interval above 0.",
 )
+#: Prediction 5, judged in two parts on ``fork_pitfalls`` (the rules: :mod:`creditlab.labs.fork.verdicts`).
+PITFALLS_PREDICTIONS = (
+    Prediction("5 (FORK): FORK raises absence satisfaction in every setting", PITFALLS_STATED[0],
+               measured=verdicts.measured_pitfalls("fork"), verdict=verdicts.judge_pitfalls_fork),
+    Prediction("5 (split): recall-only lowers it at 0 points, raises it where the rubric is in the reward",
+               PITFALLS_STATED[0], measured=verdicts.measured_pitfalls("recall"),
+               verdict=verdicts.judge_pitfalls_split),
+)
 
 
 class Pitfalls(Experiment):
@@ -92,6 +101,7 @@ class Pitfalls(Experiment):
 
     name = "pitfalls"
     fields = ("pitfall_arms", "pitfall_weights", "pitfall_seeds", "pitfall_updates")
+    predictions = PITFALLS_PREDICTIONS
 
     def validate(self, cfg: ForkLabConfig) -> None:
         for name in ("pitfall_seeds", "pitfall_updates"):
@@ -102,9 +112,6 @@ class Pitfalls(Experiment):
             raise ConfigError("pitfall_arms", "needs at least one arm")
         if not cfg.pitfall_weights or any(not (math.isfinite(w) and w >= 0) for w in cfg.pitfall_weights):
             raise ConfigError("pitfall_weights", f"points finite and >= 0; got {list(cfg.pitfall_weights)}")
-
-    def predictions_text(self, cfg: ForkLabConfig) -> tuple[str, ...]:
-        return PITFALLS_STATED
 
     def cells(self, cfg: ForkLabConfig) -> list[Cell]:
         ident = cfg.identity()

@@ -4,8 +4,10 @@ Each prediction's verdict is a pure function of the run's tables returning
 :class:`~creditlab.lab.experiment.Verdict`: ``holds`` when what the prediction states is what the
 tables show, ``fails`` when the tables show it is not, ``not judged`` when the run cannot say (the
 experiment or the point it is about did not run, one seed gives no interval, or an interval the
-prediction needs on one side of 0 spans 0 where the text does not make that a failure).
-:func:`predictions_table` applies them to a run's tables: the lab's ``fork_predictions`` table.
+prediction needs on one side of 0 spans 0 where the text does not make that a failure). The rules take
+the table they read; ``judge_*`` and ``measured_*`` take the run's tables (by name): the
+:class:`~creditlab.lab.experiment.Prediction` s of the experiments ``noise`` (1-3), ``winrate`` (4) and
+``pitfalls`` (5), which the lab judges in its ``fork_predictions`` table.
 
 The rules, by prediction:
 
@@ -26,17 +28,17 @@ The rules, by prediction:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import pandas as pd
 
-from creditlab.lab.experiment import Verdict
-from creditlab.lab.protocol import Table
+from creditlab.lab.experiment import Tables, Verdict
 from creditlab.labs.fork.config import PAPER_R
 
-__all__ = ["NOISE_COST", "WIN_FORK", "WIN_LEAD", "WIN_RECALL", "predictions_table", "verdict_lead_over_recall",
-           "verdict_mean_within_noise", "verdict_noise_cost", "verdict_pitfalls_fork", "verdict_pitfalls_split",
-           "verdict_win_rate"]
+__all__ = ["NOISE_COST", "WIN_FORK", "WIN_LEAD", "WIN_RECALL", "judge_lead_over_recall", "judge_mean_within_noise",
+           "judge_noise_cost", "judge_pitfalls_fork", "judge_pitfalls_split", "judge_win_rate", "measured_lead",
+           "measured_mean", "measured_noise_cost", "measured_pitfalls", "measured_win_rate",
+           "verdict_lead_over_recall", "verdict_mean_within_noise", "verdict_noise_cost", "verdict_pitfalls_fork",
+           "verdict_pitfalls_split", "verdict_win_rate"]
 
 #: Prediction 3: the most FORK's true F1 at r = 0.714 may drop below its exact-judge F1.
 NOISE_COST = 0.05
@@ -143,56 +145,90 @@ def _by_r(d: pd.DataFrame) -> str:
                      for m, g in d.groupby("metric", sort=False))
 
 
-def _frame(tabs: Mapping[str, Table], name: str) -> pd.DataFrame | None:
+def _frame(tabs: Tables, name: str) -> pd.DataFrame | None:
     return tabs[name].frame if name in tabs else None
 
 
-def predictions_table(tabs: Mapping[str, Table]) -> pd.DataFrame:
-    """One row per prediction (5 has two) whose experiment ran: ``prediction``, ``measured`` (what the
-    run's tables give), ``verdict`` (holds, fails or not judged; the rules in the module docstring)."""
-    rows = []
+# the rules and what the run measured, on the run's tables (the predictions' ``verdict`` and ``measured``)
 
-    def row(label: str, claim: str, measured: str, verdict: Verdict) -> None:
-        rows.append({"prediction": label, "claim": claim, "measured": measured, "verdict": verdict.value})
 
+def judge_lead_over_recall(tabs: Tables) -> Verdict:
+    return verdict_lead_over_recall(_frame(tabs, "fork_noise_paired"))
+
+
+def judge_mean_within_noise(tabs: Tables) -> Verdict:
+    return verdict_mean_within_noise(_frame(tabs, "fork_noise_paired"))
+
+
+def judge_noise_cost(tabs: Tables) -> Verdict:
+    return verdict_noise_cost(_frame(tabs, "fork_noise"))
+
+
+def judge_win_rate(tabs: Tables) -> Verdict:
+    return verdict_win_rate(_frame(tabs, "fork_winrate"), _frame(tabs, "fork_winrate_paired"))
+
+
+def judge_pitfalls_fork(tabs: Tables) -> Verdict:
+    return verdict_pitfalls_fork(_frame(tabs, "fork_pitfalls"))
+
+
+def judge_pitfalls_split(tabs: Tables) -> Verdict:
+    return verdict_pitfalls_split(_frame(tabs, "fork_pitfalls"))
+
+
+def measured_lead(tabs: Tables) -> str | None:
+    """Prediction 1: FORK - recall-only at every r (None: the noise experiment did not run)."""
     paired = _frame(tabs, "fork_noise_paired")
-    if paired is not None:
-        lead, mean = _diffs(paired, "recall"), _diffs(paired, "mean")
-        row("1", "FORK - recall-only above 0 at every r (F1, win rate)", _by_r(lead) or "no recall-only arm",
-            verdict_lead_over_recall(paired))
-        side, within = "", verdict_mean_within_noise(paired)
-        if within is Verdict.FAILS:
-            off = mean[(mean["lo"] > 0) | (mean["hi"] < 0)]
-            side = (" (off 0 in FORK's favour)" if (off["lo"] > 0).all() else " (off 0 against FORK)"
-                    if (off["hi"] < 0).all() else " (off 0 on both sides)")
-        row("2", "FORK - mean within noise at every r (F1, win rate)", (_by_r(mean) or "no mean arm") + side, within)
+    return None if paired is None else _by_r(_diffs(paired, "recall")) or "no recall-only arm"
+
+
+def measured_mean(tabs: Tables) -> str | None:
+    """Prediction 2: FORK - mean at every r, and on which side of 0 it lies where it fails."""
+    paired = _frame(tabs, "fork_noise_paired")
+    if paired is None:
+        return None
+    mean, side = _diffs(paired, "mean"), ""
+    if verdict_mean_within_noise(paired) is Verdict.FAILS:
+        off = mean[(mean["lo"] > 0) | (mean["hi"] < 0)]
+        side = (" (off 0 in FORK's favour)" if (off["lo"] > 0).all() else " (off 0 against FORK)"
+                if (off["hi"] < 0).all() else " (off 0 on both sides)")
+    return (_by_r(mean) or "no mean arm") + side
+
+
+def measured_noise_cost(tabs: Tables) -> str | None:
+    """Prediction 3: FORK's F1 at r 0.714 against its exact-judge F1."""
     noise = _frame(tabs, "fork_noise")
-    if noise is not None:
-        fork = noise[noise["arm"] == "fork"]
-        exact, noisy = fork[fork["flip"] == 0.0], fork[_at(PAPER_R, fork["target_r"])]
-        measured = (f"F1 {float(noisy['f1'].iloc[0]):.3f} at r {PAPER_R:g} against {float(exact['f1'].iloc[0]):.3f} "
-                    f"exact ({float(noisy['f1'].iloc[0]) - float(exact['f1'].iloc[0]):+.3f})"
-                    if len(exact) and len(noisy) else f"no exact or r {PAPER_R:g} point")
-        row("3", f"FORK's F1 at r {PAPER_R:g} within {NOISE_COST:g} of exact", measured, verdict_noise_cost(noise))
+    if noise is None:
+        return None
+    fork = noise[noise["arm"] == "fork"]
+    exact, noisy = fork[fork["flip"] == 0.0], fork[_at(PAPER_R, fork["target_r"])]
+    return (f"F1 {float(noisy['f1'].iloc[0]):.3f} at r {PAPER_R:g} against {float(exact['f1'].iloc[0]):.3f} "
+            f"exact ({float(noisy['f1'].iloc[0]) - float(exact['f1'].iloc[0]):+.3f})"
+            if len(exact) and len(noisy) else f"no exact or r {PAPER_R:g} point")
+
+
+def measured_win_rate(tabs: Tables) -> str | None:
+    """Prediction 4: FORK's and recall-only's win rates, and FORK - recall-only."""
     winrate = _frame(tabs, "fork_winrate")
-    if winrate is not None:
-        w = winrate.set_index("arm")["win_rate"]
-        wp = _frame(tabs, "fork_winrate_paired")
-        d = wp[(wp["diff"] == "fork - recall") & (wp["metric"] == "win_rate")] if wp is not None and len(wp) else None
-        measured = ", ".join(f"{a} {w[a]:.3f}" for a in ("fork", "recall") if a in w.index)
-        if d is not None and len(d):
-            measured += f"; fork - recall {_interval(d.iloc[0])}"
-        row("4", f"win rate: FORK >= {WIN_FORK:g}, recall-only <= {WIN_RECALL:g}, FORK - recall-only >= "
-                 f"+{WIN_LEAD:g} (interval above 0)", measured, verdict_win_rate(winrate, wp))
-    pit = _frame(tabs, "fork_pitfalls")
-    if pit is not None:
-        def changes(arm: str) -> str:
-            g = pit[pit["arm"] == arm]
-            return "; ".join(f"{p:g} points {r['absence_change']:+.3f} [{r['absence_change_lo']:+.3f}, "
-                             f"{r['absence_change_hi']:+.3f}]" for p, r in g.set_index("pitfall_points").iterrows()
-                             ) or f"no {arm} arm"
-        row("5 (FORK)", "FORK raises absence satisfaction in every setting", changes("fork"),
-            verdict_pitfalls_fork(pit))
-        row("5 (split)", "recall-only lowers it at 0 points, raises it where the rubric is in the reward",
-            changes("recall"), verdict_pitfalls_split(pit))
-    return pd.DataFrame(rows, columns=["prediction", "claim", "measured", "verdict"])
+    if winrate is None:
+        return None
+    w = winrate.set_index("arm")["win_rate"]
+    wp = _frame(tabs, "fork_winrate_paired")
+    d = wp[(wp["diff"] == "fork - recall") & (wp["metric"] == "win_rate")] if wp is not None and len(wp) else None
+    measured = ", ".join(f"{a} {w[a]:.3f}" for a in ("fork", "recall") if a in w.index)
+    if d is not None and len(d):
+        measured += f"; fork - recall {_interval(d.iloc[0])}"
+    return measured
+
+
+def measured_pitfalls(arm: str):
+    """Prediction 5: ``arm``'s change in absence satisfaction in each setting."""
+    def measured(tabs: Tables) -> str | None:
+        pit = _frame(tabs, "fork_pitfalls")
+        if pit is None:
+            return None
+        g = pit[pit["arm"] == arm]
+        return "; ".join(f"{p:g} points {r['absence_change']:+.3f} [{r['absence_change_lo']:+.3f}, "
+                         f"{r['absence_change_hi']:+.3f}]" for p, r in g.set_index("pitfall_points").iterrows()
+                         ) or f"no {arm} arm"
+    return measured

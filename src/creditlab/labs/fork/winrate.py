@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from creditlab.lab.experiment import Experiment
+from creditlab.lab.experiment import Experiment, Prediction
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import Table
 from creditlab.lab.report import read_diff, small_run_note
 from creditlab.lab.runner import Cell
+from creditlab.labs.fork import verdicts
 from creditlab.labs.fork._common import _arm_rows, _bars, _paired
 from creditlab.labs.fork.config import ForkLabConfig
 from creditlab.labs.fork.noise import noise_cells
@@ -33,6 +34,12 @@ WINRATE_STATED = (
     "recall-only ≤ 0.65, FORK − recall-only ≥ +0.15 with its interval above 0 (exact judge). *Falsified* "
     "if the interval of FORK − recall-only contains 0.",
 )
+#: Prediction 4, judged on the win-rate tables (the rule: :func:`creditlab.labs.fork.verdicts.verdict_win_rate`).
+WINRATE_PREDICTIONS = (
+    Prediction(f"4: win rate: FORK >= {verdicts.WIN_FORK:g}, recall-only <= {verdicts.WIN_RECALL:g}, FORK - "
+               f"recall-only >= +{verdicts.WIN_LEAD:g} (interval above 0)", WINRATE_STATED[0],
+               measured=verdicts.measured_win_rate, verdict=verdicts.judge_win_rate),
+)
 
 
 class WinRate(Experiment):
@@ -40,9 +47,7 @@ class WinRate(Experiment):
 
     name = "winrate"
     groups = ("noise",)
-
-    def predictions_text(self, cfg: ForkLabConfig) -> tuple[str, ...]:
-        return WINRATE_STATED
+    predictions = WINRATE_PREDICTIONS
 
     def cells(self, cfg: ForkLabConfig) -> list[Cell]:
         return noise_cells(cfg, {1.0: 0.0})

@@ -33,8 +33,8 @@ reward is gamed), ``warm`` (teachers warm-started on their hints). Each is a mod
 a line of :data:`EXPERIMENT_TABLE`; the lab holds what they share: the config
 (:mod:`~creditlab.labs.granularity.config`), the world (:mod:`~creditlab.labs.granularity.world`: the
 process scores, the turn judge, the held-out tasks), the training run of a cell, and the tables made
-of every experiment's part: the knobs, the gates and the predictions (each prediction's verdict is a
-pure function of the run's tables, :class:`~creditlab.labs.granularity._common.Prediction`).
+of every experiment's part: the knobs and the gates; the predictions table is every lab's (each
+prediction's verdict is a pure function of the run's tables, :class:`~creditlab.lab.experiment.Prediction`).
 
 Cells: one per (arm, seed), per gate, and per (arm, seed) of each regime experiment (and repeat value);
 a cell's rows depend only on its arguments, and every finished cell is stored at once (resumable).
@@ -50,7 +50,7 @@ from creditlab.lab.report import knobs_table
 from creditlab.lab.runner import Cell
 from creditlab.labs._toolshop import BasePolicyLab, base_knob, base_note, optim_knob, seeds_knob
 from creditlab.labs.granularity import arms, budget, multi, repeat, warm
-from creditlab.labs.granularity._common import LABELS, GranularityExperiment, dump_name, predictions_table, run_arm
+from creditlab.labs.granularity._common import LABELS, GranularityExperiment, dump_name, run_arm
 from creditlab.labs.granularity.config import (
     ARMS,
     COMPUTE_CODE,
@@ -178,8 +178,8 @@ class GranularityLab(ExperimentLab, BasePolicyLab):
         for b in cfg.bases():
             prepare_base_policy(b, cfg.cache(), labels[id(b)], progress)
 
-    def tables(self, rows: dict[str, pd.DataFrame], cfg: GranularityConfig) -> dict[str, Table]:
-        """The knobs, the gates, every selected experiment's tables, then the predictions they judge."""
+    def lab_tables(self, rows: dict[str, pd.DataFrame], cfg: GranularityConfig) -> dict[str, Table]:
+        """The knobs and the gates, before every selected experiment's tables (the predictions read the gates)."""
         tabs = {"knobs": Table(knobs_table(self._knob_rows(cfg), self._knob_rows(GranularityConfig())),
                                "Knobs chosen for this lab, and why")}
         if "gates" in rows:
@@ -188,11 +188,6 @@ class GranularityLab(ExperimentLab, BasePolicyLab):
                                                                "note"]),
                                   "Gates: each new experiment's preconditions, measured on its base policy before "
                                   "training", ".3g", console=True)
-        tabs.update(super().tables(rows, cfg))
-        pred = predictions_table([p for e in self.selected(cfg) for p in e.predictions], tabs)
-        if len(pred):
-            tabs["predictions"] = Table(pred, "The predictions written before the run, against this run", ".3g",
-                                        console=True)
         return tabs
 
     def interpret(self, tabs: dict[str, Table], cfg: GranularityConfig) -> dict[str, str]:
@@ -204,11 +199,8 @@ class GranularityLab(ExperimentLab, BasePolicyLab):
             text["gates"] = ("Measured on each experiment's base policy before any arm trains. "
                              + " ".join(f"{e.name}: {e.gate_reading}" for e in self.experiments if e.gate_reading)
                              + note)
-        if "predictions" in tabs:
-            text["predictions"] = ("Each prediction as written on the docs page before the full run, and the verdict "
-                                   "of its falsification rule on this run."
-                                   + (" A quick run is too small for these verdicts to mean anything."
-                                      if cfg.grpo.updates < 20 else ""))
+        if self.predictions_name in tabs and cfg.grpo.updates < 20:
+            text[self.predictions_name] += " A quick run is too small for these verdicts to mean anything."
         return text
 
     def _knob_rows(self, cfg: GranularityConfig) -> list[tuple[str, str, str]]:

@@ -2,14 +2,13 @@
 dump file, the per-run tables (final held-out results, means, paired differences, self-distillation,
 curves), the OPSD plot, the teachers' reading, the arms' labels and colours, and what an experiment of
 this lab gives beyond :class:`~creditlab.lab.experiment.Experiment` (:class:`GranularityExperiment`):
-its rows of the lab's knobs and gates tables, its sentence of the description, and its
-:class:`Prediction` s."""
+its rows of the lab's knobs and gates tables and its sentence of the description."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,9 +16,8 @@ import pandas as pd
 import torch
 
 from creditlab.errors import InputError
-from creditlab.lab.experiment import Experiment, Verdict
+from creditlab.lab.experiment import Experiment
 from creditlab.lab.plotting import new_figure, save
-from creditlab.lab.protocol import Table
 from creditlab.lab.report import group_means, paired_diff, sort_in_order
 from creditlab.lab.runner import Cell
 from creditlab.labs._toolshop import fresh_dump
@@ -27,70 +25,22 @@ from creditlab.labs.granularity.config import ARMS, MULTI_TYPES, TASK_TYPES, Gra
 from creditlab.labs.granularity.world import batch_stats, evaluate_types, process_scores
 from creditlab.train.opsd import train_opsd
 from creditlab.train.toolshop_base import BaseConfig, base_policy
-from creditlab.train.toolshop_grpo import GRPOConfig, make_prm_advantage, train_grpo
+from creditlab.train.toolshop_grpo import GRPOConfig, make_advantage, train_grpo
 from creditlab.train.toolshop_rollout import RolloutBatch
 
-#: The tables of a run, by name (what a prediction's verdict is judged on).
-Tables = Mapping[str, Table]
-
-
 # --------------------------------------------------------------------------------------------
-# predictions and experiments
-
-
-def say(holds: str = "holds", fails: str = "falsified", not_judged: str = "not judged"
-        ) -> Callable[[Verdict, Tables], str]:
-    """How a prediction's verdicts are written in the predictions table (the same words whatever the
-    tables)."""
-    words = {Verdict.HOLDS: holds, Verdict.FAILS: fails, Verdict.NOT_JUDGED: not_judged}
-    return lambda verdict, tabs: words[verdict]
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """A prediction written on the docs page before the full run, and how a run judges it.
-
-    ``verdict`` is its falsification rule, a pure function of the run's tables; ``measured`` says what
-    the run measured (None: the run has nothing the prediction is about, e.g. the arm it needs did not
-    run; the predictions table then leaves it out); ``says`` writes the verdict in the table."""
-
-    claim: str
-    measured: Callable[[Tables], str | None]
-    verdict: Callable[[Tables], Verdict]
-    says: Callable[[Verdict, Tables], str] = say()
-    stated: str = ""
-    """The prediction as written before the full run, word for word (its row of the docs page's table:
-    ``"<id>: <prediction>. Falsified if <rule>."``): what a run records at its start. ``claim`` is its
-    short form in the predictions table."""
-
-    def row(self, tabs: Tables) -> dict[str, str] | None:
-        """Its row of the predictions table (None: left out)."""
-        measured = self.measured(tabs)
-        if measured is None:
-            return None
-        return {"prediction": self.claim, "measured": measured, "verdict": self.says(self.verdict(tabs), tabs)}
-
-
-def predictions_table(predictions: list[Prediction], tabs: Tables) -> pd.DataFrame:
-    """Each prediction the run has something on, with what it measured and its verdict."""
-    rows = [r for p in predictions if (r := p.row(tabs)) is not None]
-    return pd.DataFrame(rows, columns=["prediction", "measured", "verdict"])
+# experiments
 
 
 class GranularityExperiment(Experiment):
-    """An experiment of the granularity lab: besides its cells, tables, plots and readings, its rows of
-    the lab's ``knobs`` and ``gates`` tables, its sentence of the lab's description and its predictions."""
+    """An experiment of the granularity lab: besides its cells, tables, plots, readings and predictions
+    (:class:`~creditlab.lab.experiment.Prediction` s, judged in the lab's predictions table), its rows of the
+    lab's ``knobs`` and ``gates`` tables and its sentence of the lab's description."""
 
-    predictions: ClassVar[tuple[Prediction, ...]] = ()
-    """The predictions written before the run that its tables judge (in the predictions table's order)."""
     gate_reading: ClassVar[str] = ""
     """What its gate measures (its part of the gates table's reading; empty: it has no gate)."""
     gate_knob: ClassVar[str] = ""
     """Its gate's threshold (its part of the knobs table's ``gates`` row)."""
-
-    def predictions_text(self, cfg: GranularityConfig) -> tuple[str, ...]:
-        """Each prediction's text as written before the full run (:attr:`Prediction.stated`)."""
-        return tuple(p.stated for p in self.predictions)
 
     def describe(self, cfg: GranularityConfig) -> str:
         """Its sentence of the lab's description when a run selects it."""
@@ -190,8 +140,6 @@ def run_arm(config: dict, arm: str, seed: int, cache_dir: str, dump_dir: str | N
         proc = process_scores(batch, cfg.repeat)
         scored.update(batch=batch, proc=proc)
         extra[k] = batch_stats(batch, cfg.repeat, proc)
-        if kind == "prm":
-            extra[k]["lam"] = float(cfg.schedule(arm)(k))
         if path is not None:
             from creditlab.train.toolshop_dump import dump_rollouts
 
@@ -204,7 +152,8 @@ def run_arm(config: dict, arm: str, seed: int, cache_dir: str, dump_dir: str | N
         def scores(b: RolloutBatch) -> torch.Tensor:  # this update's, scored once in on_rollouts
             return scored["proc"] if scored.get("batch") is b else process_scores(b, cfg.repeat)
 
-        adv = (make_prm_advantage(scores, cfg.schedule(arm))
+        # the registered ``prm`` geometry with the arm's schedule, as a trainer integration runs it
+        adv = (make_advantage("prm", conserve=False, step_scores=scores, lam=cfg.schedule(arm))
                if kind == "prm" else None)
         rows = train_grpo(model, g, advantage=adv, on_rollouts=on_rollouts)
     evals.append({"kind": "eval", "update": float(g.updates), **evaluate_types(model, cfg, types, grpo)})
@@ -213,7 +162,8 @@ def run_arm(config: dict, arm: str, seed: int, cache_dir: str, dump_dir: str | N
     out = []
     for r in rows:
         k = int(r["update"])
-        out.append({"kind": "train", **{n: v for n, v in r.items() if n.startswith(keep)}, **extra[k]})
+        used = {"lam": r["adv/lam"]} if "adv/lam" in r else {}  # the weight the trainer used
+        out.append({"kind": "train", **{n: v for n, v in r.items() if n.startswith(keep)}, **extra[k], **used})
     if setting == "sweep":
         out.append({"kind": "verdict", **_hacking_verdict(path)})
     if tmp is not None:

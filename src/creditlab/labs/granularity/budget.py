@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 
 from creditlab.errors import ConfigError, InputError
-from creditlab.lab.experiment import Verdict
+from creditlab.lab.experiment import Prediction, Tables, Verdict, notes
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import Table
 from creditlab.lab.report import group_means, paired_diff, small_run_note
@@ -35,15 +35,12 @@ from creditlab.labs.granularity._common import (
     LABELS,
     UNIT,
     GranularityExperiment,
-    Prediction,
-    Tables,
     _curves,
     _line,
     _ordered,
     _summary,
     run_arm,
     run_config,
-    say,
     setting_of,
 )
 from creditlab.labs.granularity.config import GranularityConfig
@@ -213,17 +210,18 @@ def b3_verdict(tabs: Tables) -> Verdict:
 
 PREDICTIONS = (
     Prediction("B1: at the long budget the fixed-λ PRM raises tool calls and truncation over GRPO, to a partial "
-               "level", b1_measured, b1_verdict, say(not_judged="not resolved (interval spans 0)"),
+               "level", measured=b1_measured, verdict=b1_verdict,
+               note=notes(not_judged="not resolved: the interval spans 0"),
                stated="B1: at the long budget (12 turns), the fixed-λ PRM farms the process reward: its held-out "
                       "truncation and tool calls rise over GRPO's (paired, same seeds), to a partial level (mean "
                       "truncation between 10% and 80%). Falsified if the paired rise in truncation is <= 5 points "
                       "or in tool calls <= 0, or if the fixed arm's truncation is below 10% or above 80% "
                       "(reported as not resolved when the rise's 95% interval spans 0)."),
-    Prediction("B2: the decayed-λ PRM does not", b2_measured, b2_verdict,
+    Prediction("B2: the decayed-λ PRM does not", measured=b2_measured, verdict=b2_verdict,
                stated="B2: at the long budget the decayed-λ PRM does not farm: its held-out truncation does not "
                       "rise over GRPO's. Falsified if the paired rise in truncation is > 5 points with its 95% "
                       "interval above 0."),
-    Prediction("B3: GRPO is not hurt by the long budget", b3_measured, b3_verdict,
+    Prediction("B3: GRPO is not hurt by the long budget", measured=b3_measured, verdict=b3_verdict,
                stated="B3: GRPO is not hurt by the long budget: its held-out success on the short type at 12 "
                       "turns is not below its success at C + 2 (paired, same seeds, each evaluated at its own "
                       "budget). Falsified if the paired difference is below -0.05."),

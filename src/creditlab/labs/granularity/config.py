@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
+from creditlab.core.schedules import Schedule
 from creditlab.envs.toolshop import MULTI_EXCHANGE
 from creditlab.errors import ConfigError
 from creditlab.lab.protocol import LabConfig, check_count
@@ -188,11 +189,12 @@ class GranularityConfig(BasePolicyConfig, LabConfig):
         if self.eval_per_type < 1:
             raise ConfigError("eval_per_type", f"must be >= 1, got {self.eval_per_type}")
 
-    def schedule(self, arm: str):
-        """The process weight of a PRM arm as a function of the update index."""
-        from creditlab.core.schedules import constant, decay
-
+    def schedule(self, arm: str) -> Schedule:
+        """The process weight of a PRM arm: the :class:`~creditlab.core.schedules.Schedule` record the
+        trainer integrations hold too (``prm_schedule`` / ``prm_lambda`` / ``prm_start`` ...), the decayed
+        arm's start and end scaled to the run length."""
         if arm == "prm_fixed":
-            return constant(self.lam)
+            return Schedule("constant", l0=self.lam)
         U = self.grpo.updates
-        return decay(self.lam, start=self.decay_start * U, end=self.decay_end * U, power=self.decay_power)
+        return Schedule("decay", l0=self.lam, start=self.decay_start * U, end=self.decay_end * U,
+                        power=self.decay_power)

@@ -16,7 +16,7 @@ import pandas as pd
 import torch
 
 from creditlab.errors import ConfigError, InputError
-from creditlab.lab.experiment import Verdict
+from creditlab.lab.experiment import Prediction, Tables, Verdict, notes
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import Table
 from creditlab.lab.report import ci_columns, paired_diff, small_run_note
@@ -26,13 +26,10 @@ from creditlab.labs.granularity._common import (
     DIFF,
     EVAL_METRICS,
     GranularityExperiment,
-    Prediction,
-    Tables,
     _curves,
     _means,
     _summary,
     gated_runs,
-    say,
     setting_of,
 )
 from creditlab.labs.granularity.config import MULTI_CHAIN_LENGTHS, MULTI_TYPES, GranularityConfig
@@ -133,16 +130,18 @@ def m3_verdict(tabs: Tables) -> Verdict:
 
 
 PREDICTIONS = (
-    Prediction("M1: the multi type's base mixing score is >= 0.6, above short and long", m1_measured, m1_verdict,
+    Prediction("M1: the multi type's base mixing score is >= 0.6, above short and long", measured=m1_measured,
+               verdict=m1_verdict,
                stated="M1: the multi type mixes good and bad turns more than the short and long types; its base "
                       "mixing score is >= 0.6 (the gate). Falsified if the multi type's base mixing is below 0.6, "
                       "or not above both other types'."),
-    Prediction("M2: GRPO's gain (over its headroom) is smallest on the most mixed type", m2_measured, m2_verdict,
+    Prediction("M2: GRPO's gain (over its headroom) is smallest on the most mixed type", measured=m2_measured,
+               verdict=m2_verdict,
                stated="M2: mixing predicts where GRPO is weak: GRPO's gain, as a share of the headroom (1 - base "
                       "success), is smallest on the most mixed type. Falsified if another type has a smaller "
                       "headroom-normalised GRPO gain."),
-    Prediction("M3: the decayed PRM gains over GRPO on the most mixed type (interval above 0)", m3_measured,
-               m3_verdict, say(not_judged="not resolved (interval spans 0)"),
+    Prediction("M3: the decayed PRM gains over GRPO on the most mixed type (interval above 0)", measured=m3_measured,
+               verdict=m3_verdict, note=notes(not_judged="not resolved: the interval spans 0"),
                stated="M3: the decayed PRM gains over GRPO on the most mixed type (paired, same seeds). Falsified "
                       "if its mean paired gain over GRPO on that type is <= 0 (an interval spanning 0 with a "
                       "positive mean is reported as not resolved)."),

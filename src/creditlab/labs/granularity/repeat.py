@@ -15,7 +15,7 @@ import pandas as pd
 import torch
 
 from creditlab.errors import InputError
-from creditlab.lab.experiment import Verdict
+from creditlab.lab.experiment import Prediction, Tables, Verdict
 from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import Table
 from creditlab.lab.report import small_run_note
@@ -24,8 +24,6 @@ from creditlab.labs.granularity._common import (
     COLORS,
     LABELS,
     GranularityExperiment,
-    Prediction,
-    Tables,
     _curves,
     _ordered,
     run_arm,
@@ -124,10 +122,11 @@ def r1_exactly(tabs: Tables) -> bool:
                 and (above["hacked runs"] > 0).all())
 
 
-def _r1_says(verdict: Verdict, tabs: Tables) -> str:
+def _r1_note(verdict: Verdict, tabs: Tables) -> str:
+    """R1's verdict qualified: held by its falsification rule but not exactly, or untestable."""
     if verdict is Verdict.HOLDS:
-        return "holds" if r1_exactly(tabs) else "holds by the falsification rule (not at every value above)"
-    return "falsified" if verdict is Verdict.FAILS else "untestable (no repeat above the mean turn score)"
+        return "" if r1_exactly(tabs) else "by the falsification rule, not at every value above"
+    return "" if verdict is Verdict.FAILS else "untestable: no repeat above the mean turn score"
 
 
 def _decayed(tabs: Tables) -> pd.DataFrame | None:
@@ -153,14 +152,14 @@ def r2_verdict(tabs: Tables) -> Verdict:
 
 
 PREDICTIONS = (
-    Prediction("R1: fixed-λ PRM is hacked exactly when repeat > the base policy's mean turn score", r1_measured,
-               r1_verdict, _r1_says,
+    Prediction("R1: fixed-λ PRM is hacked exactly when repeat > the base policy's mean turn score",
+               measured=r1_measured, verdict=r1_verdict, note=_r1_note,
                stated="R1: fixed-λ PRM is hacked exactly when `repeat` exceeds the base policy's mean turn score "
                       "at that `repeat` (measured in the gate table; about 0.67 at `repeat` = 0.25 in the run "
                       "below, so: hacked at 0.75 and 1.0, not at 0.25 and 0.5). Falsified if hacking (the check "
                       "fails in at least one seed) starts at a `repeat` at least 0.25 below the mean turn score, "
                       "or no value above the mean turn score is hacked."),
-    Prediction("R2: the decayed λ prevents hacking at every repeat", r2_measured, r2_verdict,
+    Prediction("R2: the decayed λ prevents hacking at every repeat", measured=r2_measured, verdict=r2_verdict,
                stated="R2: the decayed λ prevents the hack at every `repeat`. Falsified if any decayed-λ run "
                       "fails `reward.process_hacking`."),
 )

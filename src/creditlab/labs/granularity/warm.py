@@ -16,15 +16,13 @@ import pandas as pd
 import torch
 
 from creditlab.errors import ConfigError, InputError
-from creditlab.lab.experiment import Verdict
+from creditlab.lab.experiment import Prediction, Tables, Verdict, notes
 from creditlab.lab.protocol import Table
 from creditlab.lab.report import small_run_note
 from creditlab.lab.runner import Cell
 from creditlab.labs._toolshop import base_knob
 from creditlab.labs.granularity._common import (
     GranularityExperiment,
-    Prediction,
-    Tables,
     _curves,
     _diffs,
     _means,
@@ -33,7 +31,6 @@ from creditlab.labs.granularity._common import (
     _read_teachers,
     _summary,
     gated_runs,
-    say,
     setting_of,
 )
 from creditlab.labs.granularity.config import GranularityConfig
@@ -166,16 +163,18 @@ def w3_verdict(tabs: Tables) -> Verdict:
 
 
 PREDICTIONS = (
-    Prediction("W1: the warm-started teachers beat their placebos by >= 1 nat", w1_measured, w1_verdict,
+    Prediction("W1: the warm-started teachers beat their placebos by >= 1 nat", measured=w1_measured,
+               verdict=w1_verdict,
                stated="W1: warm-started teachers read their hints: each beats its placebo by >= 1 nat (the gate). "
                       "Falsified if either teacher's preference minus its placebo's is below 1 nat."),
     Prediction("W2: advice-OPSD collapses below GRPO (falsified if it matches or beats GRPO with a passing gate)",
-               w2_measured, w2_verdict, say(not_judged="not judged (the advice teacher's gate failed)"),
+               measured=w2_measured, verdict=w2_verdict, note=notes(not_judged="the advice teacher's gate failed"),
                stated="W2: the turn-advice teacher collapses the student: OPSD-advice ends below GRPO. Falsified "
                       "if OPSD-advice's final held-out success matches or beats GRPO's (within 0.02 or above) "
                       "with a passing gate."),
     Prediction("W3: ref-OPSD moves the student little; advice-OPSD has larger KL and gradient norm, clipped updates, "
-               "shrinking responses", w3_measured, w3_verdict, say(fails="falsified (in part: see measured)"),
+               "shrinking responses", measured=w3_measured, verdict=w3_verdict,
+               note=notes(fails="in part: see measured"),
                stated="W3: the reference-answer teacher moves the student little (final success within 0.1 of the "
                       "base policy's); the advice teacher shows the collapse signature: larger KL and gradient "
                       "norm than the reference teacher, more clipped updates, responses shrinking from the first "

@@ -66,6 +66,8 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
 
     OPTIONS: ClassVar[dict[str, str]] = {"updates": "grpo.updates"}
     EXPERIMENTS: ClassVar[tuple[str, ...]] = DOSES
+    """The ``-e`` choices: the doses, and any other experiment of the lab's table, which sets them
+    (``labs/mismatch/__init__.py``: adding an experiment does not touch this module, which computes cells)."""
     PROTOCOLS: ClassVar[dict[str, str]] = {"two-core": "two_core"}
     SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "smooth", "dose_tasks", "dump_dir")
 
@@ -147,8 +149,9 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
             raise ConfigError("arms", f"needs distinct arms, got {list(self.arms)}")
         for a in self.arms:
             arm_triple(a, "fp8")
-        if not self.experiments or any(e not in DOSES for e in self.experiments):
-            raise ConfigError("--experiment", f"got {list(self.experiments)}; valid: {', '.join(DOSES)}")
+        valid = type(self).EXPERIMENTS
+        if not self.experiments or any(e not in valid for e in self.experiments):
+            raise ConfigError("--experiment", f"got {list(self.experiments)}; valid: {', '.join(valid)}")
         g = self.grpo
         if g.eval_every < 1:
             raise ConfigError("grpo.eval_every", "the lab scores held-out success over training: must be >= 1")

@@ -2,8 +2,9 @@
 
 Each dose is an :class:`Experiment` of the same kind: its cells are the gate's measurement of the base
 policy (one cell for every dose, shared), the fp32 arm's runs (no engine precision: shared by every dose)
-and the quantized arms' runs at the dose, one cell per seed. The lab's tables compare the doses with
-one another (the dose-response, the phase map), so they are the lab's, not a dose's.
+and the quantized arms' runs at the dose, one cell per seed. The tables compare the doses with one
+another (the dose-response, the phase map), so they are the comparison's
+(:mod:`~creditlab.labs.mismatch.comparison`), not a dose's.
 """
 
 from __future__ import annotations

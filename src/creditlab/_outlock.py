@@ -6,8 +6,9 @@ a lab's ``--out`` (and ``--dump``) directory, ``creditlab fork score``'s results
 what the run does. A second writer is refused at once, naming the holder; a lock file left by a
 killed run (the kernel released its lock with the process) is taken over and named.
 
-It lives in the lowest layer that writes an output directory (``diagnose``), so that the lab machinery
-and the CLI use the same lock.
+It sits under every layer, beside :mod:`creditlab.errors` (it imports nothing of creditlab but
+``errors``), so that ``diagnose``, the lab machinery and the CLI use the same lock without an import
+between them.
 """
 
 from __future__ import annotations
