@@ -143,7 +143,7 @@ BLOCKS: tuple[Block, ...] = (
         ("rollback", "{rollback:.3f}"),
         ("AULC", "{aulc:.3f}"),
         ("K3 late (per token)", "{k3_late:.2f|sci}"),
-        ("K3 late / early", "{k3_growth:.2f}"),
+        ("K3 late / early", INTERVAL.format("k3_growth")),
         ("turns of successful episodes", "{interaction_cost:.2f}"),
         ("cap exhaustion (share of failures)", "{cap_exhaustion:.0%}"),
     ), (

@@ -127,42 +127,48 @@ def _quartiles(r: CheckResult, path: Path) -> Path:
     return _save(fig, path)
 
 
-def _length(r: CheckResult, path: Path) -> Path:
+def _over_steps(r: CheckResult, path: Path, title: str, left: tuple[str, tuple], right: tuple[str, tuple]) -> Path:
+    """Series of ``r`` over training steps on two axes: ``left`` / ``right`` are ``(y label, lines)``, each
+    line ``(series key, label, plot style)``; a line whose series the check has not got is left out, and so
+    is the right axis when none of its lines is there."""
     s = r.series
     fig, ax = _figure()
-    ax.plot(s["steps"], s["length"], marker="o", ms=3, color="#2c3e50", label="response length")
+    axes = {"left": ax, "right": None}
+    for side, (ylabel, lines) in (("left", left), ("right", right)):
+        drawn = [(key, label, style) for key, label, style in lines if key in s]
+        if not drawn:
+            continue
+        target = axes[side] = axes[side] or ax.twinx()
+        for key, label, style in drawn:
+            target.plot(s["steps"], s[key], label=label, **style)
+        target.set_ylabel(ylabel)
     _steps_axis(ax)
-    ax.set_ylabel(f"mean response length ({s.get('unit', '')})")
-    bx = ax.twinx()
-    bx.plot(s["steps"], s["reward"], marker="s", ms=3, color="#27ae60", label="reward")
-    if "precision" in s:
-        bx.plot(s["steps"], s["precision"], marker="^", ms=3, ls="--", color="#8e44ad", label="precision")
-    bx.set_ylabel("mean reward / precision")
-    _legend_of_both(ax, bx)
-    ax.set_title(f"Length and reward over steps ({r.status})")
+    _legend_of_both(ax, axes["right"])
+    ax.set_title(f"{title} ({r.status})")
     ax.grid(alpha=0.3)
     return _save(fig, path)
+
+
+def _length(r: CheckResult, path: Path) -> Path:
+    dot = {"marker": "o", "ms": 3}
+    return _over_steps(
+        r, path, "Length and reward over steps",
+        (f"mean response length ({r.series.get('unit', '')})",
+         (("length", "response length", {**dot, "color": "#2c3e50"}),)),
+        ("mean reward / precision",
+         (("reward", "reward", {"marker": "s", "ms": 3, "color": "#27ae60"}),
+          ("precision", "precision", {"marker": "^", "ms": 3, "ls": "--", "color": "#8e44ad"}))))
 
 
 def _process(r: CheckResult, path: Path) -> Path:
-    s = r.series
-    fig, ax = _figure()
-    ax.plot(s["steps"], s["process"], marker="o", ms=3, color="#e67e22", label="process reward")
-    ax.plot(s["steps"], s["outcome"], marker="s", ms=3, color="#27ae60", label="outcome reward")
-    _steps_axis(ax)
-    ax.set_ylabel("mean reward")
-    bx = None
-    if "tool_calls" in s or "truncated" in s:
-        bx = ax.twinx()
-        if "tool_calls" in s:
-            bx.plot(s["steps"], s["tool_calls"], ls="--", color="#7f8c8d", label="tool calls")
-        if "truncated" in s:
-            bx.plot(s["steps"], s["truncated"], ls=":", color="#34495e", label="truncation rate")
-        bx.set_ylabel("tool calls / truncation rate")
-    _legend_of_both(ax, bx)
-    ax.set_title(f"Process vs outcome reward over steps ({r.status})")
-    ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return _over_steps(
+        r, path, "Process vs outcome reward over steps",
+        ("mean reward",
+         (("process", "process reward", {"marker": "o", "ms": 3, "color": "#e67e22"}),
+          ("outcome", "outcome reward", {"marker": "s", "ms": 3, "color": "#27ae60"}))),
+        ("tool calls / truncation rate",
+         (("tool_calls", "tool calls", {"ls": "--", "color": "#7f8c8d"}),
+          ("truncated", "truncation rate", {"ls": ":", "color": "#34495e"}))))
 
 
 def _degenerate(r: CheckResult, path: Path) -> Path:

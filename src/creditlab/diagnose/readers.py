@@ -1197,23 +1197,25 @@ def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, 
         pm = _flat_bools(pm_v, pm_n, "policy_mask", where)
         for name, a in (("logprobs", lp), ("rollout_logprobs", rlp)):
             _check_logprobs(a, pm, lp_n, name, where)
-        tid = None
-        got = flat("turn_ids") if has("turn_ids") else None
-        if got is not None:
-            t_v, t_n = got
-            same_lengths("turn_ids", t_n)
-            tid = _flat_ints(t_v, t_n, "turn_ids", where)
+        def optional(name, convert):
+            """The optional token column ``name`` flattened by ``convert`` (None when the dump has none)."""
+            got = flat(name) if has(name) else None
+            if got is None:
+                return None
+            values, counts = got
+            same_lengths(name, counts)
+            return convert(values, counts, name, where), counts
+
+        tid = rej = None
+        if (got := optional("turn_ids", _flat_ints)) is not None:
+            tid, t_n = got
             if tid.size and int(tid.min()) < -1:
                 k = int(np.argmin(tid))
                 i, j = _first_row(t_n, k)
                 raise InputError(f"{where(i, 'turn_ids')}: element {j} is {int(tid[k])}, expected a turn >= 0 "
                                  "or -1 outside turns")
-        rej = None
-        got = flat("rejected") if has("rejected") else None
-        if got is not None:
-            r_v, r_n = got
-            same_lengths("rejected", r_n)
-            rej = _flat_bools(r_v, r_n, "rejected", where)
+        if (got := optional("rejected", _flat_bools)) is not None:
+            rej, _ = got
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.asarray(lp_n, dtype=np.int64), out=offsets[1:])
         tokens = _PartTokens(offsets, lp, rlp, pm, tid, rej)
