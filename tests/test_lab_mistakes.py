@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from cli_inproc import run_inproc
 from creditlab.errors import ConfigError
 from creditlab.lab import protocol
 from creditlab.lab.protocol import run_lab
@@ -94,21 +95,80 @@ def test_a_resume_after_the_code_changed_is_refused_naming_the_modules(tmp_path,
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing touched
     res = run_lab(LAB, TINY, tmp_path, keep_cells=True, progress=False)
     assert res.computed == 0
-    assert "This run mixes code" in res.report.read_text() and "train/chain.py" in res.report.read_text()
+    report = res.report.read_text()
+    assert "This run's cells were computed by other code" in report and "train/chain.py" in report
+    assert "This run mixes code" not in report  # every cell it reads is of one code
     manifest = json.loads((tmp_path / "lab.json").read_text())
     assert manifest["mixed_code"] == ["train/chain.py"]
-    # the mix is remembered by later resumes of the same code, until --fresh
+    # the reuse accepted with --keep-cells holds for later renders of the same code
     res = run_lab(LAB, TINY, tmp_path, progress=False)
-    assert "This run mixes code" in res.report.read_text()
+    assert "This run's cells were computed by other code" in res.report.read_text()
+    # cells of this code beside the stored ones: the tables read two codes
+    both = replace(TINY, experiments=("dose", "shuffle"))
+    res = run_lab(LAB, both, tmp_path, progress=False)
+    assert res.computed > 0 and "This run mixes code" in res.report.read_text()
+    assert json.loads((tmp_path / "lab.json").read_text())["mixed_code"] == ["train/chain.py"]
     res = run_lab(LAB, TINY, tmp_path, fresh=True, progress=False)
     assert "mixes code" not in res.report.read_text() and json.loads((tmp_path / "lab.json").read_text())[
         "mixed_code"] == []
 
 
+def test_the_manifest_keeps_the_code_of_every_stored_cell_across_renders(tmp_path, monkeypatch):
+    """A --keep-cells render by other code used to overwrite the manifest's one fingerprint: the code that had
+    computed every stored cell was refused afterwards, and the run stayed marked as mixing code."""
+    cmd = ("lab", "coverage", "--quick", "-e", "dose", "--seeds", "1", "--updates", "4", "--out", tmp_path)
+    assert run_inproc(*cmd).returncode == 0
+    real = protocol.code_fingerprint(getattr(LAB, "compute_code", None))
+    first = json.loads((tmp_path / "lab.json").read_text())
+    assert first["cell_code"] and set(first["cell_code"].values()) == {protocol.code_id(real)}
+    assert first["codes"][protocol.code_id(real)] == real
+    other = dict(real, **{"train/chain.py": "0" * 16})
+    monkeypatch.setattr(protocol, "code_fingerprint", lambda scope=None: other)
+    r = run_inproc(*cmd)
+    assert r.returncode == 2 and "other code (changed since: train/chain.py)" in " ".join(r.stderr.split())
+    assert run_inproc(*cmd, "--keep-cells").returncode == 0
+    m = json.loads((tmp_path / "lab.json").read_text())
+    assert m["code"] == other and m["cell_code"] == first["cell_code"]  # each cell keeps the code that computed it
+    assert m["codes"][protocol.code_id(real)] == real
+    monkeypatch.undo()  # the code of the cells again: reused without --keep-cells, and no mix
+    r = run_inproc(*cmd)
+    assert r.returncode == 0, r.stderr
+    assert "0 cell(s) computed" in " ".join(r.stdout.split())
+    report = (tmp_path / "report.md").read_text()
+    assert "mixes code" not in report and "other code" not in report
+    assert json.loads((tmp_path / "lab.json").read_text())["mixed_code"] == []
+
+
+def test_a_manifest_of_the_older_format_is_read(tmp_path, monkeypatch):
+    """Before the manifest kept each cell's code it kept one ``code``: every stored cell's, unless the run mixed
+    code (then which cell was computed by which code is not known, and the run stays marked)."""
+    run_lab(LAB, TINY, tmp_path, progress=False)
+    real = protocol.code_fingerprint()
+    m = json.loads((tmp_path / "lab.json").read_text())
+    for k in ("codes", "cell_code", "carried", "outputs_rendered_at"):
+        m.pop(k, None)
+    (tmp_path / "lab.json").write_text(json.dumps(m))
+    assert run_lab(LAB, TINY, tmp_path, progress=False).computed == 0  # its cells: the recorded code's
+    now = json.loads((tmp_path / "lab.json").read_text())
+    assert set(now["cell_code"].values()) == {protocol.code_id(real)} and now["mixed_code"] == []
+    # an older manifest of a run that mixed code: the cells' code is unknown
+    now.update(mixed_code=["train/chain.py"])
+    for k in ("codes", "cell_code"):
+        now.pop(k)
+    (tmp_path / "lab.json").write_text(json.dumps(now))
+    res = run_lab(LAB, TINY, tmp_path, progress=False)  # the code its last render ran: accepted then
+    assert "(not recorded)" in res.report.read_text()
+    other = dict(real, **{"train/chain.py": "0" * 16})
+    monkeypatch.setattr(protocol, "code_fingerprint", lambda scope=None: other)
+    with pytest.raises(ConfigError, match=r"--out: .*holds cells whose code was not recorded.*--keep-cells"):
+        run_lab(LAB, TINY, tmp_path, progress=False)
+
+
 def test_a_run_of_unrecorded_code_is_refused_and_an_empty_store_is_not(tmp_path):
     run_lab(LAB, TINY, tmp_path, progress=False)
     manifest = json.loads((tmp_path / "lab.json").read_text())
-    del manifest["code"]
+    for key in ("code", "codes", "cell_code"):  # a manifest from before creditlab recorded a run's code
+        del manifest[key]
     (tmp_path / "lab.json").write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match="made before creditlab recorded the code"):
         run_lab(LAB, TINY, tmp_path, progress=False)

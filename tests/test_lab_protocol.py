@@ -48,8 +48,71 @@ def test_another_selection_reuses_cells_and_rewrites_outputs(tmp_path):
     res = run_lab(LAB, only_dose, tmp_path, progress=False)
     assert res.computed == 0  # every dose cell was stored by the first run
     assert not (tmp_path / "c_sweep.png").exists() and not (tmp_path / "c_sweep.md").exists()
-    assert "C sweep" not in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "C sweep" not in report
+    # its tables are of a part of the run: the report says which part, and what the store holds beside it
+    assert "**This render reads a subset of the run**: it selects dose" in report
+    assert "(of c_sweep: -e c_sweep) that no table here reads" in report
     assert run_lab(LAB, TINY, tmp_path, progress=False).computed == 0
+    assert "subset of the run" not in (tmp_path / "report.md").read_text()
+
+
+class _External(type(LAB)):
+    """The coverage lab with one more table, read from a file that a render may not have (as a dump a cell
+    writes only when it is computed)."""
+
+    source = None
+
+    def tables(self, rows, config):
+        import pandas as pd
+
+        from creditlab.lab.protocol import Table
+
+        tabs = super().tables(rows, config)
+        title = "Rows of a file outside the store"
+        if self.source is not None and self.source.exists():
+            tabs["external"] = Table(pd.read_csv(self.source), title)
+        else:
+            tabs["external"] = Table(pd.DataFrame({"x": []}), title, carry="its input file is not in this render")
+        return tabs
+
+    def interpret(self, tables, config):
+        text = super().interpret(tables, config)
+        if "external" in tables:
+            text["external"] = f"{len(tables['external'].frame)} rows of the file."
+        return text
+
+
+def test_a_table_a_render_cannot_compute_is_kept_as_it_was(tmp_path):
+    """A re-render without a table's inputs (its cells are read back, so the files they write are not made
+    again) used to delete the table and its report section, exit 0, and say nothing."""
+    import json
+
+    lab = _External()
+    lab.source = tmp_path / "input.csv"
+    lab.source.write_text("x\n1\n2\n3\n")
+    out = tmp_path / "out"
+    run_lab(lab, TINY, out, progress=False)
+    before = {n: (out / n).read_bytes() for n in ("external.parquet", "external.md")}
+    lab.source.unlink()
+    res = run_lab(lab, TINY, out, progress=False)
+    assert res.computed == 0 and len(res.tables["external"].frame) == 3
+    assert {n: (out / n).read_bytes() for n in before} == before  # its files, as they were
+    report = (out / "report.md").read_text()
+    first = json.loads((out / "lab.json").read_text())
+    assert ("**Carried over unchanged from an earlier render of this run** (finished "
+            f"{first['carried']['external']['rendered_at']}): its input file is not in this render.") in report
+    assert "3 rows of the file." in report and {"external.parquet", "external.md"} <= set(first["outputs"])
+    # a later render keeps the time of the render that computed it, and so does the API's result
+    res = run_lab(lab, TINY, out, progress=False)
+    assert json.loads((out / "lab.json").read_text())["carried"] == first["carried"]
+    assert {n: (out / n).read_bytes() for n in before} == before
+    # a run that never had it: nothing to keep, and an empty table is left out
+    res = run_lab(lab, TINY, tmp_path / "other", progress=False)
+    assert "external" not in res.tables and not (tmp_path / "other" / "external.parquet").exists()
+    # --fresh discards the earlier render: nothing is carried
+    res = run_lab(lab, TINY, out, fresh=True, progress=False)
+    assert "external" not in res.tables and not (out / "external.parquet").exists()
 
 
 def test_out_that_is_not_a_lab_run_is_refused(tmp_path):

@@ -238,10 +238,34 @@ def test_lab_writes_every_table_and_plot_and_resumes(tmp_path, tiny_base_cache):
     assert set(d["diff"]) == {"fp32 - qat", "naive - qat", "qat_interq - qat"}
     report = (out / "report.md").read_text()
     assert "Paired differences against QAT" in report and "rollback" in report
+    # not the run the calibration rule was registered on: no calibration, and the report says why
+    assert "prefix_drift_calibration" not in res.tables and not (out / "prefix_drift_calibration.parquet").exists()
+    assert ("No calibration of creditlab diagnose's mismatch.prefix_drift thresholds is read from this map (no "
+            "prefix_drift_calibration table)") in report and "this run is of the paper protocol" in report
     assert run_lab(LAB, cfg, out, progress=False).computed == 0
     # one dose only: the same run (experiments are a selection), nothing recomputed
     one = run_lab(LAB, replace(cfg, experiments=("fp8",)), out, progress=False)
     assert one.computed == 0 and set(one.tables["means"].frame["dose"]) == {"fp8"}
+
+
+def test_the_calibration_is_written_only_from_the_run_it_was_registered_on(tmp_path, tiny_base_cache, monkeypatch):
+    """A re-render of a part of the registered run (-e) used to rewrite the calibration from that part."""
+    registered = replace(_tiny(tiny_base_cache, arms=("fp32", "naive", "qat")), protocol="two-core", seeds=1,
+                         smooth=1)
+    monkeypatch.setattr(MismatchConfig, "two_core", classmethod(lambda cls: replace(registered, cache_dir=None)))
+    out = tmp_path / "out"
+    res = run_lab(LAB, registered, out, progress=False)
+    assert "prefix_drift_calibration" in res.tables
+    calibration = (out / "prefix_drift_calibration.parquet").read_bytes()
+    part = run_lab(LAB, replace(registered, experiments=("fp8",)), out, progress=False)
+    assert part.computed == 0 and "prefix_drift_calibration" not in part.tables
+    assert not (out / "prefix_drift_calibration.parquet").exists()
+    report = " ".join((out / "report.md").read_text().split())
+    assert ("this run is not it: it selects dose(s) fp8 of the registered fp8, nvfp4 (-e), leaving out nvfp4"
+            in report)
+    assert "**This render reads a subset of the run**: it selects fp8" in report and "(of nvfp4: -e nvfp4)" in report
+    again = run_lab(LAB, registered, out, progress=False)  # the whole run: the same calibration again
+    assert again.computed == 0 and (out / "prefix_drift_calibration.parquet").read_bytes() == calibration
 
 
 def test_score_curve_reads_a_rollback_and_the_arms_are_the_issue_s():
@@ -277,6 +301,37 @@ def test_quick_config_is_valid_and_small():
     q.validate()
     MismatchConfig().validate()
     assert q.grpo.updates * q.grpo.tasks_per_update * q.grpo.group_size < 1000
+    # the lab's corrections beside fp32 and QAT (stacked in one cell: little more time)
+    assert q.arms == ("fp32", "naive", "qat", "qat_tis", "qat_interq") and q.seeds == 1
+    assert [len(c.kwargs["arms"]) for c in LAB.cells(q) if c.group == "train"] == [1, 4]
+
+
+def test_a_run_that_would_build_its_base_says_so_first(tmp_path, monkeypatch):
+    """--protocol two-core from a pip install (no results/ folder, so no cached base) used to start a 50-minute
+    build without a word, under a help text saying that no run trains the base."""
+    from cli_inproc import run_inproc
+    from creditlab.errors import ConfigError
+    from creditlab.labs.mismatch import MismatchLab
+
+    def stop(self, cfg, progress=True):
+        raise ConfigError("--test", "stopped where the build would start")
+
+    monkeypatch.setattr(MismatchLab, "prepare", stop)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CREDITLAB_CACHE", str(cache))
+    r = run_inproc("lab", "mismatch", "--protocol", "two-core", "--out", tmp_path / "out")
+    assert r.returncode == 2 and "stopped where the build would start" in r.stderr
+    (line,) = [ln for ln in r.stdout.splitlines() if "is built first" in ln]  # one line, before the build
+    assert line.startswith("mismatch lab: this run's base policy (toolshop-base-f2af6f5721dd887d: 40 thoughts")
+    assert f"neither in the cache {cache} nor shipped with creditlab" in line
+    assert "3000 optimizer steps, about 51 minutes on 2 cores (3037 s measured)" in line
+    assert f"cached in {cache}" in line and "CREDITLAB_CACHE=<checkout>/results/mismatch-2core" in line
+    # the default protocol's base ships: nothing is built, and nothing is said
+    r = run_inproc("lab", "mismatch", "--out", tmp_path / "out2")
+    assert r.returncode == 2 and "built first" not in r.stdout
+    h = run_inproc("lab", "mismatch", "--help")
+    text = " ".join(h.stdout.split())
+    assert "no run trains it" not in text and "builds it first (about 50 minutes on 2 cores)" in text
 
 
 def test_dump_writes_each_arm_in_the_diagnose_schema_and_diagnose_tells_them_apart(tmp_path, tiny_base_cache):
@@ -311,3 +366,18 @@ def test_dump_writes_each_arm_in_the_diagnose_schema_and_diagnose_tells_them_apa
 
     assert "diagnose_agreement" not in plain.tables
     pd.testing.assert_frame_equal(res.tables["summary"].frame, plain.tables["summary"].frame)
+    # a re-render reads the cells back, so no dump is written again (the committed dumped run's command, whose
+    # dumps were not committed): it used to delete the table and its report section, and exit 0
+    out = tmp_path / "out"
+    kept = {n: (out / n).read_bytes() for n in ("diagnose_agreement.parquet", "diagnose_agreement.md")}
+    for dump in (str(tmp_path / "no-dumps"), None):  # --dump DIR of nothing, and no --dump
+        again = run_lab(LAB, replace(cfg, dump_dir=dump), out, progress=False)
+        assert again.computed == 0
+        assert {n: (out / n).read_bytes() for n in kept} == kept
+        pd.testing.assert_frame_equal(again.tables["diagnose_agreement"].frame, res.tables["diagnose_agreement"].frame)
+        report = " ".join((out / "report.md").read_text().split())
+        assert "## creditlab diagnose on each run's own dump against its measured rollback" in report
+        assert "**Carried over unchanged from an earlier render of this run** (finished " in report
+        assert ("it runs creditlab diagnose on each run's training dump (--dump), which a cell writes only when it "
+                "is computed") in report
+        assert ("2 of the 2 runs of this render have no dump in" if dump else "this render has no --dump") in report

@@ -249,6 +249,10 @@ def test_the_rules_of_b_and_d_on_hand_made_tables():
     assert verdict_stays(inter, diff.assign(final_hi=0.06), 0.03, 4) == "fails"  # final not within 0.05 of fp32
     assert verdict_stays(inter, diff.iloc[:0], 0.03, 4) == "not judged"  # no paired difference with fp32
     assert verdict_stays(inter, diff, math.nan, 4) == "not judged"  # no fp32 band to count within
+    # one seed has no interval: the second part cannot be told (it used to read NaN as "fails")
+    no_interval = diff.assign(final_lo=math.nan, final_hi=math.nan)
+    assert verdict_stays(inter.iloc[:1], no_interval, 0.03, 1) == "not judged"
+    assert verdict_stays(inter.iloc[3:4], no_interval, 0.03, 1) == "fails"  # it rolled back (0.05): fails anyway
     prefix = pd.DataFrame(_summary("qat_prefix", [0.03, 0.02, 0.03, 0.0, 0.01])).set_index("seed")
     assert verdict_less_stable(prefix, inter, 3) == "holds"  # a larger rollback in 3 of 5 seeds
     steady = pd.DataFrame(_summary("qat_global", [0.0] * 5, finals=[0.8, 0.81, 0.79, 0.8, 0.8])).set_index("seed")
@@ -480,3 +484,27 @@ def test_prefix_drift_calibration_by_the_registered_rule():
     first = prefix_drift_calibration(_pm([("qat", "int8", 0.3, 2, 2), ("naive", "fp8", 2.2, 2, 2)]))
     assert list(first["threshold"]) == ["fail"] and first["prefix_rms"].iloc[0] == 0.3  # nothing safe below
     assert prefix_drift_calibration(pd.DataFrame()).empty
+
+
+def test_only_the_registered_run_calibrates_and_a_subset_is_named():
+    """`-e mxfp4` on the committed 2-core run used to rewrite its calibration's fail threshold from 8.13 to 13.6
+    (three doses left out) without a word; a --quick run printed a calibration too."""
+    from dataclasses import replace
+
+    from creditlab.labs.mismatch import calibration_scope
+
+    reg = MismatchConfig.two_core()
+    assert calibration_scope(reg) == ""
+    # where it lives and which order -e lists the doses in change no number
+    assert calibration_scope(replace(reg, cache_dir="results/mismatch-2core", dump_dir="DUMPS",
+                                     experiments=("nvfp4", "int8", "fp8", "mxfp4"))) == ""
+    assert calibration_scope(replace(reg, experiments=("mxfp4",))) == (
+        "it selects dose(s) mxfp4 of the registered mxfp4, fp8, int8, nvfp4 (-e), leaving out fp8, int8, nvfp4")
+    dumped = calibration_scope(replace(reg, seeds=1, experiments=("mxfp4",)))  # the committed dumped/ run
+    assert "leaving out fp8, int8, nvfp4" in dumped and "seeds 1 (registered: 5)" in dumped
+    assert "grpo.updates 50 (registered: 100)" in calibration_scope(replace(reg, grpo=replace(reg.grpo, updates=50)))
+    assert "smooth 1 (registered: 3)" in calibration_scope(replace(reg, smooth=1))
+    assert calibration_scope(MismatchConfig.quick()) == (
+        "this run is of the paper protocol, whose registration has no calibration rule (and it is shortened: "
+        "--quick or --updates)")
+    assert calibration_scope(MismatchConfig()).startswith("this run is of the paper protocol")

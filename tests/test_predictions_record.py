@@ -152,6 +152,15 @@ def test_a_resume_keeps_the_first_start_and_says_when_the_predictions_were_edite
     report = (out / "report.md").read_text()
     assert "**The predictions were edited after this run started**: the text of flip differs" in report
     assert f"sha256 `{first['predictions']['sha256'][:12]}`" in report
+    # the verdicts are the rules in the lab's code, not the text: the report used to say they judged the edited one
+    said = " ".join(report.split())
+    assert "judge the current text" not in said
+    assert ("The verdicts below do not read either text: they come from the lab's rules, fixed functions of the "
+            "tables registered in its code (") in said
+    assert "the edit changes no verdict, and the edited text is not what is judged" in said
+    src = first["predictions"]["source"]
+    if src["commit"]:
+        assert f"as registered at the recorded commit `{src['commit'][:12]}`" in said
     monkeypatch.undo()  # the text as recorded again: nothing to say
     _run(out)
     assert "predictions_edited" not in _manifest(out)

@@ -165,7 +165,7 @@ def lab_command(lab) -> Callable[..., None]:
                            warn=lambda m: console.print(f"[yellow]warning:[/] {escape(m)}", highlight=False))
         t0 = time.perf_counter()
         res = run_lab(lab, cfg, out, ex, fresh=fresh, keep_cells=keep_cells,
-                      status=lambda m: console.print(m, highlight=False))
+                      status=lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True))
         for t in res.tables.values():
             if t.console:
                 console.print(f"[bold]{t.title}[/]")

@@ -184,6 +184,11 @@ class Table:
     floatfmt: str = ".3f"
     report: bool = True
     console: bool = False
+    carry: str = ""
+    """Non-empty: this render lacks inputs the table needs (the text says which, and why: e.g. files a cell
+    writes only when it is computed). :func:`run_lab` then keeps the table the previous render of the run
+    wrote, its files as they were, and says so in the report; ``frame`` (what could be computed here, maybe
+    empty) is used only when no earlier render wrote the table, and left out when empty."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +230,9 @@ class Lab(Protocol):
     ``quick_help`` (the help of ``--quick``: what it runs and how long it takes, cold and warm),
     ``options`` (a tuple of :class:`LabOption`, the lab's own flags) and ``threads`` (torch intra-op
     threads of the CLI process, e.g. 1 for labs of many tiny tensors, as each process worker gets).
+    :func:`run_lab` reads ``build_note(config) -> str | None``: one line said (through ``status``) before
+    ``prepare`` when it is about to do a long one-off build (what, about how long, where it is cached, how
+    to use a stored one instead); None when nothing is built.
     A config with a ``cache_dir`` field gets the ``CREDITLAB_CACHE`` directory from the CLI."""
 
     def describe(self, config: Any) -> str:
@@ -286,19 +294,66 @@ def _changed(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
-def _check_code(out: Path, old: dict, code: dict[str, str], keep_cells: bool) -> list[str]:
-    """The modules changed since the stored cells were computed ([] when none); refuses unless ``keep_cells``."""
-    if not (out / "store").is_dir() or not ResultStore(out / "store").done():
-        return []  # nothing computed yet: nothing to mix
-    recorded = old.get("code")
-    changed = _changed(recorded, code) if recorded is not None else ["(not recorded)"]
-    if not changed or keep_cells:
+#: What a cell's code is when the manifest did not keep it (an older manifest of a run that mixed code).
+NOT_RECORDED = "(not recorded)"
+
+
+def code_id(code: Mapping[str, str]) -> str:
+    """A short name of one code fingerprint: the keys of the manifest's ``codes``."""
+    return _sha256(dict(code))[:12]
+
+
+def cell_codes(manifest: Mapping[str, Any], keys: Iterable[str]) -> dict[str, dict[str, str] | None]:
+    """The code fingerprint that computed each stored cell of ``keys``, from a run's manifest: its ``cell_code``
+    record (an id of ``codes``); a cell stored after the manifest was written at a run's start (a run that
+    was interrupted) was computed by that run's ``code``. A manifest of the older format (no ``cell_code``) kept
+    one ``code``, which every render overwrote: every cell was computed by it unless that run mixed code, when
+    which code computed which cell was not kept (None: unknown)."""
+    per, codes, run = manifest.get("cell_code"), manifest.get("codes") or {}, manifest.get("code")
+    out: dict[str, dict[str, str] | None] = {}
+    for k in keys:
+        if per is not None:
+            out[k] = (codes.get(per[k]) if per[k] is not None else None) if k in per else run
+        else:
+            out[k] = None if manifest.get("mixed_code") else run
+    return out
+
+
+def _check_code(out: Path, old: Mapping[str, Any], code: dict[str, str], keep_cells: bool,
+                reused: Mapping[str, dict[str, str] | None]) -> list[str]:
+    """The modules in which the code of the stored cells this render reads (``reused``: key -> the code that
+    computed it, :func:`cell_codes`) differs from ``code``, this render's ([] when none; :data:`NOT_RECORDED`
+    for a cell whose code is unknown). Refuses unless ``keep_cells``, or unless the previous render ran this
+    same code (its user reused the cells with --keep-cells then)."""
+    changed = sorted({m for c in reused.values() if c is not None for m in _changed(c, code)}
+                     | ({NOT_RECORDED} if any(c is None for c in reused.values()) else set()))
+    if not changed or keep_cells or old.get("code") == code:
         return changed
-    what = ("was made before creditlab recorded the code of a run" if recorded is None else
-            f"holds cells computed by other code (changed since: {', '.join(changed[:4])}"
-            f"{f', +{len(changed) - 4} more' if len(changed) > 4 else ''})")
+    if old.get("code") is None and "cell_code" not in old:
+        what = "was made before creditlab recorded the code of a run"
+    elif changed == [NOT_RECORDED]:
+        what = ("holds cells whose code was not recorded (reused with --keep-cells before creditlab kept the code "
+                "of each cell)")
+    else:
+        what = (f"holds cells computed by other code (changed since: {', '.join(changed[:4])}"
+                f"{f', +{len(changed) - 4} more' if len(changed) > 4 else ''})")
     raise ConfigError("--out", f"{out} {what}; pass --fresh to compute every cell again, or --keep-cells to "
-                               "reuse the stored cells (the report then says that the run mixes code)")
+                               "reuse the stored cells (the report then names the modules that differ)")
+
+
+def _code_record(cells: Mapping[str, Mapping[str, str] | None], code: Mapping[str, str]) -> dict[str, Any]:
+    """The manifest's ``codes`` (id -> fingerprint) and ``cell_code`` (stored cell -> the id of the code that
+    computed it; null: unknown), kept across renders."""
+    codes = {code_id(code): dict(code)}
+    per: dict[str, str | None] = {}
+    for key in sorted(cells):
+        fp = cells[key]
+        if fp is None:
+            per[key] = None
+            continue
+        per[key] = code_id(fp)
+        codes.setdefault(per[key], dict(fp))
+    return {"codes": codes, "cell_code": per}
 
 
 # --------------------------------------------------------------------------------------------
@@ -494,24 +549,28 @@ def _diff(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[
     return out
 
 
-def _clean(out: Path, old: dict | None, everything: bool) -> None:
-    """Remove the outputs the previous run listed in its manifest (and its store when ``everything``)."""
+def _clean(out: Path, old: dict | None) -> None:
+    """``--fresh``: remove the outputs the previous run listed in its manifest, its store and its manifest."""
     if old is None:
         return
-    for name in old.get("outputs", []):
+    _remove(out, old.get("outputs", []))
+    shutil.rmtree(out / "store", ignore_errors=True)
+    (out / MANIFEST).unlink(missing_ok=True)
+
+
+def _remove(out: Path, names: Iterable[str]) -> None:
+    for name in names:
         p = out / name
         if p.is_file() and p.parent == out:
             p.unlink()
-    if everything:
-        shutil.rmtree(out / "store", ignore_errors=True)
-        (out / MANIFEST).unlink(missing_ok=True)
 
 
-def _check_free(out: Path, names: list[str]) -> None:
-    """Refuse to write an output over a file of ``out`` that no run of the lab wrote: the files of the previous
-    run (its manifest's ``outputs``) are removed before the cells run, so one that exists now is someone
-    else's (a user's notes, a ``creditlab diagnose`` report written into the lab's ``--out``)."""
-    taken = [n for n in dict.fromkeys(names) if (out / n).exists()]
+def _check_free(out: Path, names: list[str], ours: Iterable[str] = ()) -> None:
+    """Refuse to write an output over a file of ``out`` that no run of the lab wrote: ``ours`` are the files of
+    the previous render (its manifest's ``outputs``), which this one replaces; any other that exists is
+    someone else's (a user's notes, a ``creditlab diagnose`` report written into the lab's ``--out``)."""
+    mine = set(ours)
+    taken = [n for n in dict.fromkeys(names) if n not in mine and (out / n).exists()]
     if taken:
         raise ConfigError("--out", f"{out / taken[0]}{f' (and {len(taken) - 1} more)' if len(taken) > 1 else ''} "
                                    "was not written by this lab's runs, and this run would replace it; the cells are "
@@ -519,15 +578,41 @@ def _check_free(out: Path, names: list[str]) -> None:
                                    "the same command (it reads the cells back), or choose another --out")
 
 
+def _carry(out: Path, prior: Mapping[str, Any] | None, tables: dict[str, Table]) -> tuple[dict[str, Table],
+                                                                                          dict[str, dict[str, Any]]]:
+    """The tables of this render, a table that it cannot compute (``carry`` set) replaced by the one the
+    previous render of this run wrote (its files are kept as they are), and the record of each one carried
+    (``why``, ``rendered_at``: when the render that computed it finished). A table that cannot be computed and
+    was never written is left out when its ``frame`` is empty, else written as it is (the lab's reading says
+    what it covers)."""
+    ours = set((prior or {}).get("outputs", []))
+    before = (prior or {}).get("carried") or {}
+    kept: dict[str, Table] = {}
+    carried: dict[str, dict[str, Any]] = {}
+    for name, t in tables.items():
+        if not t.carry:
+            kept[name] = t
+        elif prior is not None and f"{name}.parquet" in ours and (out / f"{name}.parquet").is_file():
+            carried[name] = {"why": t.carry, "rendered_at": (before.get(name) or {}).get("rendered_at")
+                             or prior.get("finished_at") or prior.get("outputs_rendered_at")}
+            kept[name] = dataclasses.replace(t, frame=pd.read_parquet(out / f"{name}.parquet"))
+        elif len(t.frame):
+            kept[name] = dataclasses.replace(t, carry="")
+    return kept, carried
+
+
 def _write_manifest(out: Path, lab: Lab, config: LabConfig, outputs: list[str], code: dict[str, str],
-                    mixed: list[str], record: Mapping[str, Any]) -> None:
-    """``lab.json``: what a resume must match (``identity``, the versions, ``code``), the files the run wrote,
-    and ``record`` (:func:`_start_record`: the start and the predictions; not part of the identity)."""
+                    mixed: list[str], record: Mapping[str, Any], cells: Mapping[str, Mapping[str, str] | None],
+                    extra: Mapping[str, Any] | None = None) -> None:
+    """``lab.json``: what a resume must match (``identity``, the versions, ``code``: this render's), the code
+    that computed each stored cell (``codes``, ``cell_code``: :func:`_code_record`), the files the run wrote
+    (``outputs``; ``carried``: those kept from an earlier render), and ``record`` (:func:`_start_record`: the
+    start and the predictions; not part of the identity)."""
     from creditlab import __version__
 
     data = {"lab": lab.name, "manifest_version": MANIFEST_VERSION, "creditlab_version": __version__,
             "identity": config.identity(), "config": config.to_dict(), "outputs": sorted(outputs),
-            "code": code, "mixed_code": mixed, **record}
+            "code": code, "mixed_code": mixed, **_code_record(cells, code), **(extra or {}), **record}
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
     tmp.replace(out / MANIFEST)
@@ -557,10 +642,14 @@ def run_lab(lab: Lab, config: LabConfig, out: str | Path, executor: Executor | N
     only the cells missing from the store; a rerun with another one raises
     :class:`~creditlab.errors.ConfigError` naming ``--out``, unless ``fresh`` (discard the old
     run first). Selecting other experiments (``-e``) is the same run: finished cells are reused
-    and the tables, plots and report are rewritten for the new selection. The manifest records the
-    code (:func:`code_fingerprint`): a resume after a module that computes cells changed is refused,
-    naming the modules, unless ``keep_cells`` (reuse them anyway; ``report.md`` and the manifest's
-    ``mixed_code`` then list what changed).
+    and the tables, plots and report are rewritten for the new selection (the report says when the
+    store holds cells that the selection leaves out). The previous render's files stay until this one
+    has replaced them; a table the lab cannot compute in this render (:attr:`Table.carry`) is kept as
+    the previous render wrote it, and the report says so. The manifest records the code
+    (:func:`code_fingerprint`) of this render (``code``) and of every stored cell (``codes``,
+    ``cell_code``, kept across renders): a resume whose stored cells were computed by other code is
+    refused, naming the modules, unless ``keep_cells`` (reuse them anyway; ``report.md`` and the
+    manifest's ``mixed_code`` then list what differs) or the previous render ran this same code.
 
     Args:
         executor: where cells run (:func:`~creditlab.lab.runner.make_executor`); None: in process.
@@ -596,19 +685,31 @@ def _run_locked(lab: Lab, config: LabConfig, out: Path, executor: Executor | Non
                 progress: bool, status: Callable[[str], None] | None) -> LabResult:
     """:func:`run_lab` once it holds the lock of ``out``."""
     old = _check_out(out, lab, config, fresh)
+    prior = None if fresh else old  # the previous render, which this one continues
     code = code_fingerprint(getattr(lab, "compute_code", None))  # once, at the start: the code that computes its cells
-    mixed = []
-    if old is not None and not fresh:
-        mixed = sorted(set(old.get("mixed_code", [])) | set(_check_code(out, old, code, keep_cells)))
     cells = lab.cells(config)
-    record = _start_record(lab, config, out, None if fresh else old, status)  # before prepare and any cell
-    _clean(out, old, everything=fresh)
+    keys = {c.key for c in cells}
+    stored = ResultStore(out / "store").done() if prior is not None and (out / "store").is_dir() else set()
+    cell_code = cell_codes(prior, stored) if prior is not None else {}
+    mixed = (_check_code(out, prior, code, keep_cells, {k: cell_code[k] for k in stored & keys})
+             if prior is not None else [])
+    record = _start_record(lab, config, out, prior, status)  # before prepare and any cell
+    if fresh:
+        _clean(out, old)
+    # the previous render's outputs stay, listed in the manifest as this run's, until this render replaces them
+    ours = list(prior.get("outputs", [])) if prior is not None else []
+    extra = {"outputs_rendered_at": prior.get("finished_at") or prior.get("outputs_rendered_at"),
+             "carried": prior.get("carried") or {}} if prior is not None else {}
+    note = getattr(lab, "build_note", None)
+    if note is not None and status is not None and (line := note(config)):
+        status(line)  # before a long one-off build: what it builds, how long, where, and how to avoid it
     prepare = getattr(lab, "prepare", None)
     if prepare is not None:
         prepare(config, progress)
     out.mkdir(parents=True, exist_ok=True)
     store = ResultStore(out / "store")
-    _write_manifest(out, lab, config, [], code, mixed, record)  # an interrupted run is resumable from here on
+    # an interrupted run is resumable from here on
+    _write_manifest(out, lab, config, ours, code, mixed, record, cell_code, extra)
     before = store.done()
     gate_groups = tuple(getattr(lab, "gate_groups", ()))
     first = [c for c in cells if c.group in gate_groups]
@@ -618,9 +719,12 @@ def _run_locked(lab: Lab, config: LabConfig, out: Path, executor: Executor | Non
         if status is not None and gate is not None:
             status(f"{gate.title}\n\n{_markdown(gate)}")
     frame = run_cells(cells, store, executor=executor, desc=f"{lab.name} lab", progress=progress)
-    computed = len({c.key for c in cells} - before)
+    new = keys - before
+    computed = len(new)
+    cell_code.update({k: code for k in new})
+    several = len({code_id(cell_code[k]) if cell_code[k] is not None else None for k in keys}) > 1
     rows = _rows_by_group(frame, cells)
-    tables = lab.tables(rows, config)
+    tables, carried = _carry(out, prior, lab.tables(rows, config))
     texts = lab.interpret(tables, config)
     missing = [n for n, t in tables.items() if t.report and not texts.get(n)]
     if missing:
@@ -631,12 +735,17 @@ def _run_locked(lab: Lab, config: LabConfig, out: Path, executor: Executor | Non
     staging.mkdir()
     try:
         drawn = [Path(p) for p in lab.plots(tables, config, staging)]
-        names = [n for name in tables for n in (f"{name}.parquet", f"{name}.md")] + [p.name for p in drawn]
-        _check_free(out, names + ["report.md"])
+        fresh_tables = [name for name in tables if name not in carried]
+        names = [n for name in fresh_tables for n in (f"{name}.parquet", f"{name}.md")] + [p.name for p in drawn]
+        _check_free(out, names + ["report.md"], ours)
         written: list[str] = []
         for name, t in tables.items():
-            t.frame.to_parquet(out / f"{name}.parquet", index=False)
-            (out / f"{name}.md").write_text(_markdown(t))
+            if name in carried:  # the earlier render's files, as they are
+                if not (out / f"{name}.md").is_file():
+                    (out / f"{name}.md").write_text(_markdown(t))
+            else:
+                t.frame.to_parquet(out / f"{name}.parquet", index=False)
+                (out / f"{name}.md").write_text(_markdown(t))
             written += [f"{name}.parquet", f"{name}.md"]
         plots = []
         for p in drawn:
@@ -647,12 +756,39 @@ def _run_locked(lab: Lab, config: LabConfig, out: Path, executor: Executor | Non
     written += [p.name for p in plots]
     record = _check_predictions(record, lab, config, None)  # again at the end: a lab may read them from a file
     report = out / "report.md"
-    report.write_text(_report(lab, config, tables, texts, plots, mixed, record))
+    unread = _unread(lab, config, before - keys)
+    report.write_text(_report(lab, config, tables, texts, plots, mixed, record, several=several, carried=carried,
+                              unread=unread))
     written.append(report.name)
-    _write_manifest(out, lab, config, written, code, mixed, {**record, "finished_at": _now()})
+    _remove(out, set(ours) - set(written))  # the previous render's files that this one does not replace
+    _write_manifest(out, lab, config, written, code, mixed, {**record, "finished_at": _now()}, cell_code,
+                    {"carried": carried})
     if status is not None:
         status(f"{lab.name} lab: {computed} cell(s) computed, {len(cells) - computed} read back from {out}/store")
     return LabResult(tables=tables, plots=plots, report=report, computed=computed)
+
+
+def _unread(lab: Lab, config: LabConfig, others: set[str]) -> str:
+    """The report's sentence on the stored cells of this run that this render does not read (its tables are of
+    a subset of the run), "" when there are none: how many, and which experiments they are of."""
+    if not others:
+        return ""
+    chosen = tuple(getattr(config, "experiments", ()) or ())
+    names = []
+    for e in type(config).EXPERIMENTS:
+        if e in chosen:
+            continue
+        try:
+            theirs = {c.key for c in lab.cells(config.with_options(experiments=(e,)))}
+        except Exception:  # only to name them: an experiment that cannot run alone is not named
+            continue
+        if theirs & others:
+            names.append(e)
+    which = f" (of {', '.join(names)}: -e {' -e '.join(names)})" if names else f" (e.g. {sorted(others)[0]})"
+    selects = f"it selects {', '.join(chosen)}, and " if chosen else ""
+    return (f"**This render reads a subset of the run**: {selects}every table below is computed from the cells it "
+            f"selects only; the store holds {len(others)} more cell(s) of this run{which} that no table here reads."
+            + (" Select them too for tables of the whole run." if names else ""))
 
 
 def _rows_by_group(frame: pd.DataFrame, cells: list[Cell]) -> dict[str, pd.DataFrame]:
@@ -672,7 +808,7 @@ def _cited(names: Iterable[str], config: LabConfig) -> list[str]:
     return [n for n in names if n not in type(config).EXPERIMENTS or n in chosen]
 
 
-def _predictions_note(record: Mapping[str, Any], config: LabConfig) -> list[str]:
+def _predictions_note(record: Mapping[str, Any], config: LabConfig, lab: Lab | None = None) -> list[str]:
     """The report's paragraph citing the manifest's record of the predictions ([] when it judges none)."""
     pred = record["predictions"]
     cited = _cited(pred.get("sections") or {}, config)
@@ -702,24 +838,58 @@ def _predictions_note(record: Mapping[str, Any], config: LabConfig) -> list[str]
     if edited:
         text += (f" **The predictions were edited after this run started**: the text of {', '.join(edited)} "
                  f"differs from the recorded one (sha256 now `{ed['sha256'][:12]}`, seen {ed['seen_at']}). The "
-                 "tables below judge the current text; the recorded one, fixed when the run started, is in "
+                 "verdicts below do not read either text: they come from the lab's rules, fixed functions of the "
+                 f"tables registered in its code ({_rules_at(src, lab)}); the edit changes no verdict, and the "
+                 "edited text is not what is judged. The recorded text, fixed when the run started, is in "
                  "`lab.json`.")
     else:
         text += " The text has not been edited since."
     return [text, ""]
 
 
+def _rules_at(src: Mapping[str, Any], lab: Lab | None) -> str:
+    """Where the code of a lab's rules is: the commit recorded with its predictions, and this render's."""
+    rec = (f"as registered at the recorded commit `{src['commit'][:12]}`" if src.get("commit") else
+           "no commit was recorded with the text")
+    now = source_commit(*_lab_source(lab)) if lab is not None else {}
+    if not now.get("commit"):
+        return rec + f"; whether they changed since is not known here ({now.get('why') or 'no git commit'})"
+    if now["commit"] == src.get("commit") and not now.get("dirty"):
+        return rec + ", the code this render ran"
+    return (rec + f"; this render ran them as they are at commit `{now['commit'][:12]}`"
+            + (" with uncommitted changes" if now.get("dirty") else "")
+            + (f": `git diff {src['commit'][:12]}` on the lab's module shows whether they changed" if src.get("commit")
+               else ""))
+
+
 def _report(lab: Lab, config: LabConfig, tables: dict[str, Table], texts: dict[str, str], plots: list[Path],
-            mixed: list[str], record: Mapping[str, Any]) -> str:
+            mixed: list[str], record: Mapping[str, Any], *, several: bool = True,
+            carried: Mapping[str, Mapping[str, Any]] | None = None, unread: str = "") -> str:
     lines = [f"# {lab.name} lab", "", lab.describe(config).strip(), ""]
-    if mixed:
-        lines += [f"**This run mixes code**: some stored cells were computed before these modules changed and "
-                  f"were reused (--keep-cells): {', '.join(mixed)}. Rerun with --fresh for numbers of one code.", ""]
-    lines += _predictions_note(record, config)
+    if mixed and (several or NOT_RECORDED in mixed):
+        lines += [f"**This run mixes code**: the cells its tables read were computed by more than one version of the "
+                  f"code{' (or by code that was not recorded)' if NOT_RECORDED in mixed else ''}, which differ in: "
+                  f"{', '.join(mixed)} (stored cells reused with --keep-cells; lab.json's `cell_code` names the code "
+                  "of each cell). Rerun with --fresh for numbers of one code.", ""]
+    elif mixed:
+        lines += [f"**This run's cells were computed by other code**: every cell its tables read was computed by one "
+                  f"version of the code, which differs from this render's in: {', '.join(mixed)} (reused with "
+                  "--keep-cells; lab.json's `cell_code` and `codes`). The tables and this report are this render's; "
+                  "rerun with --fresh for cells of this code.", ""]
+    if unread:
+        lines += [unread, ""]
+    lines += _predictions_note(record, config, lab)
+    carried = carried or {}
     for name, t in tables.items():
         if not t.report:
             continue
-        lines += [f"## {t.title}", "", texts[name].strip(), "", _markdown(t), f"(`{name}.parquet`, `{name}.md`)", ""]
+        text = texts[name].strip()
+        if name in carried:
+            when = carried[name].get("rendered_at")
+            text = (f"**Carried over unchanged from an earlier render of this run**"
+                    f"{f' (finished {when})' if when else ''}: {carried[name]['why']}. This render cannot compute "
+                    f"it, so `{name}.parquet` and `{name}.md` are that render's, as they were.\n\n{text}")
+        lines += [f"## {t.title}", "", text, "", _markdown(t), f"(`{name}.parquet`, `{name}.md`)", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     lines += ["## Configuration", "", "```json", json.dumps(config.to_dict(), indent=1, sort_keys=True), "```", ""]

@@ -46,6 +46,7 @@ from creditlab.labs.mismatch.comparison import (
     REGISTRATIONS,
     TWO_CORE_STATED,
     Registration,
+    calibration_scope,
     diagnose_agreement,
     fp32_band,
     fp32_saturation,
@@ -71,9 +72,9 @@ from creditlab.labs.mismatch.gate import diagnose_drift, gate_table, read_dose, 
 
 __all__ = ["ARMS", "DOSES", "ENTROPY_BINS", "EXPERIMENTS", "EXPERIMENT_TABLE", "LAB", "PREDICTIONS_STATED",
            "MismatchConfig", "MismatchLab", "REGISTRATIONS", "Registration", "SHARED_FIELDS", "TWO_CORE_STATED",
-           "arm_triple", "diagnose_agreement", "diagnose_drift", "fp32_band", "fp32_saturation", "gate_metrics",
-           "gate_table", "late_rollbacks", "phase_map", "prefix_drift_calibration", "run_dose_cell", "run_stack",
-           "score_curve", "verdict_less_stable", "verdict_rolls_back", "verdict_stays"]
+           "arm_triple", "calibration_scope", "diagnose_agreement", "diagnose_drift", "fp32_band", "fp32_saturation",
+           "gate_metrics", "gate_table", "late_rollbacks", "phase_map", "prefix_drift_calibration", "run_dose_cell",
+           "run_stack", "score_curve", "verdict_less_stable", "verdict_rolls_back", "verdict_stays"]
 
 
 def _doses(cfg: MismatchConfig) -> list[str]:
@@ -139,6 +140,16 @@ MismatchConfig.EXPERIMENTS = EXPERIMENTS  # the config (in the lab's compute cod
 SHARED_FIELDS = ("base", "grpo", "seeds", "arms", "dose_tasks", "experiments", "cache_dir", "dump_dir")
 
 
+#: Base policies that the source repository commits beside a run (not shipped with the package): config key ->
+#: the folder holding it, for ``CREDITLAB_CACHE``.
+COMMITTED_BASES = {"f2af6f5721dd887d": "results/mismatch-2core"}
+#: Seconds per base-build step on this project's 2-core machine (docs/mismatch.md): 0.54 and 0.99 for the lab's
+#: base (1625 s and 2955 s for 3000 steps of 64), 1.01 for the 2-core protocol's (3037 s).
+BUILD_S_PER_STEP = (0.5, 1.0)
+#: A full build's measured wall time (s) on that machine, by config key: the 2-core protocol's base.
+BUILD_MEASURED = {"f2af6f5721dd887d": 3037}
+
+
 class MismatchLab(ExperimentLab, BasePolicyLab):
     """Quantized-rollout GRPO of the toolshop agent under each correction arm (module docstring)."""
 
@@ -146,12 +157,15 @@ class MismatchLab(ExperimentLab, BasePolicyLab):
     summary = "Quantized rollout engine vs learner in a multi-turn agent: QAT, TIS, MIS, prefix, InterQ-RL."
     help = ("Quantized rollout engine vs learner in the multi-turn toolshop agent: arms fp32, naive, QAT, QAT+TIS, "
             "QAT+MIS, QAT+prefix, QAT+global, QAT+InterQ-RL at each engine precision of the dose (-e fp8 -e int8 "
-            "-e nvfp4 -e mxfp4). The base policy ships with creditlab (its build takes 27-49 minutes on 2 cores), so "
-            "no run trains it; a build of your own in the cache (CREDITLAB_CACHE) comes first. Use --workers 2 on "
-            "two cores.")
+            "-e nvfp4 -e mxfp4). The default protocol's base policy ships with creditlab (its build takes 27-49 "
+            "minutes on 2 cores), so neither a default run nor --quick trains it. The base policy of --protocol "
+            "two-core (576 positions) does not ship: a run that finds none in the cache builds it first (about 50 "
+            "minutes on 2 cores) and says so before it starts; the source repository commits it in "
+            "results/mismatch-2core (CREDITLAB_CACHE=results/mismatch-2core). A build of your own in the cache "
+            "(CREDITLAB_CACHE) comes first. Use --workers 2 on two cores.")
     quick_help = ("Reduced run: the full run's gate table (the same shipped base policy on the same 256 tasks) and "
-                  "fp32 vs QAT at NVFP4 for 4 updates, one seed: about 60 s on 2 cores, cold or warm (nothing is "
-                  "built; load average 2-2.5).")
+                  "fp32, naive, QAT, QAT+TIS and QAT+InterQ at NVFP4 for 4 updates, one seed: about 70 s on 2 "
+                  "cores, cold or warm (nothing is built; load average 2-3.7).")
     config_type = MismatchConfig
     experiments = EXPERIMENT_TABLE
     gate_groups = ("dose",)
@@ -160,6 +174,33 @@ class MismatchLab(ExperimentLab, BasePolicyLab):
     # tensors are small, and a second thread on busy cores waits more than it works (a GRPO update
     # of the tiny trainer took 7x longer with two threads than with one on a shared 2-core machine).
     threads = 1
+
+    def build_note(self, cfg: MismatchConfig) -> str | None:
+        """The line said before ``prepare`` builds a base policy that is neither cached nor shipped (the 2-core
+        protocol's, from a pip install): what, about how long, where, and how to load a committed one instead;
+        None when the base policy is stored."""
+        from creditlab.train.toolshop_base import base_file, resume_step
+
+        b, cache = cfg.base, cfg.cache()
+        if base_file(b, cache) is not None:
+            return None
+        key, done = b.key(), resume_step(b, cache)
+        if key in BUILD_MEASURED:
+            took = BUILD_MEASURED[key]
+            minutes = max(1, round(took * (b.steps - done) / b.steps / 60))
+            how_long = f"about {minutes} minutes on 2 cores ({took} s measured)"
+        else:
+            lo, hi = (max(1, round((b.steps - done) * s / 60)) for s in BUILD_S_PER_STEP)
+            how_long = f"about {lo}-{hi} minutes on 2 cores"
+        where = COMMITTED_BASES.get(key)
+        instead = (f"its build is committed in the source repository's {where}/: stop (Ctrl-C) and rerun with "
+                   f"CREDITLAB_CACHE=<checkout>/{where} to load it instead" if where else
+                   f"to load a build made elsewhere, stop (Ctrl-C) and rerun with CREDITLAB_CACHE set to the folder "
+                   f"holding toolshop-base-{key}.safetensors")
+        return (f"mismatch lab: this run's base policy (toolshop-base-{key}: {b.thoughts} thoughts per action, "
+                f"{b.max_len} positions) is neither in the cache {cache} nor shipped with creditlab, so it is built "
+                f"first: {b.steps - done} optimizer steps{f' (resuming at step {done})' if done else ''}, {how_long}, "
+                f"cached in {cache} (an interrupted build resumes); {instead}.")
 
     def describe(self, cfg: MismatchConfig) -> str:
         g = cfg.grpo

@@ -30,8 +30,9 @@ from creditlab.labs.mismatch.config import ARMS, DIFF, DOSES, LABELS, ROLLBACK, 
 from creditlab.labs.mismatch.gate import gate_table
 
 __all__ = ["EXPERIMENT", "PREDICTIONS_STATED", "REGISTRATIONS", "TWO_CORE_STATED", "Comparison", "Registration",
-           "diagnose_agreement", "fp32_band", "fp32_saturation", "late_rollbacks", "phase_map",
-           "prefix_drift_calibration", "score_curve", "verdict_less_stable", "verdict_rolls_back", "verdict_stays"]
+           "calibration_scope", "diagnose_agreement", "dump_name", "fp32_band", "fp32_saturation", "late_rollbacks",
+           "phase_map", "prefix_drift_calibration", "score_curve", "verdict_less_stable", "verdict_rolls_back",
+           "verdict_stays"]
 
 
 def score_curve(updates: np.ndarray, success: np.ndarray, smooth: int) -> dict[str, float]:
@@ -213,12 +214,16 @@ def verdict_stays(inter: pd.DataFrame, diff: pd.DataFrame, limit: float, seeds_n
     ``diff_vs_fp32`` there: it does not roll back (``rollback <= limit``) in ``seeds_needed`` seeds, and the
     95% interval of its final success minus fp32's lies inside [-0.05, +0.05]. Not judged without that paired
     difference, or without a limit (the fp32 band, under a registration that counts within it, and no fp32
-    run)."""
+    run); with too few seeds for an interval (one), ``fails`` when the rollback part fails, else not judged."""
     if inter.empty or diff.empty or math.isnan(limit):
         return Verdict.NOT_JUDGED
     k = int((inter["rollback"] <= limit).sum())
     lo, hi = float(diff["final_lo"].iloc[0]), float(diff["final_hi"].iloc[0])
-    return Verdict.of(k >= seeds_needed and -0.05 <= lo and hi <= 0.05)
+    if k < seeds_needed:
+        return Verdict.FAILS
+    if math.isnan(lo) or math.isnan(hi):
+        return Verdict.NOT_JUDGED  # no interval: the second part cannot be told
+    return Verdict.of(-0.05 <= lo and hi <= 0.05)
 
 
 def verdict_less_stable(runs: pd.DataFrame, inter: pd.DataFrame, seeds_needed: int) -> Verdict:
@@ -392,7 +397,9 @@ class _Rules:
         limit, d = self._limit(summary), self._diff(tabs, dose)
         k = int((inter["rollback"] <= limit).sum())
         lo, hi = (float(d["final_lo"].iloc[0]), float(d["final_hi"].iloc[0])) if len(d) else (math.nan, math.nan)
-        return f"rollback <= {limit:.3g} in {k}/{len(inter)} seeds; final - fp32 in [{lo:.3f}, {hi:.3f}]"
+        interval = (f"final - fp32 in [{lo:.3f}, {hi:.3f}]" if not (math.isnan(lo) or math.isnan(hi)) else
+                    "no interval of final - fp32 (too few seeds)")
+        return f"rollback <= {limit:.3g} in {k}/{len(inter)} seeds; {interval}"
 
     def _stays_verdict(self, tabs: Tables, dose: str) -> Verdict:
         summary = _frame(tabs, "summary")
@@ -502,7 +509,7 @@ def diagnose_agreement(summary: pd.DataFrame, dump_dir: str | Path, band: float 
 
     rows = []
     for r in summary.itertuples(index=False):
-        path = Path(dump_dir) / f"mismatch-{'fp32' if r.arm == 'fp32' else r.dose}-{r.arm}-seed={r.seed}.jsonl"
+        path = Path(dump_dir) / dump_name(r.arm, r.dose, r.seed)
         if not path.exists():
             continue
         res = {c.id: c for c in run_checks(read_dump([path]), only=MISMATCH_CHECKS)}
@@ -517,6 +524,77 @@ def diagnose_agreement(summary: pd.DataFrame, dump_dir: str | Path, band: float 
         row.update({"verdict": verdict, "agrees": (verdict == "fail") == rolls})
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def dump_name(arm: str, dose: str, seed: int) -> str:
+    """The file a run's ``--dump`` writes (``mismatch-<dose>-<arm>-seed=<seed>.jsonl``; the fp32 arm's dose is
+    ``fp32``)."""
+    return f"mismatch-{'fp32' if arm == 'fp32' else dose}-{arm}-seed={int(seed)}.jsonl"
+
+
+AGREEMENT_TITLE = "creditlab diagnose on each run's own dump against its measured rollback"
+
+
+def _agreement(summary: pd.DataFrame, cfg: MismatchConfig) -> Table:
+    """The ``diagnose_agreement`` table: recomputed when every run of the render has its dump in ``--dump``;
+    else (dumps are written only when a cell is computed, and are not committed) what the dumps here give,
+    marked ``carry`` so that the table of the render that had them is kept as it was."""
+    where = Path(cfg.dump_dir) if cfg.dump_dir else None
+    have = where is not None and where.is_dir()
+    agree = diagnose_agreement(summary, where, fp32_band(summary)) if have else pd.DataFrame()
+    lacking = [r for r in summary.itertuples(index=False)
+               if not (have and (where / dump_name(r.arm, r.dose, r.seed)).exists())]
+    if not lacking:
+        return Table(agree, AGREEMENT_TITLE, ".3g", console=True)
+    first = dump_name(lacking[0].arm, lacking[0].dose, lacking[0].seed)
+    why = ("it runs creditlab diagnose on each run's training dump (--dump), which a cell writes only when it is "
+           "computed, and dumps are not kept with a run's store; "
+           + ("this render has no --dump" if where is None else
+              f"{len(lacking)} of the {len(summary)} runs of this render have no dump in {where} (e.g. {first}): "
+              "their cells were read back from the store, not computed again"))
+    return Table(agree, AGREEMENT_TITLE, ".3g", console=True, carry=why)
+
+
+def calibration_scope(cfg: MismatchConfig) -> str:
+    """"" when ``cfg`` is the full run the calibration rule of :func:`prefix_drift_calibration` was registered
+    on (the 2-core protocol: every registered dose, arm and seed, its updates and windows), else how this run
+    differs from it, naming the subset."""
+    reg = MismatchConfig.two_core()
+    if cfg.protocol != reg.protocol:
+        return (f"this run is of the {cfg.protocol} protocol, whose registration has no calibration rule"
+                + (" (and it is shortened: --quick or --updates)" if cfg.grpo.updates < reg.grpo.updates else ""))
+    parts = []
+    left = [d for d in reg.experiments if d not in cfg.experiments]
+    if left:
+        parts.append(f"it selects dose(s) {', '.join(d for d in cfg.experiments)} of the registered "
+                     f"{', '.join(reg.experiments)} (-e), leaving out {', '.join(left)}")
+    ignore = {"experiments", "cache_dir", "dump_dir"}
+    mine, theirs = cfg.to_dict(), reg.to_dict()
+    parts += [f"{k} {_plain(mine, k)} (registered: {_plain(theirs, k)})"
+              for k in _paths(mine, theirs) if k.split(".")[0] not in ignore]
+    return "; ".join(parts)
+
+
+#: The run :func:`calibration_scope` accepts, for a reader.
+REGISTERED_RUN = ("--protocol two-core: MXFP4 with its 7 arms on 5 seeds, fp8, int8 and nvfp4 with naive and QAT on 2, "
+                  "100 updates; results/mismatch-2core/run")
+
+
+def _paths(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _paths(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def _plain(d: dict, path: str):
+    for part in path.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return ", ".join(map(str, d)) if isinstance(d, list) else d
 
 
 def _noise_floor(summary: pd.DataFrame) -> float:
@@ -554,7 +632,11 @@ def _read_calibration(c: pd.DataFrame) -> str:
     return text + f". The check's thresholds today: warn {DRIFT_WARN:g}, fail {DRIFT_FAIL:g}."
 
 
-def _read_agreement(a: pd.DataFrame, band: float | None) -> str:
+def _read_agreement(a: pd.DataFrame, band: float | None, summary: pd.DataFrame | None = None) -> str:
+    left = _runs_without_rows(summary, a) if summary is not None else []
+    subset = (f" This table covers {len(a)} of the {len(a) + len(left)} runs of this render: the runs without a "
+              f"dump are left out ({', '.join(left[:6])}{f', +{len(left) - 6} more' if len(left) > 6 else ''})."
+              if left else "")
     parts = [f"{LABELS[r.arm]} at {r.dose} seed {r.seed}: {r.verdict} (k3 {r.k3}, prefix_drift {r.prefix_drift}, "
              f"sequence_ratio_length {r.sequence_ratio_length}), rollback {r.rollback:.3f}"
              f"{' beyond the band' if r.rolls_back else ''}: {'agrees' if r.agrees else 'disagrees'}"
@@ -569,7 +651,17 @@ def _read_agreement(a: pd.DataFrame, band: float | None) -> str:
                + (f" Of the {len(wrong)} that disagree, {len(corrected)} are correction arms: diagnose reads the "
                   "engine's and the learner's log-probs, which a correction leaves as they are (it reweights the "
                   "loss), so it flags the mismatch a correction is there to handle." if len(corrected) else "")
-               if len(a) else ""))
+               if len(a) else "") + subset)
+
+
+def _run_name(arm: str, dose: str, seed: int) -> str:
+    return f"{LABELS[arm]}{'' if arm == 'fp32' else f' at {dose}'} seed {int(seed)}"
+
+
+def _runs_without_rows(summary: pd.DataFrame, a: pd.DataFrame) -> list[str]:
+    """The runs of ``summary`` that have no row in ``a`` (by arm, dose and seed), named for a reader."""
+    have = {(r.arm, r.dose, int(r.seed)) for r in a.itertuples()} if len(a) else set()
+    return [_run_name(r.arm, r.dose, r.seed) for r in summary.itertuples() if (r.arm, r.dose, int(r.seed)) not in have]
 
 
 def _read_means(m: pd.DataFrame, cfg: MismatchConfig) -> str:
@@ -789,16 +881,11 @@ class Comparison(Experiment):
             tabs["phase_map"] = Table(phase_map(summary, gate_table(rows["dose"])),
                                       "Phase map: rollback against the prefix drift entering the last turn", ".3g")
             cal = prefix_drift_calibration(tabs["phase_map"].frame)
-            if len(cal):
+            if len(cal) and not calibration_scope(cfg):  # only the run the rule was registered on calibrates
                 tabs["prefix_drift_calibration"] = Table(
                     cal, "creditlab diagnose's mismatch.prefix_drift thresholds from the phase map", ".3g",
                     console=True)
-        if cfg.dump_dir and Path(cfg.dump_dir).is_dir():
-            agree = diagnose_agreement(summary, cfg.dump_dir, fp32_band(summary))
-            if len(agree):
-                tabs["diagnose_agreement"] = Table(
-                    agree, "creditlab diagnose on each run's own dump against its measured rollback", ".3g",
-                    console=True)
+        tabs["diagnose_agreement"] = _agreement(summary, cfg)
         by_turn = _by_turn(df, cfg)
         tabs["by_turn"] = Table(by_turn, "Prefix and current log ratio by turn", ".3g", report=False)
         tabs["fingerprint"] = Table(_fingerprint(by_turn),
@@ -831,10 +918,16 @@ class Comparison(Experiment):
         text: dict[str, str] = {}
         if "phase_map" in tabs:
             text["phase_map"] = _read_phase_map(tabs["phase_map"].frame)
+            if (scope := calibration_scope(cfg)) and not tabs["phase_map"].frame.empty:
+                text["phase_map"] += (
+                    " No calibration of creditlab diagnose's mismatch.prefix_drift thresholds is read from this map "
+                    "(no prefix_drift_calibration table): the rule reads the full run it was registered on, the "
+                    f"2-core protocol's ({REGISTERED_RUN}), and this run is not it: {scope}. A crossing read from a "
+                    "part of that run, or from another run, is not the registered calibration.")
         if "prefix_drift_calibration" in tabs:
             text["prefix_drift_calibration"] = _read_calibration(tabs["prefix_drift_calibration"].frame)
         if "diagnose_agreement" in tabs:
-            text["diagnose_agreement"] = _read_agreement(tabs["diagnose_agreement"].frame, fp32_band(s))
+            text["diagnose_agreement"] = _read_agreement(tabs["diagnose_agreement"].frame, fp32_band(s), s)
         noise = _noise_floor(s)
         text["summary"] = (
             "One row per run. final: mean held-out success of the last evaluation points; best: the best such "

@@ -108,10 +108,11 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
     @classmethod
     def quick(cls) -> MismatchConfig:
         """The full run's gate table (the same base policy, which ships with the package, on the same
-        256 tasks: the same numbers) and a short fp32-vs-QAT run at NVFP4 (4 updates, one seed), far
-        too short for the predictions, which are about hundreds of updates."""
+        256 tasks: the same numbers) and a short run at NVFP4 (4 updates, one seed) of fp32 and of the
+        quantized arms naive, QAT, QAT+TIS and QAT+InterQ (stacked in one cell: the lab's corrections at
+        little cost), far too short for the predictions, which are about hundreds of updates."""
         return cls(grpo=_grpo_config(updates=4, tasks_per_update=4, group_size=4, eval_every=2, eval_tasks=32),
-                   seeds=1, smooth=1, arms=("fp32", "qat"), experiments=("nvfp4",))
+                   seeds=1, smooth=1, arms=("fp32", "naive", "qat", "qat_tis", "qat_interq"), experiments=("nvfp4",))
 
     @classmethod
     def two_core(cls) -> MismatchConfig:
