@@ -270,6 +270,12 @@ def test_lab_runs_writes_every_table_and_plot_and_resumes(tmp_path, tiny_base_ca
     before = pd.read_parquet(out / "summary.parquet")
     run_lab(LAB, cfg, out, progress=False)
     pd.testing.assert_frame_equal(before, pd.read_parquet(out / "summary.parquet"))
+    # a re-render that has not got the dumps (none computed again, no --dump) keeps the diagnose table as it was
+    diag_bytes = (out / "diagnose.parquet").read_bytes()
+    run_lab(LAB, replace(cfg, dump_dir=None), out, progress=False)
+    assert (out / "diagnose.parquet").read_bytes() == diag_bytes
+    assert "Carried over unchanged from an earlier render" in (out / "report.md").read_text()
+    assert "diagnose" in json.loads((out / "lab.json").read_text())["carried"]
 
 
 def test_cells_are_deterministic_and_paired(tiny_base_cache):

@@ -120,9 +120,8 @@ def _arm_tables(rows: Mapping[str, pd.DataFrame], cfg: GranularityConfig) -> dic
         tabs["teachers"] = Table(rows["teachers"].drop(columns=["cell_key"], errors="ignore"),
                                  "What the privileged teachers know (base policy, before training)", ".3g")
     tabs["mixing"] = Table(_mixing_table(df), "Turn mixing score by task type (held-out rollouts)", ".3g")
-    diag = _diagnose_table(cfg)
-    if diag is not None:
-        tabs["diagnose"] = Table(diag, "creditlab diagnose on each run's training rollouts")
+    if cfg.arms():
+        tabs["diagnose"] = _diagnose_table(cfg)
     cols = ["arm", "seed", "update"] + [c for c in CURVE_COLUMNS if c in df.columns]
     curves = df[df["kind"] == "train"][cols].sort_values(["arm", "seed", "update"]).reset_index(drop=True)
     tabs["curves"] = Table(curves, "Every training update of every run", ".3g", report=False)
@@ -169,25 +168,38 @@ def _mixing_table(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _diagnose_table(cfg: GranularityConfig) -> pd.DataFrame | None:
-    if not cfg.dump_dir or not cfg.arms():
-        return None
+def _diagnose_table(cfg: GranularityConfig) -> Table:
+    """``creditlab diagnose`` on each arm run's training dump (``--dump``). Dumps are written only when a cell
+    is computed and are not kept with the store, so when a run of this render has none the table is marked
+    ``carry``: the table of the render that had them is kept as it was (a render never removes or changes a
+    result it cannot recompute); with no earlier one, the rows this render can give are written, a missing
+    dump as a ``skipped`` row."""
     from creditlab.diagnose.checks import run_checks
     from creditlab.diagnose.readers import read_dump
 
-    rows = []
+    rows, lacking = [], []
+    where = Path(cfg.dump_dir) if cfg.dump_dir else None
     for arm in cfg.arms():
         for seed in range(cfg.seeds):
-            path = Path(cfg.dump_dir) / dump_name(arm, seed)
-            if not path.exists():
-                rows.append({"arm": arm, "seed": seed, "check": "(all)", "status": "skipped", "value": math.nan,
-                             "message": f"no dump at {path}: this run did not compute that cell (a stored cell was "
-                                        "reused); rerun with --fresh to dump it"})
+            path = where / dump_name(arm, seed) if where is not None else None
+            if path is None or not path.exists():
+                lacking.append(dump_name(arm, seed))
+                if path is not None:
+                    rows.append({"arm": arm, "seed": seed, "check": "(all)", "status": "skipped", "value": math.nan,
+                                 "message": f"no dump at {path}: this run did not compute that cell (a stored cell "
+                                            "was reused); rerun with --fresh to dump it"})
                 continue
             for r in run_checks(read_dump([path]), only=DIAGNOSE_CHECKS):
                 rows.append({"arm": arm, "seed": seed, "check": r.id, "status": r.status,
                              "value": math.nan if r.value is None else float(r.value), "message": r.message})
-    return pd.DataFrame(rows)
+    why = "" if not lacking else (
+        "it runs creditlab diagnose on each run's training dump (--dump), which a cell writes only when it is "
+        "computed, and dumps are not kept with a run's store; "
+        + ("this render has no --dump" if where is None else
+           f"{len(lacking)} of the {len(cfg.arms()) * cfg.seeds} runs of this render have no dump in {where} "
+           f"(e.g. {lacking[0]}): their cells were read back from the store"))
+    cols = ["arm", "seed", "check", "status", "value", "message"]
+    return Table(pd.DataFrame(rows, columns=cols), "creditlab diagnose on each run's training rollouts", carry=why)
 
 
 # --------------------------------------------------------------------------------------------
