@@ -74,8 +74,11 @@ POINTS = "{{{0}:+.1f|x100}} [{{{0}_lo:+.1f|x100}}, {{{0}_hi:+.1f|x100}}] points"
 YES_NO = "True=yes,False=no"
 
 
-def _budget_blocks(run: str, suffix: str, verdicts: dict[str, dict[str, str]]) -> tuple[Block, ...]:
-    """The budget experiment's means, paired differences and verdicts of one run (ids end in ``suffix``)."""
+def _budget_blocks(run: str, suffix: str, verdicts: dict[str, dict[str, str]], experiment: str = ""
+                   ) -> tuple[Block, ...]:
+    """The budget experiment's means, paired differences and verdicts of one run (ids end in ``suffix``);
+    ``experiment``: the predictions table's experiment column to match (runs rendered with one predictions
+    table for every lab; empty for the earlier shape without it)."""
     arms = [("C + 2", "GRPO", "c2|grpo"), ("C + 2", "PRM fixed λ", "c2|prm_fixed"), ("12 turns", "GRPO", "long|grpo"),
             ("12 turns", "PRM fixed λ", "long|prm_fixed"), ("12 turns", "PRM decayed λ", "long|prm_decay")]
     diffs = [("fixed λ - GRPO, C + 2", "prm_fixed - grpo|c2"), ("fixed λ - GRPO, 12 turns", "prm_fixed - grpo|long"),
@@ -100,7 +103,7 @@ def _budget_blocks(run: str, suffix: str, verdicts: dict[str, dict[str, str]]) -
         ), tuple(Row((label,), key) for label, key in diffs)),
         Block(f"budget-verdicts-{suffix}", page, run, "predictions", (("", None), ("verdict", "{verdict}"),
                                                                       ("measured", None)),
-              tuple(Row((p,), p, cells=cells) for p, cells in verdicts.items())),
+              tuple(Row((p,), f"{experiment}|{p}" if experiment else p, cells=cells) for p, cells in verdicts.items())),
     )
 
 
@@ -223,6 +226,12 @@ BLOCKS: tuple[Block, ...] = (
         "B1": {"measured": f"truncation {{{FIXED}.truncation:+.1f|x100}} points (past the rule's 5) to a partial "
                            f"{{budget_means[long|prm_fixed].truncation:.0%}}, tool calls {FIXED_CALLS}"},
         "B2": B2, "B3": B3}),
+    *_budget_blocks("run100-8seeds", "100-8seeds", {
+        "B1": {"measured": f"truncation {{{FIXED}.truncation:+.1f|x100}} [{{{FIXED}.truncation_lo:+.1f|x100}}, "
+                           f"{{{FIXED}.truncation_hi:+.1f|x100}}] points (rule: > 5) to a partial "
+                           f"{{budget_means[long|prm_fixed].truncation:.1%}} (rule: 10% to 80%), tool calls "
+                           f"{FIXED_CALLS}"},
+        "B2": B2, "B3": B3}, experiment="budget"),
 )
 
 

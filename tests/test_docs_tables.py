@@ -59,7 +59,7 @@ def test_the_check_catches_a_typed_number_and_the_rewrite_restores_it(tmp_path, 
 def test_the_check_catches_a_changed_run(tmp_path):
     """A stored value that changes (here in a copy of the 50-update budget run) makes its blocks stale."""
     results = tmp_path / "results"
-    for run in ("granularity-budget/run", "granularity-budget/run100"):
+    for run in ("granularity-budget/run", "granularity-budget/run100", "granularity-budget/run100-8seeds"):
         (results / run).mkdir(parents=True)
         for table in (RESULTS / run).glob("*.parquet"):
             shutil.copy(table, results / run / table.name)
