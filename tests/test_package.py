@@ -36,7 +36,7 @@ import pytest
 import creditlab
 
 ROOT = Path(__file__).resolve().parents[1]
-EXTRAS = {"verl", "trl", "skyrl", "ray", "offline", "docs", "dev"}
+EXTRAS = {"verl", "trl", "skyrl", "openrlhf", "ray", "offline", "docs", "dev"}
 
 
 def _clean_env() -> dict[str, str]:
@@ -203,6 +203,7 @@ def test_wheel_contents_and_metadata(dists):
 
     assert str(of("verl")["verl"].specifier) == "==0.9.1"
     assert str(of("trl")["trl"].specifier) == "<=1.16.0,>=1.15.0"
+    assert str(of("openrlhf")["openrlhf"].specifier) == "==0.11.2"
     skyrl = of("skyrl")
     assert str(skyrl["skyrl"].specifier) == "<=0.4.0,>=0.3.0"  # the two tested releases
     # what SkyRL's train modules import (its registry sync pickles with cloudpickle); orjson and pybase64

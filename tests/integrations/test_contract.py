@@ -15,10 +15,14 @@ Two kinds of checks:
   ``creditlab diagnose``'s checks on the dumped rows), and the deprecated aliases. The batches are built
   as the other integration tests build them: a verl ``DataProto`` of ``agent_batch``, the output of
   ``CreditlabGRPOTrainer._generate_and_score_completions`` on the tiny model, a SkyRL
-  ``TrainingInputBatch``. A new trainer needs a builder in :data:`CASES` (a test says so).
+  ``TrainingInputBatch``, an OpenRLHF ``Experience``. A new trainer needs a builder in :data:`CASES` (a
+  test says so).
 
 SkyRL on Python < 3.12 (the suite's 3.11, SkyRL 0.3.0): ``skyrl.backends`` is loaded without its package
 ``__init__``, as in tests/integrations/test_skyrl.py; SkyRL missing: its cases skip with the reason.
+OpenRLHF 0.11.2 does not install beside the other trainers (:data:`OUTSIDE_DEV`): its modules are installed
+from the package registry without their dependencies and loaded by path (``openrlhf_loader.py``); a registry
+that cannot be reached skips its cases with the reason.
 """
 
 from __future__ import annotations
@@ -53,7 +57,11 @@ SRC = Path(ci.__file__).resolve().parent
 #: The names each integration gave its duties before the contract (removed, CHANGELOG 0.2.0).
 OLD_NAMES = {"verl": ("TESTED_VERL_VERSIONS", "rows_from_dataproto", "fork_compute_score"),
              "trl": ("TESTED_TRL_VERSIONS", "check_trl_version", "fork_reward_func"),
-             "skyrl": ("TESTED_SKYRL_VERSIONS", "rows_from_training_batch", "fork_score")}
+             "skyrl": ("TESTED_SKYRL_VERSIONS", "rows_from_training_batch", "fork_score"),
+             "openrlhf": ()}
+#: Trainers the dev extra cannot install beside the others, and why; their tests install them themselves.
+OUTSIDE_DEV = {"openrlhf": "openrlhf 0.11.2 pins transformers==5.15.0 (skyrl 0.3.0 pins <=5.8.0), deepspeed and "
+                           "flash-attn (no CPU install): its tests install it with pip --no-deps (openrlhf_loader.py)"}
 RUBRICS = [{"criterion": "aspirin water", "points": 2}, {"criterion": "rest", "points": 1}]
 PROMPT = "How do I treat a headache?"
 # loopback judge (creditlab.judge.testing): full, partly wrong, nothing met, full
@@ -136,7 +144,10 @@ def test_every_integration_is_wired_into_the_package_and_its_docs(name):
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert name in extras and name in {Requirement(r).name for r in extras[name]}, f"pyproject.toml: extra {name!r}"
     dev = next(Requirement(r) for r in extras["dev"] if Requirement(r).name == "creditlab")
-    assert name in dev.extras, "the dev extra installs every trainer (the suite runs them)"
+    if name in OUTSIDE_DEV:
+        assert name not in dev.extras, f"the dev extra cannot install {name}: {OUTSIDE_DEV[name]}"
+    else:
+        assert name in dev.extras, "the dev extra installs every trainer (the suite runs them)"
     assert CLI_EXTRAS.get(name) == name, "creditlab.cli.main.EXTRAS: the trainer's module -> its extra"
     readme = (root / "README.md").read_text()
     assert f"| `{name}` | `creditlab.integrations.{name}`" in readme, "README.md: a row in the extras table"
@@ -149,13 +160,13 @@ def test_every_integration_is_wired_into_the_package_and_its_docs(name):
 
 def test_importing_the_package_imports_no_trainer():
     code = ("import sys, creditlab.integrations as ci\n"
-            "print(sorted(m for m in ('verl', 'trl', 'skyrl', 'skyrl_gym', 'ray') if m in sys.modules))\n"
+            "print(sorted(m for m in ('verl', 'trl', 'skyrl', 'skyrl_gym', 'ray', 'openrlhf') if m in sys.modules))\n"
             "print(sorted(m for m in sys.modules if m.startswith('creditlab.integrations.')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:2] == ["[]", "[]"], out.stdout
-    with pytest.raises(ConfigError, match="integration: unknown 'openrlhf'; valid: verl, trl, skyrl"):
-        ci.integration("openrlhf")
+    with pytest.raises(ConfigError, match="integration: unknown 'nemo_rl'; valid: verl, trl, skyrl, openrlhf"):
+        ci.integration("nemo_rl")
 
 
 # --------------------------------------------------------------------------------------------
@@ -360,8 +371,64 @@ def _skyrl_case(tmp_path_factory) -> Case:
                 registered=registered, registries=registries, fork=fork, fork_failure=fork_failure)
 
 
+def _openrlhf_case(tmp_path_factory) -> Case:
+    from openrlhf_loader import load_openrlhf
+
+    mods = load_openrlhf()  # OpenRLHF 0.11.2's own modules (installed with --no-deps; skips if unreachable)
+    import creditlab.integrations.openrlhf as co
+
+    B, P, L, n = 8, 4, 16, 4
+    old, rollout, lm = agent_batch(2, B=B, L=L, mismatch=0.3)
+    # OpenRLHF's layout: the action tensors (B, T - 1) cover the sequence from its second token, so the
+    # P - 1 prompt positions after the first come first (action_mask 0, log-probs 0 as its actor gives them)
+    zeros = torch.zeros(B, P - 1)
+    action_mask = torch.cat([zeros, lm], 1).bool()
+    last = P - 1 + L - 1 - torch.argmax(lm.flip(1), dim=1)
+    attention = torch.cat([torch.ones(B, 1), (torch.arange(P - 1 + L)[None, :] <= last[:, None]).float()], 1).long()
+    rewards = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 1.0, 1.0]  # the second group is degenerate
+    batch = mods["experience"].Experience(
+        sequences=torch.randint(5, 20, (B, P + L)), attention_mask=attention, action_mask=action_mask,
+        action_log_probs=torch.cat([zeros, old * lm], 1), rollout_log_probs=torch.cat([zeros, rollout], 1),
+        rewards=torch.tensor(rewards), index=list(range(B)), info={"reward": torch.tensor(rewards)})
+    PolicyLoss = mods["loss"].PolicyLoss
+    Maker = mods["experience_maker"].RemoteExperienceMaker
+
+    def set_version(mp, v):
+        mp.setattr(co, "_openrlhf_version", lambda: v)
+
+    def registered(out):
+        assert set(out) == {co.CORRECTION_ENV, "wrapped"}
+        assert set(out[co.CORRECTION_ENV]) == set(correction.CORRECTIONS)
+        assert out["wrapped"] == co.WRAPPED
+        for wrapped in (PolicyLoss.__dict__["forward"], Maker.__dict__["compute_advantages_and_returns"]):
+            assert getattr(wrapped, "__creditlab_original__", None) is not None
+
+    def registries():
+        return PolicyLoss.__dict__["forward"], Maker.__dict__["compute_advantages_and_returns"]
+
+    def fork(url, responses):
+        f = co.fork_reward("openai", base_url=url, model="judge", max_retries=0)
+        k = len(responses)
+        out = f([PROMPT + r for r in responses], [PROMPT] * k, [RUBRICS] * k)  # queries: prompt + response
+        assert set(out) == {"rewards", "scores", "extra_logs"} and set(out["extra_logs"]) == {"fork/precision",
+                                                                                             "fork/recall"}
+        assert out["rewards"].shape == (k,) and out["rewards"].dtype == torch.float32
+        return out["rewards"].tolist()
+
+    def fork_failure(url):
+        f = co.fork_reward("openai", base_url=url, model="judge", max_retries=0)
+        with pytest.raises(CreditlabError, match="FORK reward of sample 0"):
+            f([PROMPT + RESPONSES[0]], [PROMPT], [RUBRICS])
+
+    return Case(co, batch, dump_kwargs={"n_samples_per_prompt": n, "step": 0},
+                live_kwargs={"n_samples_per_prompt": n}, policy_tokens=lm.sum(1).int().tolist(), rewards=rewards,
+                set_version=set_version, registered=registered, registries=registries, fork=fork,
+                fork_failure=fork_failure)
+
+
 #: One builder per integration: a new trainer in INTEGRATIONS needs one here.
-CASES: dict[str, Callable[[Any], Case]] = {"verl": _verl_case, "trl": _trl_case, "skyrl": _skyrl_case}
+CASES: dict[str, Callable[[Any], Case]] = {"verl": _verl_case, "trl": _trl_case, "skyrl": _skyrl_case,
+                                           "openrlhf": _openrlhf_case}
 _BUILT: dict[str, Case] = {}
 
 

