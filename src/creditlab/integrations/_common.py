@@ -16,7 +16,9 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
+import re
 import threading
 import weakref
 from collections.abc import Callable
@@ -26,13 +28,16 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from creditlab.core import credit
+from creditlab.core import correction, credit
 from creditlab.core._checks import check_scalar, check_tensor
 from creditlab.core.masks import Segments, segments
 from creditlab.core.schedules import SCHEDULES, Schedule
 from creditlab.errors import ConfigError, CreditlabError, InputError
 
 __all__ = [
+    "run_sync",
+    "ParsedSpecs",
+    "parse_correction_spec",
     "BatcherCache",
     "CreditSettings",
     "MicroBatcher",
@@ -415,3 +420,92 @@ class BatcherCache:
 
     def __len__(self) -> int:
         return len(self.values())
+
+
+# --------------------------------------------------------------------------------------------
+# correction arms named in a trainer's config
+
+
+def _number_type(param: inspect.Parameter) -> type:
+    """``int`` for a parameter declared or defaulting to an int (e.g. ``iters: int | None``), else ``float``."""
+    if isinstance(param.default, int) and not isinstance(param.default, bool):
+        return int
+    ann = param.annotation
+    text = ann if isinstance(ann, str) else getattr(ann, "__name__", str(ann))
+    return int if re.search(r"\bint\b", text) and "float" not in text else float
+
+
+def parse_correction_spec(spec: str, where: str, prefix: str = "") -> tuple[str, dict[str, float]]:
+    """Parse ``<prefix><arm>[:key=value,...]`` (a correction arm as a trainer config names it) into the arm and
+    its keyword parameters; errors name ``where`` (the config key). The arm is looked up in
+    :data:`creditlab.core.correction.CORRECTIONS` now (an arm registered after import is accepted), the keys
+    are its parameters (:func:`~creditlab.core.correction.correction_params`), and the values are checked by
+    running the arm on a one-token batch.
+
+    >>> parse_correction_spec("creditlab_tis:cap=3", "rollout_is", "creditlab_")
+    ('tis', {'cap': 3.0})
+    """
+    if not isinstance(spec, str) or not spec.strip() or not spec.strip().startswith(prefix):
+        raise ConfigError(where, f"expected '{prefix}<arm>[:key=value,...]', got {spec!r}")
+    head, _, tail = spec.strip()[len(prefix):].partition(":")
+    arm = head.strip()
+    if arm not in correction.CORRECTIONS:
+        raise ConfigError(where, f"unknown arm {arm!r}; valid: {', '.join(prefix + a for a in correction.CORRECTIONS)}")
+    valid = correction.correction_params(arm)
+    signature = inspect.signature(correction.CORRECTIONS[arm]).parameters
+    params: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in tail.split(","))):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq or key not in valid:
+            raise ConfigError(where, f"bad parameter {part!r} for {arm}; valid keys: {', '.join(valid) or 'none'}")
+        try:
+            params[key] = _number_type(signature[key])(value)
+        except ValueError:
+            raise ConfigError(f"{where}:{key}", f"expected a number, got {value.strip()!r}") from None
+    try:  # validate the values now, with the config key in the message
+        one = torch.zeros(1, 1)
+        correction.correction_weights(arm, one, one, one.bool(), params=params, diagnostics=False)
+    except InputError as err:
+        raise ConfigError(where, f"{spec!r}: {err}") from None
+    return arm, params
+
+
+class ParsedSpecs:
+    """``parse(spec)`` once per spec (again only if its arm was registered anew since): trainers call with the
+    same spec every micro-batch, and the check on a one-token batch need not run each time."""
+
+    def __init__(self, parse: Callable[[str], tuple[str, dict[str, float]]]):
+        self.parse = parse
+        self._seen: dict[str, tuple[str, dict[str, float], Any]] = {}
+
+    def __call__(self, spec: str) -> tuple[str, dict[str, float]]:
+        hit = self._seen.get(spec) if isinstance(spec, str) else None
+        if hit is not None and correction.CORRECTIONS.get(hit[0], None) is hit[2]:
+            return hit[0], dict(hit[1])
+        arm, params = self.parse(spec)
+        self._seen[spec] = (arm, dict(params), correction.CORRECTIONS[arm])
+        return arm, params
+
+
+def run_sync(coro):
+    """Run ``coro`` to completion from synchronous code, also where an event loop is already running (a
+    trainer calling a reward function from async code or from a thread): then in a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as err:  # re-raised in the caller
+            box["error"] = err
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

@@ -54,7 +54,6 @@ import functools
 import importlib
 import inspect
 import os
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,7 +66,13 @@ openrlhf = import_trainer("openrlhf")
 from creditlab.core import correction
 from creditlab.errors import ConfigError, CreditlabError, InputError
 from creditlab.integrations import _live
-from creditlab.integrations._common import cached_fork_reward, check_tested_version
+from creditlab.integrations._common import (
+    ParsedSpecs,
+    cached_fork_reward,
+    check_tested_version,
+    parse_correction_spec,
+    run_sync,
+)
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
@@ -125,14 +130,6 @@ def check_version(version: str | None = None) -> str:
 # rollout correction through OpenRLHF's PolicyLoss
 
 
-def _number_type(param: inspect.Parameter) -> type:
-    if isinstance(param.default, int) and not isinstance(param.default, bool):
-        return int
-    ann = param.annotation
-    text = ann if isinstance(ann, str) else getattr(ann, "__name__", str(ann))
-    return int if re.search(r"\bint\b", text) and "float" not in text else float
-
-
 def parse_correction(spec: str) -> tuple[str, dict[str, float]]:
     """Parse ``<arm>[:key=value,...]`` (the value of ``CREDITLAB_OPENRLHF_CORRECTION``) into the arm and its
     keyword parameters; the arm is looked up in :data:`creditlab.core.correction.CORRECTIONS` now and the
@@ -143,44 +140,11 @@ def parse_correction(spec: str) -> tuple[str, dict[str, float]]:
     >>> parse_correction("tis:cap=3")
     ('tis', {'cap': 3.0})
     """
-    where = CORRECTION_ENV
-    if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError(where, f"expected '<arm>[:key=value,...]', got {spec!r}")
-    head, _, tail = spec.strip().partition(":")
-    arm = head.strip()
-    if arm not in correction.CORRECTIONS:
-        raise ConfigError(where, f"unknown arm {arm!r}; valid: {', '.join(correction.CORRECTIONS)}")
-    valid = correction.correction_params(arm)
-    signature = inspect.signature(correction.CORRECTIONS[arm]).parameters
-    params: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in tail.split(","))):
-        key, eq, value = part.partition("=")
-        key = key.strip()
-        if not eq or key not in valid:
-            raise ConfigError(where, f"bad parameter {part!r} for {arm}; valid keys: {', '.join(valid) or 'none'}")
-        try:
-            params[key] = _number_type(signature[key])(value)
-        except ValueError:
-            raise ConfigError(f"{where}:{key}", f"expected a number, got {value.strip()!r}") from None
-    try:
-        one = torch.zeros(1, 1)
-        correction.correction_weights(arm, one, one, one.bool(), params=params, diagnostics=False)
-    except InputError as err:
-        raise ConfigError(where, f"{spec!r}: {err}") from None
-    return arm, params
+    return parse_correction_spec(spec, CORRECTION_ENV)
 
 
-_PARSED: dict[str, tuple[str, dict[str, float], Any]] = {}
-
-
-def _parsed(spec: str) -> tuple[str, dict[str, float]]:
-    """:func:`parse_correction` once per spec (again if its arm was registered anew)."""
-    hit = _PARSED.get(spec)
-    if hit is not None and correction.CORRECTIONS.get(hit[0], None) is hit[2]:
-        return hit[0], dict(hit[1])
-    arm, params = parse_correction(spec)
-    _PARSED[spec] = (arm, dict(params), correction.CORRECTIONS[arm])
-    return arm, params
+#: :func:`parse_correction` once per spec (OpenRLHF builds its loss with the same one every step)
+_parsed = ParsedSpecs(parse_correction)
 
 
 def rollout_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, action_mask: torch.Tensor,
@@ -415,31 +379,6 @@ def install() -> dict[str, tuple[str, ...]]:
 # FORK as OpenRLHF's reward_func
 
 
-def _run(coro):
-    """Run ``coro`` to completion from synchronous code (OpenRLHF calls ``reward_func`` in a thread)."""
-    import asyncio
-    import threading
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    box: dict[str, Any] = {}
-
-    def target():
-        try:
-            box["value"] = asyncio.run(coro)
-        except BaseException as err:  # re-raised in the caller
-            box["error"] = err
-
-    t = threading.Thread(target=target)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 def fork_reward(judge: str = "offline", **options: Any):
     """OpenRLHF's ``reward_func(queries, prompts, labels)`` computing FORK; put it in the file given to
     ``--reward.remote_url`` (OpenRLHF passes no options to it, so the judge options go here)::
@@ -471,7 +410,7 @@ def fork_reward(judge: str = "offline", **options: Any):
                 raise CreditlabError(f"FORK reward of {where}: the query does not start with its prompt (OpenRLHF "
                                      "passes prompt + response); cannot tell the response apart")
             items.append(ForkItem(str(k), text, str(query)[len(text):], parse_rubrics(label, where, "label")))
-        results = _run(reward.score(items))
+        results = run_sync(reward.score(items))
         failed = [(k, r) for k, r in enumerate(results) if r.reward is None]
         if failed:
             k, r = failed[0]

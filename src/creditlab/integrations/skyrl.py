@@ -53,12 +53,10 @@ with :data:`CreditlabSkyRLConfig` (SkyRL's ``make_config``), e.g.
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import importlib
 import os
 import sys
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +75,7 @@ from creditlab.integrations._common import (
     cached_fork_reward,
     check_tested_version,
     group_ids,
+    run_sync,
     token_reward_advantages,
 )
 
@@ -555,28 +554,6 @@ def live_metrics(data: Any) -> dict[str, float]:
 # FORK reward
 
 
-def _run(coro):
-    """Run ``coro`` to completion from synchronous code, also under a running event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    box: dict[str, Any] = {}
-
-    def target():
-        try:
-            box["value"] = asyncio.run(coro)
-        except BaseException as err:  # re-raised in the caller
-            box["error"] = err
-
-    t = threading.Thread(target=target)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 def fork_reward(prompt: Any, response: str, rubrics: Any, *, item_id: str = "", **judge: Any) -> dict[str, float]:
     """FORK of one response: ``{"score", "precision", "recall"}``. ``rubrics`` is a list of
     ``{"criterion", "points"}`` records (or its JSON text), ``prompt`` a string or chat messages;
@@ -588,7 +565,7 @@ def fork_reward(prompt: Any, response: str, rubrics: Any, *, item_id: str = "", 
     item = ForkItem(item_id, render_messages(prompt, where, "prompt"), str(response),
                     parse_rubrics(rubrics, where, "ground_truth"))
     reward = cached_fork_reward(**judge)
-    res = _run(reward.score([item]))[0]
+    res = run_sync(reward.score([item]))[0]
     if res.reward is None:
         raise CreditlabError(f"FORK reward of {where}: {res.error}")
     return {"score": float(res.reward), "precision": float(res.precision), "recall": float(res.recall)}

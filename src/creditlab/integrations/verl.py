@@ -83,7 +83,6 @@ import functools
 import importlib.abc
 import inspect
 import os
-import re
 import sys
 from typing import Any
 
@@ -104,9 +103,11 @@ from creditlab.integrations._common import (
     BatcherCache,
     CreditSettings,
     MicroBatcher,
+    ParsedSpecs,
     cached_fork_reward,
     check_tested_version,
     group_ids,
+    parse_correction_spec,
     token_reward_advantages,
     turn_layout,
 )
@@ -168,15 +169,6 @@ def check_version(version: str | None = None) -> str:
 # rollout correction
 
 
-def _number_type(param: inspect.Parameter) -> type:
-    """``int`` for a parameter declared or defaulting to an int (e.g. ``iters: int | None``), else ``float``."""
-    if isinstance(param.default, int) and not isinstance(param.default, bool):
-        return int
-    ann = param.annotation
-    text = ann if isinstance(ann, str) else getattr(ann, "__name__", str(ann))
-    return int if re.search(r"\bint\b", text) and "float" not in text else float
-
-
 def parse_rollout_is(spec: str) -> tuple[str, dict[str, float]]:
     """Parse ``creditlab_<arm>[:key=value,...]`` into the arm and its keyword parameters.
 
@@ -189,47 +181,11 @@ def parse_rollout_is(spec: str) -> tuple[str, dict[str, float]]:
     >>> parse_rollout_is("creditlab_tis:cap=3")
     ('tis', {'cap': 3.0})
     """
-    where = "algorithm.rollout_correction.rollout_is"
-    if not isinstance(spec, str) or not spec.startswith(ROLLOUT_PREFIX):
-        raise ConfigError(where, f"expected '{ROLLOUT_PREFIX}<arm>[:key=value,...]', got {spec!r}")
-    head, _, tail = spec[len(ROLLOUT_PREFIX):].partition(":")
-    arm = head.strip()
-    if arm not in correction.CORRECTIONS:
-        raise ConfigError(where, f"unknown arm {arm!r}; valid: "
-                                 f"{', '.join(ROLLOUT_PREFIX + a for a in correction.CORRECTIONS)}")
-    valid = correction.correction_params(arm)
-    signature = inspect.signature(correction.CORRECTIONS[arm]).parameters
-    params: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in tail.split(","))):
-        key, eq, value = part.partition("=")
-        key = key.strip()
-        if not eq or key not in valid:
-            raise ConfigError(where, f"bad parameter {part!r} for {arm}; valid keys: {', '.join(valid) or 'none'}")
-        try:
-            params[key] = _number_type(signature[key])(value)
-        except ValueError:
-            raise ConfigError(f"{where}:{key}", f"expected a number, got {value.strip()!r}") from None
-    try:  # validate the values now, with the config path in the message
-        one = torch.zeros(1, 1)
-        correction.correction_weights(arm, one, one, one.bool(), params=params, diagnostics=False)
-    except InputError as err:
-        raise ConfigError(where, f"{spec!r}: {err}") from None
-    return arm, params
+    return parse_correction_spec(spec, "algorithm.rollout_correction.rollout_is", ROLLOUT_PREFIX)
 
 
-#: spec -> (arm, params, the arm's function when parsed): verl calls with the same spec every time
-_PARSED: dict[str, tuple[str, dict[str, float], Any]] = {}
-
-
-def _parsed(spec: str) -> tuple[str, dict[str, float]]:
-    """:func:`parse_rollout_is`, once per spec (again only if its arm was registered anew): the check
-    run on a one-token batch is not repeated every micro-batch."""
-    hit = _PARSED.get(spec) if isinstance(spec, str) else None
-    if hit is not None and correction.CORRECTIONS.get(hit[0], None) is hit[2]:
-        return hit[0], dict(hit[1])
-    arm, params = parse_rollout_is(spec)
-    _PARSED[spec] = (arm, dict(params), correction.CORRECTIONS[arm])
-    return arm, params
+#: :func:`parse_rollout_is` once per spec: verl calls with the same spec every micro-batch
+_parsed = ParsedSpecs(parse_rollout_is)
 
 
 def rollout_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, spec: str, *, sync: bool | None = None
