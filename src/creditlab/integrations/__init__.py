@@ -67,7 +67,7 @@ from types import ModuleType
 
 from creditlab.errors import ConfigError
 
-__all__ = ["CONTRACT", "INTEGRATIONS", "import_trainer", "integration"]
+__all__ = ["CONTRACT", "INTEGRATIONS", "import_trainer", "installed_version", "integration"]
 
 #: The integration modules, ``creditlab.integrations.<name>``; ``<name>`` is also the pip extra that
 #: installs the tested trainer (``pip install "creditlab[<name>]"``).
@@ -112,3 +112,14 @@ def import_trainer(name: str) -> ModuleType:
             raise
         raise ImportError(f'creditlab.integrations.{name} needs {_LABELS[name]}: pip install "creditlab[{name}]"'
                           ) from None
+
+
+def installed_version(name: str) -> str:
+    """The installed version of the trainer ``name`` by its package metadata (else its ``__version__``, else
+    ``"unknown"``): what :func:`check_version` compares with the tested versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return getattr(importlib.import_module(name), "__version__", "unknown")

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from creditlab.integrations import import_trainer
+from creditlab.integrations import import_trainer, installed_version
 
 openrlhf = import_trainer("openrlhf")
 
@@ -110,12 +110,7 @@ _LIVE_WARNINGS = _live.LiveWarnings()
 
 
 def _openrlhf_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("openrlhf")
-    except Exception:  # pragma: no cover
-        return getattr(openrlhf, "__version__", "unknown")
+    return installed_version("openrlhf")
 
 
 def check_version(version: str | None = None) -> str:

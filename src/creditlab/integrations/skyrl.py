@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from creditlab.integrations import import_trainer
+from creditlab.integrations import import_trainer, installed_version
 
 skyrl = import_trainer("skyrl")
 
@@ -95,12 +95,7 @@ DUMP_KEYS = ("dump_dir",)
 
 
 def _skyrl_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("skyrl")
-    except Exception:  # pragma: no cover
-        return getattr(skyrl, "__version__", "unknown")
+    return installed_version("skyrl")
 
 
 def check_version(version: str | None = None) -> str:

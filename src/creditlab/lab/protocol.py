@@ -54,7 +54,7 @@ from creditlab.lab.report import to_markdown
 from creditlab.lab.runner import Cell, Executor, run_cells
 from creditlab.lab.store import ResultStore
 
-__all__ = ["Lab", "LabConfig", "LabOption", "LabResult", "Table", "check_count", "lab_predictions",
+__all__ = ["Lab", "LabConfig", "LabOption", "LabResult", "Table", "check_count", "diff_paths", "lab_predictions",
            "predictions_record", "run_lab", "source_commit"]
 
 MANIFEST = "lab.json"
@@ -531,19 +531,20 @@ def _check_out(out: Path, lab: Lab, config: LabConfig, fresh: bool) -> dict | No
                                    f"{__version__}), whose code may compute other numbers; choose another --out, or "
                                    "pass --fresh to discard it")
     if old.get("manifest_version") != MANIFEST_VERSION or old.get("identity") != config.identity():
-        diff = _diff(old.get("identity") or {}, config.identity())
+        diff = diff_paths(old.get("identity") or {}, config.identity())
         raise ConfigError("--out", f"{out} holds a {lab.name} run with another configuration "
                                    f"(differs in: {', '.join(diff) or 'store format'}); rerun with the same options, "
                                    "choose another --out, or pass --fresh to discard it")
     return old
 
 
-def _diff(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
+def diff_paths(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The dotted paths of the leaves where two nested mappings differ (``grpo.lr``), sorted by key."""
     out = []
     for k in sorted(set(a) | set(b)):
         va, vb = a.get(k), b.get(k)
         if isinstance(va, Mapping) and isinstance(vb, Mapping):
-            out += _diff(va, vb, f"{prefix}{k}.")
+            out += diff_paths(va, vb, f"{prefix}{k}.")
         elif va != vb:
             out.append(f"{prefix}{k}")
     return out

@@ -23,7 +23,7 @@ import pandas as pd
 from creditlab.core.diagnostics import aulc, rollback
 from creditlab.lab.experiment import Experiment, Prediction, Tables, Verdict
 from creditlab.lab.plotting import new_figure, save
-from creditlab.lab.protocol import Table
+from creditlab.lab.protocol import Table, diff_paths
 from creditlab.lab.report import ci_columns, group_means, paired_diff, read_diff, small_run_note, sort_in_order
 from creditlab.lab.runner import Cell
 from creditlab.labs.mismatch.config import ARMS, DIFF, DOSES, LABELS, ROLLBACK, UNIT, MismatchConfig
@@ -571,24 +571,13 @@ def calibration_scope(cfg: MismatchConfig) -> str:
     ignore = {"experiments", "cache_dir", "dump_dir"}
     mine, theirs = cfg.to_dict(), reg.to_dict()
     parts += [f"{k} {_plain(mine, k)} (registered: {_plain(theirs, k)})"
-              for k in _paths(mine, theirs) if k.split(".")[0] not in ignore]
+              for k in diff_paths(mine, theirs) if k.split(".")[0] not in ignore]
     return "; ".join(parts)
 
 
 #: The run :func:`calibration_scope` accepts, for a reader.
 REGISTERED_RUN = ("--protocol two-core: MXFP4 with its 7 arms on 5 seeds, fp8, int8 and nvfp4 with naive and QAT on 2, "
                   "100 updates; results/mismatch-2core/run")
-
-
-def _paths(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += _paths(va, vb, f"{prefix}{k}.")
-        elif va != vb:
-            out.append(f"{prefix}{k}")
-    return out
 
 
 def _plain(d: dict, path: str):
