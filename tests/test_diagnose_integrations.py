@@ -25,15 +25,7 @@ from integration_helpers import (  # noqa: E402
 from creditlab.core.correction import mismatch_metrics  # noqa: E402
 from creditlab.diagnose import read_dump, run_checks  # noqa: E402
 
-pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
 
 def _verl_batch(seed=0, B=6, L=24):

@@ -37,18 +37,10 @@ from integration_helpers import agent_batch  # noqa: E402
 from creditlab.core import correction  # noqa: E402
 from creditlab.diagnose import read_dump  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 RUBRICS = [{"criterion": "aspirin water", "points": 2}, {"criterion": "rest", "points": 1}]
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def run_script(script: Path, tmp_path: Path, **env: str) -> dict[str, list[str]]:

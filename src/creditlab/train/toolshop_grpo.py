@@ -103,8 +103,9 @@ def make_advantage(name: str, *, generator: torch.Generator | None = None, conse
     from creditlab.core.schedules import Schedule
 
     if name == "grpo":
-        if params or step_scores is not None:
-            raise ConfigError("advantage", f"grpo takes no parameters, got {sorted(params)}")
+        given = sorted(params) + (["step_scores"] if step_scores is not None else [])
+        if given:
+            raise ConfigError("advantage", f"grpo takes no parameters, got {given}")
 
         def outcome(batch: RolloutBatch, rewards: torch.Tensor, update: int) -> torch.Tensor:
             return grpo_advantages(rewards, batch.group_ids)
