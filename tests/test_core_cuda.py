@@ -101,7 +101,7 @@ def _fork_inputs(seed=7, B=4, J=3, U=5):
 # the correction arms, segments, geometries, advantages, losses and the FORK math
 
 
-@pytest.mark.parametrize("arm", list(correction.CORRECTIONS)[:8])
+@pytest.mark.parametrize("arm", list(correction.CORRECTIONS)[:9])
 def test_correction_arms_and_mismatch_metrics(arm):
     old, ro, pm, vm = _tokens()
     want = correction.correction_weights(arm, old, ro, pm, vm)
@@ -115,7 +115,7 @@ def test_correction_arms_and_mismatch_metrics(arm):
     _close(m, correction.mismatch_metrics(old, ro, pm, vm))
 
 
-@pytest.mark.parametrize("arm", ["interq", "tis", "mis", "seq_is", "geo", "none"])
+@pytest.mark.parametrize("arm", ["interq", "tis", "mis", "seq_is", "geo", "none", "interq_tis"])
 def test_each_arm_called_directly(arm):
     old, ro, pm, vm = _tokens(1)
     fn = correction.interq_weights if arm == "interq" else getattr(correction, f"{arm}_weights")
@@ -431,7 +431,8 @@ ELSEWHERE = {
     "correction.interq_terms": "test_correction_arms_and_mismatch_metrics",
     "correction.mismatch_metrics": "test_correction_arms_and_mismatch_metrics",
     **{f"correction.{n}": "test_each_arm_called_directly"
-       for n in ("interq_weights", "tis_weights", "mis_weights", "seq_is_weights", "geo_weights", "none_weights")},
+       for n in ("interq_weights", "tis_weights", "mis_weights", "seq_is_weights", "geo_weights", "none_weights",
+                 "interq_tis_weights")},
     "correction.allocate_budget": "test_allocate_budget",
     "masks.segments": "test_segments",
     "credit.per_turn": "test_registered_geometries",  # every geometry, both group layouts
@@ -452,6 +453,7 @@ ELSEWHERE = {
 
 #: public functions with no tensor to put on a device -> why
 NO_TENSORS = {
+    "correction.parse_correction": "an arm as a config string names it (its check runs on the CPU)",
     "diagnostics.chain_length": "works on Python call records",
     "precision.unit_credit_one": "plain Python lists and floats (the judge client's path)",
     "precision.fork_scores_one": "plain Python lists and floats (the judge client's path)",

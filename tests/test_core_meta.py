@@ -50,7 +50,7 @@ RUNS = {
     # a trainer's hot path: every built-in arm with its diagnostics, no host read (metrics left unread)
     "correction.correction_weights[sync=False]": lambda: [
         correction.correction_weights(a, f(B, L), f(B, L), b(B, L), b(B, L), check=False, sync=False)[0]
-        for a in ("interq", "prefix", "global", "tis", "mis", "seq_is", "geo", "none")],
+        for a in ("interq", "prefix", "global", "tis", "mis", "seq_is", "geo", "none", "interq_tis")],
     "correction.allocate_budget": lambda: (correction.allocate_budget(f(S), f(S), 0.5),
                                            correction.allocate_budget(f(S), f(S), 0.5, iters=8)),
     "credit.uniform": lambda: (credit.uniform(f(B), b(B, T)), credit.uniform(f(B), b(B, T), conserve=False)),
@@ -97,11 +97,11 @@ RUNS = {
 #: InputError naming itself and saying it needs values, not torch's error from deep inside
 NEEDS_VALUES = {
     **{f"correction.{n}_weights": (lambda n=n: getattr(correction, f"{n}_weights")(f(B, L), f(B, L), b(B, L)))
-       for n in ("tis", "mis", "seq_is", "geo", "none", "interq")},
+       for n in ("tis", "mis", "seq_is", "geo", "none", "interq", "interq_tis")},
     "correction.interq_terms": lambda: correction.interq_terms(f(B, L), f(B, L), b(B, L)),
     "correction.mismatch_metrics": lambda: correction.mismatch_metrics(f(B, L), f(B, L), b(B, L), b(B, L)),
     **{f"correction.correction_weights[{a}]": (lambda a=a: correction.correction_weights(a, f(B, L), f(B, L), b(B, L)))
-       for a in ("interq", "tis", "none")},
+       for a in ("interq", "tis", "none", "interq_tis")},
     "masks.segment_bounds": lambda: mk.segment_bounds(b(B, L)),
     "masks.segments": lambda: mk.segments(b(B, L), b(B, L)),
     "advantages.group_stats": lambda: advantages.group_stats(f(B), i(B)),
@@ -120,6 +120,7 @@ NEEDS_VALUES = {
 
 #: public core functions that take no tensors (nothing to run on meta), with what they take
 NO_TENSORS = {
+    "correction.parse_correction": "an arm as a config string names it",
     "diagnostics.chain_length": "Python call records",
     "precision.unit_credit_one": "plain Python lists (the judge client's path)",
     "precision.fork_scores_one": "plain Python lists and floats (the judge client's path)",
@@ -157,7 +158,7 @@ def test_functions_without_tensors_take_none(name):
     import inspect
 
     module, function = name.split(".")
-    fn = getattr({"diagnostics": diag, "precision": precision}[module], function)
+    fn = getattr({"correction": correction, "diagnostics": diag, "precision": precision}[module], function)
     annotations = " ".join(str(p.annotation) for p in inspect.signature(fn).parameters.values())
     assert "Tensor" not in annotations, f"{name} takes tensors: run it in RUNS or NEEDS_VALUES"
 

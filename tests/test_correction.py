@@ -19,6 +19,7 @@ from creditlab.core.correction import (
     geo_weights,
     get_correction,
     interq_terms,
+    interq_tis_weights,
     interq_weights,
     mis_weights,
     mismatch_metrics,
@@ -254,7 +255,7 @@ def test_design_example_concentration_lowers_support():
 # properties
 
 
-@given(batches, st.sampled_from(["interq", "prefix", "global", "tis", "mis", "seq_is", "geo", "none"]))
+@given(batches, st.sampled_from(["interq", "prefix", "global", "tis", "mis", "seq_is", "geo", "none", "interq_tis"]))
 def test_no_mismatch_gives_unit_weights(batch, arm):
     B, L, p, pv, _, seed = batch
     old, _, pm, vm = _batch(seed, B, L, p, pv)
@@ -264,7 +265,7 @@ def test_no_mismatch_gives_unit_weights(batch, arm):
         assert m["correction/clip_rate"] == 0.0
     else:
         w, m = {"tis": tis_weights, "mis": mis_weights, "seq_is": seq_is_weights, "geo": geo_weights,
-                "none": none_weights}[arm](old, ro, pm, vm)
+                "none": none_weights, "interq_tis": interq_tis_weights}[arm](old, ro, pm, vm)
     assert bool((w == 1).all())
     assert m["mismatch/k3"] == 0.0
 
@@ -381,11 +382,12 @@ def test_allocate_budget_matches_scipy_optimiser(seed):
     np.testing.assert_allclose(ours, res.x, atol=2e-4)
 
 
-@given(batches, st.sampled_from(["interq", "tis", "seq_is", "geo"]))
+@given(batches, st.sampled_from(["interq", "tis", "seq_is", "geo", "interq_tis"]))
 def test_junk_at_masked_positions_and_extra_padding_change_nothing(batch, arm):
     B, L, p, pv, scale, seed = batch
     old, ro, pm, vm = _batch(seed, B, L, p, pv, scale)
-    fn = {"interq": interq_weights, "tis": tis_weights, "seq_is": seq_is_weights, "geo": geo_weights}[arm]
+    fn = {"interq": interq_weights, "tis": tis_weights, "seq_is": seq_is_weights, "geo": geo_weights,
+          "interq_tis": interq_tis_weights}[arm]
     w, m = fn(old, ro, pm, vm)
     off = ~(pm & vm)
     old_j, ro_j = old.clone(), ro.clone()
@@ -547,10 +549,12 @@ def test_bad_parameters():
 
 
 def test_registry_holds_every_arm_with_its_parameters():
-    assert list(CORRECTIONS)[:8] == ["interq", "prefix", "global", "tis", "mis", "seq_is", "geo", "none"]
+    assert list(CORRECTIONS)[:9] == ["interq", "prefix", "global", "tis", "mis", "seq_is", "geo", "none",
+                                     "interq_tis"]
     assert not hasattr(correction, "ARMS")
     for mode in correction.INTERQ_MODES:
         assert correction_params(mode) == ("eps_low", "eps_high", "alpha_g", "rho_eps", "iters")
+    assert correction_params("interq_tis") == ("eps_low", "eps_high", "alpha_g", "rho_eps", "iters", "cap")
     assert correction_params("tis") == ("cap",) and correction_params("mis") == ("lo", "hi")
     assert correction_params("seq_is") == ("cap",) and correction_params("none") == ()
     assert get_correction("tis") is tis_weights and get_correction("none") is none_weights
@@ -612,7 +616,7 @@ def test_registered_arms_pickle():
 
 def test_unknown_arm_lists_every_registered_name():
     with pytest.raises(ConfigError, match="correction: unknown 'bogus'; valid: interq, prefix, global, tis, mis, "
-                                          "seq_is, geo, none"):  # and any registered after them
+                                          "seq_is, geo, none, interq_tis"):  # and any registered after them
         get_correction("bogus")
     with pytest.raises(ConfigError, match="unknown"):
         correction_params("bogus")
@@ -663,13 +667,16 @@ def test_register_refuses_what_no_trainer_could_call():
 
 @pytest.mark.parametrize("arm, params", [("interq", {"alpha_g": 0.4, "eps_low": 0.03}), ("prefix", {}),
                                          ("global", {"alpha_g": 0.2, "iters": 30}), ("tis", {"cap": 1.5}),
-                                         ("mis", {}), ("seq_is", {}), ("geo", {}), ("none", {})])
+                                         ("mis", {}), ("seq_is", {}), ("geo", {}), ("none", {}),
+                                         ("mis", {"lo": 0.36787944117144233, "hi": math.inf}),
+                                         ("interq_tis", {"alpha_g": 0.4, "cap": 1.05}), ("interq_tis", {})])
 def test_correction_weights_equals_the_arm_then_mismatch_metrics(arm, params):
     """One InterQ pass per batch, the same numbers as the two calls it replaces."""
     old, ro, pm, vm = _batch(12, B=4, L=48, scale=0.08)
     w, m = correction_weights(arm, old, ro, pm, vm, params)
     w_ref, m_arm = get_correction(arm)(old, ro, pm, vm, **params)
-    interq_params = params if arm in correction.INTERQ_MODES else {}
+    interq_params = ({k: v for k, v in params.items() if k != "cap"} if arm in (*correction.INTERQ_MODES, "interq_tis")
+                     else {})
     diag = mismatch_metrics(old, ro, pm, vm, **interq_params)
     want = {**diag, **m_arm, **{k: v for k, v in diag.items() if k in m_arm and k.startswith("mismatch/")}}
     torch.testing.assert_close(w, w_ref, rtol=0, atol=0)
@@ -719,7 +726,7 @@ def test_probabilities_or_positive_numbers_instead_of_log_probs_are_named(fn):
 # --------------------------------------------------------------------------------------------
 # the input checks: one pass and one host read; check=False; sync=False (no host read at all)
 
-ARMS = ("interq", "prefix", "global", "tis", "mis", "seq_is", "geo", "none")
+ARMS = ("interq", "prefix", "global", "tis", "mis", "seq_is", "geo", "none", "interq_tis")
 CHECKED = {
     **{f"arm {a}": (lambda kw, check, a=a: get_correction(a)(**kw, check=check)) for a in ARMS},
     **{f"correction_weights {a}": (lambda kw, check, a=a: correction_weights(a, **kw, check=check)) for a in ARMS},

@@ -75,9 +75,14 @@ def _components(lab_name, field, value):
             raise KeyError(mode)
         return [("COMBINE_MODES", mode)]
     if lab_name == "mismatch":
+        from creditlab.core.correction import parse_correction
         from creditlab.labs.mismatch.config import ARMS
+        from creditlab.labs.mismatch.planted import PLANTED_ARMS
 
-        return [("CORRECTIONS", CORRECTIONS.get(ARMS[value][2]) and ARMS[value][2])]
+        # a dose arm (ARMS) or a planted arm (PLANTED_ARMS); its correction is a spec ``arm[:key=value,...]``
+        spec = ARMS[value][2] if value in ARMS else PLANTED_ARMS[value]
+        name, _ = parse_correction(spec)
+        return [("CORRECTIONS", CORRECTIONS.get(name) and name)]
     if lab_name == "granularity":
         from creditlab.labs.granularity.config import ARMS, GranularityConfig
 

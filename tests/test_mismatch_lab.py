@@ -276,7 +276,9 @@ def test_score_curve_reads_a_rollback_and_the_arms_are_the_issue_s():
     assert arm_triple("naive", "nvfp4") == ("nvfp4", "fp32", "none")
     assert arm_triple("qat_interq", "fp8") == ("fp8", "fp8", "interq")
     assert arm_triple("fp32", "int8") == ("fp32", "fp32", "none")
-    assert list(ARMS) == ["fp32", "naive", "qat", "qat_tis", "qat_mis", "qat_prefix", "qat_global", "qat_interq"]
+    assert list(ARMS) == ["fp32", "naive", "qat", "qat_tis", "qat_mis", "qat_prefix", "qat_global", "qat_interq",
+                          "qat_mis_low", "qat_interq_tis"]  # the last two: the dual-clip protocol's ablation
+    assert arm_triple("qat_mis_low", "mxfp4") == ("mxfp4", "mxfp4", "mis:lo=0.36787944117144233,hi=inf")
     with pytest.raises(ConfigError, match="arms"):
         arm_triple("qat_magic", "fp8")
 

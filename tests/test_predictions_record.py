@@ -349,8 +349,19 @@ def _docs_mismatch_two_core():
     return scope + _items(lines, numbered=False)
 
 
+def _docs_mismatch_dual_clip():
+    """In the lab's order: the experiments' own predictions (estimator E1, planted P1-P2), then the
+    comparison's scope and (A1)-(A4)."""
+    lines = _section("mismatch.md", "### Predictions (registered before the dual-clip run)")
+    scope = [p for p in _paragraphs(lines) if p.startswith("On the dual-clip protocol")]
+    items = _items(lines, numbered=False)
+    own = [i for i in items if not i.startswith("**(A")]
+    return own + scope + [i for i in items if i.startswith("**(A")]
+
+
 DOCS_PREDICTIONS = {"coverage": _docs_coverage, "fork": _docs_fork, "granularity": _docs_granularity,
-                    "mismatch": _docs_mismatch, "mismatch/two-core": _docs_mismatch_two_core}
+                    "mismatch": _docs_mismatch, "mismatch/two-core": _docs_mismatch_two_core,
+                    "mismatch/dual-clip": _docs_mismatch_dual_clip}
 
 
 @pytest.mark.parametrize("name", sorted(DOCS_PREDICTIONS))

@@ -189,6 +189,18 @@ class Case:
     registries: Callable[[], Any] = None  # a snapshot of those registries
     fork: Callable[[str, list[str]], list[float]] = None  # the scores of the responses, shape checked
     fork_failure: Callable[[str], None] = None  # one judged response whose judge fails: never a 0
+    #: the trainer's own correction path run with an arm and its parameters: its creditlab metrics (without
+    #: the trainer's prefix), the (old, rollout, policy mask) it corrected, and its weights where it shows them
+    correct: Callable[[str, dict], tuple[dict[str, float], tuple[torch.Tensor, ...], torch.Tensor | None]] = None
+
+
+def _spec(arm: str, params: dict, prefix: str = "") -> str:
+    """``<prefix><arm>[:key=value,...]``, the arm as a trainer config names it."""
+    return prefix + arm + (":" + ",".join(f"{k}={v}" for k, v in params.items()) if params else "")
+
+
+def _unprefixed(metrics: Any, prefix: str) -> dict[str, float]:
+    return {k[len(prefix):]: float(v) for k, v in dict(metrics).items() if k.startswith(prefix)}
 
 
 def _resolve(dotted: str) -> Any:
@@ -253,9 +265,21 @@ def _verl_case(tmp_path_factory) -> Case:
             asyncio.run(cv.fork_reward("medqa", RESPONSES[0], RUBRICS, {"prompt": PROMPT, "index": 0}, judge="openai",
                                        base_url=url, model="judge", max_retries=0))
 
+    def correct(arm, params):  # the driver-side entry point of decoupled mode, on a DataProto of its own
+        from omegaconf import OmegaConf
+        from verl.trainer.ppo import rollout_corr_helper
+
+        own = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": rm})
+        cfg = OmegaConf.create({"rollout_is": _spec(arm, params, cv.ROLLOUT_PREFIX), "rollout_is_threshold": 2.0,
+                                "rollout_rs": None, "rollout_rs_threshold": None,
+                                "rollout_is_batch_normalize": False, "bypass_mode": False})
+        out, metrics = rollout_corr_helper.compute_rollout_correction_and_add_to_batch(own, cfg)
+        return (_unprefixed(metrics, "rollout_corr/creditlab/"), (old, rollout, rm.bool()),
+                out.batch["rollout_is_weights"])
+
     return Case(cv, batch, policy_tokens=rm.sum(1).int().tolist(), rewards=rewards, prefix=cv.VERL_PREFIX,
                 set_version=set_version, registered=registered, registries=registries, fork=fork,
-                fork_failure=fork_failure)
+                fork_failure=fork_failure, correct=correct)
 
 
 def _length_reward(completions, **kwargs):
@@ -305,10 +329,23 @@ def _trl_case(tmp_path_factory) -> Case:
         f = ct.fork_reward("openai", base_url=url, model="judge", max_retries=0)
         assert asyncio.run(f([PROMPT], [RESPONSES[0]], rubrics=[RUBRICS])) == [None]  # TRL skips None
 
+    def correct(arm, params):  # a generation batch of the trainer with the arm in its place
+        saved = tr.creditlab_correction, tr.creditlab_correction_params
+        tr.creditlab_correction, tr.creditlab_correction_params = arm, dict(params)
+        try:
+            o = tr._generate_and_score_completions([{"prompt": p} for p in prompts for _ in range(G)])
+        finally:
+            tr.creditlab_correction, tr.creditlab_correction_params = saved
+        logged = {k: v[-1] for k, v in tr._metrics["train"].items() if k.startswith("creditlab/")}
+        old = o["old_per_token_logps"]
+        rollout = torch.where(torch.isnan(o["sampling_per_token_logps"]), old, o["sampling_per_token_logps"])
+        return _unprefixed(logged, "creditlab/"), (old, rollout, o["completion_mask"].bool() & o["tool_mask"].bool()), \
+            None
+
     return Case(ct, out, dump_kwargs={"rewards": rewards, "step": 0, "group_ids": groups},
                 live_kwargs={"rewards": rewards, "group_ids": groups}, policy_tokens=pm.sum(1).tolist(),
                 rewards=rewards.tolist(), set_version=set_version, registered=registered, registries=lambda: None,
-                fork=fork, fork_failure=fork_failure)
+                fork=fork, fork_failure=fork_failure, correct=correct)
 
 
 def _skyrl_case(tmp_path_factory) -> Case:
@@ -367,8 +404,26 @@ def _skyrl_case(tmp_path_factory) -> Case:
             cs.fork_reward(PROMPT, RESPONSES[0], RUBRICS, item_id="0", judge="openai", base_url=url, model="judge",
                            max_retries=0)
 
+    def correct(arm, params):  # the policy loss SkyRL's worker calls per micro-batch
+        from omegaconf import OmegaConf
+
+        cs.install()
+        g = torch.Generator().manual_seed(3)
+        lp = (old + 0.05 * torch.randn(old.shape, generator=g)).clamp(max=0).requires_grad_(True)
+        adv = torch.randn(B, 1, generator=g).expand_as(old) * lm / lm.sum()
+        opc = dict.fromkeys(("tis_ratio_type", "sequence_mask_metric", "outlier_token_is_threshold_low",
+                             "outlier_token_is_threshold_high", "token_mask_is_threshold_low",
+                             "token_mask_is_threshold_high"))
+        cfg = OmegaConf.create({"eps_clip_low": 0.2, "eps_clip_high": 0.2, "clip_ratio_c": 3.0,
+                                "off_policy_correction": opc, "creditlab": {"correction_params": dict(params)}})
+        loss, metrics = PL.get(f"creditlab_{arm}")(lp, old, adv, config=cfg, loss_mask=lm, rollout_logprobs=rollout)
+        loss.backward()
+        assert bool(torch.isfinite(loss)) and bool(torch.isfinite(lp.grad).all())
+        return _unprefixed(metrics, "creditlab/"), (old, rollout, lm.bool()), None
+
     return Case(cs, batch, policy_tokens=lm.sum(1).int().tolist(), rewards=rewards, set_version=set_version,
-                registered=registered, registries=registries, fork=fork, fork_failure=fork_failure)
+                registered=registered, registries=registries, fork=fork, fork_failure=fork_failure,
+                correct=correct)
 
 
 def _openrlhf_case(tmp_path_factory) -> Case:
@@ -420,10 +475,24 @@ def _openrlhf_case(tmp_path_factory) -> Case:
         with pytest.raises(CreditlabError, match="FORK reward of sample 0"):
             f([PROMPT + RESPONSES[0]], [PROMPT], [RUBRICS])
 
+    def correct(arm, params):  # OpenRLHF's PolicyLoss with the arm named in its variable
+        co.install()
+        old_a, rollout_a = batch.action_log_probs, batch.rollout_log_probs
+        g = torch.Generator().manual_seed(3)
+        lp = (old_a + 0.05 * torch.randn(old_a.shape, generator=g) * action_mask).clamp(max=0).requires_grad_(True)
+        adv = torch.randn(B, 1, generator=g).expand_as(old_a) * action_mask
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(co.CORRECTION_ENV, _spec(arm, params))
+            loss_fn = PolicyLoss(is_correction_level="token")
+            out = loss_fn(lp, old_a, adv, action_mask=action_mask, rollout_log_probs=rollout_a)
+        out[0].backward()
+        assert bool(torch.isfinite(out[0])) and bool(torch.isfinite(lp.grad).all())
+        return _unprefixed(loss_fn.creditlab_metrics, "creditlab/"), (old_a, rollout_a, action_mask), None
+
     return Case(co, batch, dump_kwargs={"n_samples_per_prompt": n, "step": 0},
                 live_kwargs={"n_samples_per_prompt": n}, policy_tokens=lm.sum(1).int().tolist(), rewards=rewards,
                 set_version=set_version, registered=registered, registries=registries, fork=fork,
-                fork_failure=fork_failure)
+                fork_failure=fork_failure, correct=correct)
 
 
 #: One builder per integration: a new trainer in INTEGRATIONS needs one here.
@@ -533,6 +602,29 @@ def test_fork_reward_has_the_trainers_reward_shape(case):
         case.fork_failure(srv.url)
     assert scores == pytest.approx([d.reward for d in direct])  # FORK itself, whatever the shape
     assert scores[0] > scores[1] > scores[2] == 0.0  # precision penalises the wrong unit; nothing met is 0
+
+
+#: built-in arms through each trainer: the baseline and InterQ-RL, and the arm composed of the two
+ARMS_THROUGH_TRAINERS = [("tis", {"cap": 1.5}), ("interq", {"alpha_g": 0.4}),
+                         ("interq_tis", {"alpha_g": 0.4, "cap": 1.5}), ("interq_tis", {})]
+
+
+@cases()
+@pytest.mark.parametrize("arm, params", ARMS_THROUGH_TRAINERS)
+def test_builtin_arms_run_through_the_trainers_correction_path(case, arm, params):
+    """The trainer looks the arm up in the registry by name: its weights (where the trainer shows them) and
+    metrics are those of ``correction_weights`` on the tokens it corrected (float32 inputs; some trainers
+    hand creditlab the log ratio in float64, hence the tolerance)."""
+    got, (old, rollout, pm), weights = case.correct(arm, params)
+    w, want = correction.correction_weights(arm, old, rollout, pm, params=params)
+    assert bool((w[pm] != 1).any())  # the engine's log-probs differ: the weights are not all 1
+    assert want.keys() <= got.keys(), sorted(want.keys() - got.keys())
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    if arm == "interq_tis":
+        assert "correction/token_clip_rate" in got and "correction/rho_mean" in got
+    if weights is not None:
+        torch.testing.assert_close(weights[pm], w.to(weights.dtype)[pm], rtol=1e-5, atol=1e-6)
 
 
 @cases()

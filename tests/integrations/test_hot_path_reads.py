@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from creditlab.core import correction
 from host_syncs import HostSyncs
 
-ARMS = ("interq", "prefix", "global", "tis", "mis", "seq_is", "geo", "none")
+ARMS = ("interq", "prefix", "global", "tis", "mis", "seq_is", "geo", "none", "interq_tis")
 
 
 # --------------------------------------------------------------------------------------------

@@ -122,6 +122,13 @@ def ref_tis(old, rollout, policy, cap=2.0):
              for t in range(len(policy[b]))] for b in range(len(policy))]
 
 
+def ref_interq_tis(old, rollout, policy, *, cap=2.0, **interq):
+    """``W_t * min(exp(delta_t), cap)`` token by token, ``W_t`` of :func:`ref_interq` (mode ``interq``)."""
+    w = ref_interq(old, rollout, policy, **interq)[0]
+    t = ref_tis(old, rollout, policy, cap)
+    return [[w[b][i] * t[b][i] for i in range(len(policy[b]))] for b in range(len(policy))]
+
+
 def ref_mis(old, rollout, policy, lo=0.5, hi=2.0):
     out = []
     for b in range(len(policy)):

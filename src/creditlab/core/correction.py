@@ -31,13 +31,15 @@ InterQ-RL design of this library (docs/design.md section 7).
 Baselines under the same signature ``fn(old_logprobs, rollout_logprobs, policy_mask,
 valid_mask=None, **params) -> (weights, metrics)``: :func:`tis_weights` (truncated token IS),
 :func:`mis_weights` (masked token IS), :func:`seq_is_weights` (truncated sequence IS),
-:func:`geo_weights` (geometric mean of the sequence ratio), :func:`none_weights`.
+:func:`geo_weights` (geometric mean of the sequence ratio), :func:`none_weights`; and one composed arm,
+:func:`interq_tis_weights` (the InterQ weight times the truncated token ratio).
 
 Every arm is registered by name in :data:`CORRECTIONS` (``interq``, ``prefix``, ``global``, ``tis``,
-``mis``, ``seq_is``, ``geo``, ``none``); the trainer integrations and the labs look arms up there at
-call time (:func:`get_correction`, :func:`correction_params`), so an arm added with
+``mis``, ``seq_is``, ``geo``, ``none``, ``interq_tis``); the trainer integrations and the labs look arms
+up there at call time (:func:`get_correction`, :func:`correction_params`), so an arm added with
 :func:`register_correction` works everywhere without touching them. :func:`correction_weights`
 computes an arm's weights together with :func:`mismatch_metrics`, with one InterQ pass per batch.
+:func:`parse_correction` reads an arm as a trainer config names it (``interq_tis:cap=3,alpha_g=0.4``).
 
 Everything runs on the device of the inputs, with no Python loop over tokens or segments, using
 only dense passes (arithmetic with the mask as 0/1 numbers, row-wise cumulative sums, gathers) and
@@ -59,8 +61,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import torch
@@ -91,10 +94,12 @@ __all__ = [
     "geo_weights",
     "get_correction",
     "interq_terms",
+    "interq_tis_weights",
     "interq_weights",
     "mis_weights",
     "mismatch_metrics",
     "none_weights",
+    "parse_correction",
     "register_correction",
     "registered_correction",
     "seq_is_weights",
@@ -728,8 +733,10 @@ def _envelope(pm: torch.Tensor, p: InterQParams, dtype: torch.dtype) -> tuple[to
     B, L = pm.shape
     n_t = torch.cumsum(pm.view(torch.uint8), 1).view(-1)  # int64
     root = torch.arange(L + 1, dtype=dtype, device=pm.device).sqrt_()
-    hi = (root * p.eps_high).index_select(0, n_t).view(B, L)
-    lo = root.mul_(-p.eps_low).index_select(0, n_t).view(B, L)
+    hi_table, lo_table = root * p.eps_high, root.mul_(-p.eps_low)
+    hi_table[0] = lo_table[0] = 0.0  # before a row's first policy token; not 0 * eps, NaN for eps = inf
+    hi = hi_table.index_select(0, n_t).view(B, L)
+    lo = lo_table.index_select(0, n_t).view(B, L)
     return lo, hi
 
 
@@ -902,15 +909,17 @@ def _masked_sum(v: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     return v.sum() if valid is None else torch.where(valid, v, 0.0).sum()
 
 
-def _interq_metrics(run: _Pass) -> dict[str, torch.Tensor]:
-    """The metrics of :func:`interq_weights` from one pass (tensors, nothing read)."""
+def _interq_metrics(run: _Pass, weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The metrics of :func:`interq_weights` from one pass (tensors, nothing read); the
+    ``correction/weight_*`` ones describe ``weights`` (in the pass's layout) when given, else ``W_t``."""
     q, x, b = run.interq, run.inputs, run.bounds
     n = x.policy.sum()
     metrics = _token_metrics(x.delta, n)
     metrics["correction/clip_rate"] = _safe_mean(q.clip.abs().sum(), n)
     metrics["correction/rho_mean"] = _safe_mean(q.rho.sum(), b.count)
     metrics["correction/alpha_mean"] = _safe_mean(_masked_sum(q.alpha, b.valid), b.count)
-    metrics.update(_weight_metrics(q.weights, x.policy, n, b.start[:1] if b.size else None))
+    metrics.update(_weight_metrics(q.weights if weights is None else weights, x.policy, n,
+                                   b.start[:1] if b.size else None))
     metrics["correction/segments"] = b.count
     if x.nonfinite is not None:
         metrics["correction/nonfinite_tokens"] = x.nonfinite
@@ -1064,12 +1073,13 @@ def _tis(cap: float = 2.0) -> _Weigh:
 
 def _mis(lo: float = 0.5, hi: float = 2.0) -> _Weigh:
     check_scalar("lo", lo, low=0.0, low_open=True)
-    check_scalar("hi", hi, low=lo)
+    check_scalar("hi", hi, low=lo)  # hi = inf: nothing is masked above
 
     def weigh(delta, m):
-        r = torch.exp(delta)
+        r = torch.exp(delta)  # off policy delta = 0: r = 1 exactly
         outside = ((r < lo) | (r > hi)).to(delta.dtype).mul_(m)
-        return r * (1.0 - outside) + (1.0 - m) * outside, outside  # off policy r = 1 exactly
+        # where, not r * (1 - outside): a masked ratio that overflowed to inf still weighs 0, not NaN
+        return torch.where(outside > 0, 0.0, r), outside
 
     return weigh
 
@@ -1116,8 +1126,10 @@ def mis_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *,
     """Masked token IS: ``r_t = exp(delta_t)`` if ``lo <= r_t <= hi`` else 0 (1 off policy tokens).
 
     Tokens whose ratio leaves ``[lo, hi]`` drop out of the loss instead of being truncated
-    (IcePop-style masking). ``(B, L)`` in and out; ``clip_rate`` is the share masked. ``check``: as in
-    :func:`interq_weights`.
+    (IcePop-style masking). With ``hi=math.inf`` only ratios below ``lo`` are masked:
+    ``lo=exp(-1)`` (``0.36787944117144233``), ``hi=inf`` drops the tokens with ``delta_t < -1`` and keeps
+    every other ratio untruncated (it overflows float32 only past ``delta_t`` of about 88). ``(B, L)`` in
+    and out; ``clip_rate`` is the share masked. ``check``: as in :func:`interq_weights`.
     """
     return _run_baseline(old_logprobs, rollout_logprobs, policy_mask, valid_mask, _mis(lo, hi), check, "mis_weights")
 
@@ -1156,6 +1168,85 @@ def none_weights(old_logprobs, rollout_logprobs, policy_mask, valid_mask=None, *
 _BASELINES: dict[CorrectionFn, Callable[..., _Weigh]] = {
     tis_weights: _tis, mis_weights: _mis, seq_is_weights: _seq_is, geo_weights: _geo, none_weights: _none,
 }
+
+
+# --------------------------------------------------------------------------------------------
+# composed arms: an InterQ pass times a token factor
+
+#: The parameters of :class:`InterQParams`, which a composed arm's parameters start with.
+_INTERQ_KEYS = tuple(f.name for f in fields(InterQParams))
+
+
+class _Composed(NamedTuple):
+    """A composed arm: the weights of the InterQ ``mode`` times the per-token factor of a baseline's
+    ``weigh`` (its factory, from the arm's parameters other than :data:`_INTERQ_KEYS`)."""
+
+    mode: str
+    token: Callable[..., _Weigh]
+
+
+def _composed_weights(run: _Pass, weigh: _Weigh) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``W_t * w_t`` in the pass's layout (both factors are exactly 1 off policy tokens) and its metrics:
+    the InterQ pass's, with ``correction/weight_*`` of the product and ``correction/token_clip_rate``, the
+    share of policy tokens whose token factor was clipped (tensors, nothing read)."""
+    x = run.inputs
+    token, clipped = weigh(x.delta, x.m)
+    w = torch.mul(run.interq.weights, token)
+    metrics = _interq_metrics(run, w)
+    metrics["correction/token_clip_rate"] = _safe_mean((clipped * x.m).sum(), x.policy.sum())
+    return w, metrics
+
+
+@register_correction("interq_tis")
+def interq_tis_weights(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    policy_mask: torch.Tensor,
+    valid_mask: torch.Tensor | None = None,
+    *,
+    eps_low: float = INTERQ.eps_low,
+    eps_high: float = INTERQ.eps_high,
+    alpha_g: float = INTERQ.alpha_g,
+    rho_eps: float = INTERQ.rho_eps,
+    iters: int | None = INTERQ.iters,
+    cap: float = 2.0,
+    check: bool = True,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The bounded execution-prefix weight composed with the truncated current-token ratio:
+    ``W_t * min(exp(delta_t), cap)`` on policy tokens, 1 elsewhere.
+
+    ``W_t`` is InterQ-RL's weight (:func:`interq_weights`, mode ``interq``): the prefix ratio ``exp(E_t)``
+    bounded by the envelope and shrunk toward 1 per segment by its support under the batch budget. The
+    second factor is the token ratio of :func:`tis_weights`, truncated at ``cap``. ``E_t`` includes
+    ``delta_t``, so the current token enters both: bounded and shrunk with its history in the first,
+    truncated alone in the second.
+
+    Takes InterQ-RL's parameters (``eps_low``, ``eps_high``, ``alpha_g``, ``rho_eps``, ``iters``, as in
+    :func:`interq_weights`), TIS's ``cap`` and ``check`` (as in :func:`interq_weights`). ``(B, L)`` in and
+    out, one InterQ pass. Metrics: those of :func:`interq_weights` (``correction/clip_rate`` is the
+    envelope's, ``rho_mean``, ``alpha_mean``, ``segments``, ``mismatch/k3``, ...) with
+    ``correction/weight_mean/min/max`` of the product, and ``correction/token_clip_rate``, the share of
+    policy tokens truncated at ``cap``.
+
+    >>> old = torch.tensor([[-1.0, -1.0, 0.0, -1.0]]); pm = torch.tensor([[True, True, False, True]])
+    >>> w, m = interq_tis_weights(old, old - 1.0, pm, cap=2.0)  # delta = 1: each token ratio e, truncated at 2
+    >>> w / interq_weights(old, old - 1.0, pm)[0], m["correction/token_clip_rate"]
+    (tensor([[2., 2., 1., 2.]]), 1.0)
+    """
+    require_values("interq_tis_weights", "it reads the segment count and its metrics on the host" + _NO_READS,
+                   old_logprobs, rollout_logprobs, policy_mask, valid_mask)
+    p = InterQParams(eps_low, eps_high, alpha_g, rho_eps, iters)
+    weigh = _tis(cap)
+    with torch.no_grad():
+        run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, "interq", check=check)
+        w, metrics = _composed_weights(run, weigh)
+        weights = run.full(w, 1.0)
+    return weights, _to_floats(metrics)
+
+
+#: The composed arms: :func:`correction_weights` runs their InterQ pass once, shared with
+#: :func:`mismatch_metrics`, and multiplies by the token factor.
+_COMPOSED: dict[CorrectionFn, _Composed] = {interq_tis_weights: _Composed("interq", _tis)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -1367,10 +1458,10 @@ def correction_weights(
 
     This is what the trainer integrations call. ``params`` are the arm's keyword parameters
     (:func:`correction_params`; an unknown key raises :class:`ConfigError` naming the valid ones). For
-    the ``interq`` / ``prefix`` / ``global`` arms, ``mismatch_metrics`` gets the same InterQ parameters
-    and reuses the arm's pass (:func:`interq_terms`); for every other arm it runs with its defaults, as
-    a separate diagnostic on the same checked inputs. The numbers equal those of calling the arm and
-    then ``mismatch_metrics``. ``diagnostics=False`` returns the arm's own metrics only.
+    the ``interq`` / ``prefix`` / ``global`` / ``interq_tis`` arms, ``mismatch_metrics`` gets the same
+    InterQ parameters and reuses the arm's pass (:func:`interq_terms`); for every other arm it runs with
+    its defaults, as a separate diagnostic on the same checked inputs. The numbers equal those of calling
+    the arm and then ``mismatch_metrics``. ``diagnostics=False`` returns the arm's own metrics only.
 
     ``check``: the input checks, as in :func:`interq_weights` (an arm registered with a ``check``
     keyword gets it passed on). ``sync=False`` (with ``check=False``; a trainer's hot path, once per
@@ -1404,15 +1495,21 @@ def correction_weights(
                        "metrics on the host; pass check=False, sync=False for a run without host reads",
                        old_logprobs, rollout_logprobs, policy_mask, valid_mask)
     mode = _ARM_MODES.get(fn)
+    composed = _COMPOSED.get(fn)
     weigh = _BASELINES.get(fn)
     with torch.no_grad():
-        if mode is not None:
+        if mode is not None or composed is not None:
+            token = None
+            if composed is not None:  # its InterQ parameters for the pass, the rest for the token factor
+                mode = composed.mode
+                token = composed.token(**{k: v for k, v in params.items() if k not in _INTERQ_KEYS})
+                params = {k: v for k, v in params.items() if k in _INTERQ_KEYS}
             p = InterQParams(**params)
             run = _interq_pass(old_logprobs, rollout_logprobs, policy_mask, valid_mask, p, mode, check=check,
                                sync=sync)
             q, x, b = run.interq, run.inputs, run.bounds
-            arm = _interq_metrics(run)
-            w, present = run.full(q.weights, 1.0), {}
+            w, arm = (q.weights, _interq_metrics(run)) if token is None else _composed_weights(run, token)
+            w, present = run.full(w, 1.0), {}
             if diagnostics:
                 alloc = q.alpha if mode == "interq" else _allocate(q.C, q.rho, p.alpha_g, p.iters)
                 diag, present = _mismatch(x, b, *_clip_counts(q.clip), q.C, q.rho, alloc, _MAX_TURNS, _QUANTILES)
@@ -1435,3 +1532,58 @@ def correction_weights(
                 arm = _merged(arm, diag)
     metrics = DeviceMetrics(arm, present=present)
     return w, (metrics if not sync else dict(metrics))
+
+
+# --------------------------------------------------------------------------------------------
+# an arm as a trainer config names it
+
+
+def _number_type(param: inspect.Parameter) -> type:
+    """``int`` for a parameter declared or defaulting to an int (e.g. ``iters: int | None``), else ``float``."""
+    if isinstance(param.default, int) and not isinstance(param.default, bool):
+        return int
+    ann = param.annotation
+    text = ann if isinstance(ann, str) else getattr(ann, "__name__", str(ann))
+    return int if re.search(r"\bint\b", text) and "float" not in text else float
+
+
+def parse_correction(spec: str, where: str = "correction", prefix: str = "") -> tuple[str, dict[str, float]]:
+    """Parse ``<prefix><arm>[:key=value,...]`` (a correction arm as a trainer config names it) into the arm and
+    its keyword parameters; errors are :class:`ConfigError` naming ``where`` (the config key).
+
+    The arm is looked up in :data:`CORRECTIONS` now (an arm registered after import is accepted), the keys are
+    its parameters (:func:`correction_params`), a value is a number as Python's ``float`` (or ``int``, for a
+    parameter declared as one) reads it, ``inf`` included, and the values are checked by running the arm on
+    a one-token batch. ``prefix`` is what the trainer puts before arm names (verl's ``creditlab_``).
+
+    >>> parse_correction("interq_tis:cap=3,alpha_g=0.4")
+    ('interq_tis', {'cap': 3.0, 'alpha_g': 0.4})
+    >>> parse_correction("creditlab_mis:lo=0.36787944117144233,hi=inf", "rollout_is", "creditlab_")
+    ('mis', {'lo': 0.36787944117144233, 'hi': inf})
+    """
+    if not isinstance(spec, str) or not spec.strip() or not spec.strip().startswith(prefix):
+        raise ConfigError(where, f"expected '{prefix}<arm>[:key=value,...]', got {spec!r}")
+    head, _, tail = spec.strip()[len(prefix):].partition(":")
+    arm = head.strip()
+    if arm not in CORRECTIONS:
+        raise ConfigError(where, f"unknown arm {arm!r}; valid: {', '.join(prefix + a for a in CORRECTIONS)}")
+    valid = correction_params(arm)
+    signature = inspect.signature(CORRECTIONS[arm]).parameters
+    params: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in tail.split(","))):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq or key not in valid:
+            raise ConfigError(where, f"bad parameter {part!r} for {arm}; valid keys: {', '.join(valid) or 'none'}")
+        if key in params:
+            raise ConfigError(where, f"{spec!r} sets {key} twice")
+        try:
+            params[key] = _number_type(signature[key])(value)
+        except ValueError:
+            raise ConfigError(f"{where}:{key}", f"expected a number, got {value.strip()!r}") from None
+    try:  # validate the values now, with the config key in the message
+        one = torch.zeros(1, 1)
+        correction_weights(arm, one, one, one.bool(), params=params, diagnostics=False)
+    except InputError as err:
+        raise ConfigError(where, f"{spec!r}: {err}") from None
+    return arm, params

@@ -16,9 +16,7 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
-import re
 import threading
 import weakref
 from collections.abc import Callable
@@ -37,7 +35,6 @@ from creditlab.errors import ConfigError, CreditlabError, InputError
 __all__ = [
     "run_sync",
     "ParsedSpecs",
-    "parse_correction_spec",
     "BatcherCache",
     "CreditSettings",
     "MicroBatcher",
@@ -424,51 +421,6 @@ class BatcherCache:
 
 # --------------------------------------------------------------------------------------------
 # correction arms named in a trainer's config
-
-
-def _number_type(param: inspect.Parameter) -> type:
-    """``int`` for a parameter declared or defaulting to an int (e.g. ``iters: int | None``), else ``float``."""
-    if isinstance(param.default, int) and not isinstance(param.default, bool):
-        return int
-    ann = param.annotation
-    text = ann if isinstance(ann, str) else getattr(ann, "__name__", str(ann))
-    return int if re.search(r"\bint\b", text) and "float" not in text else float
-
-
-def parse_correction_spec(spec: str, where: str, prefix: str = "") -> tuple[str, dict[str, float]]:
-    """Parse ``<prefix><arm>[:key=value,...]`` (a correction arm as a trainer config names it) into the arm and
-    its keyword parameters; errors name ``where`` (the config key). The arm is looked up in
-    :data:`creditlab.core.correction.CORRECTIONS` now (an arm registered after import is accepted), the keys
-    are its parameters (:func:`~creditlab.core.correction.correction_params`), and the values are checked by
-    running the arm on a one-token batch.
-
-    >>> parse_correction_spec("creditlab_tis:cap=3", "rollout_is", "creditlab_")
-    ('tis', {'cap': 3.0})
-    """
-    if not isinstance(spec, str) or not spec.strip() or not spec.strip().startswith(prefix):
-        raise ConfigError(where, f"expected '{prefix}<arm>[:key=value,...]', got {spec!r}")
-    head, _, tail = spec.strip()[len(prefix):].partition(":")
-    arm = head.strip()
-    if arm not in correction.CORRECTIONS:
-        raise ConfigError(where, f"unknown arm {arm!r}; valid: {', '.join(prefix + a for a in correction.CORRECTIONS)}")
-    valid = correction.correction_params(arm)
-    signature = inspect.signature(correction.CORRECTIONS[arm]).parameters
-    params: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in tail.split(","))):
-        key, eq, value = part.partition("=")
-        key = key.strip()
-        if not eq or key not in valid:
-            raise ConfigError(where, f"bad parameter {part!r} for {arm}; valid keys: {', '.join(valid) or 'none'}")
-        try:
-            params[key] = _number_type(signature[key])(value)
-        except ValueError:
-            raise ConfigError(f"{where}:{key}", f"expected a number, got {value.strip()!r}") from None
-    try:  # validate the values now, with the config key in the message
-        one = torch.zeros(1, 1)
-        correction.correction_weights(arm, one, one, one.bool(), params=params, diagnostics=False)
-    except InputError as err:
-        raise ConfigError(where, f"{spec!r}: {err}") from None
-    return arm, params
 
 
 class ParsedSpecs:

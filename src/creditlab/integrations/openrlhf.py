@@ -70,7 +70,6 @@ from creditlab.integrations._common import (
     ParsedSpecs,
     cached_fork_reward,
     check_tested_version,
-    parse_correction_spec,
     run_sync,
 )
 
@@ -135,7 +134,7 @@ def parse_correction(spec: str) -> tuple[str, dict[str, float]]:
     >>> parse_correction("tis:cap=3")
     ('tis', {'cap': 3.0})
     """
-    return parse_correction_spec(spec, CORRECTION_ENV)
+    return correction.parse_correction(spec, CORRECTION_ENV)
 
 
 #: :func:`parse_correction` once per spec (OpenRLHF builds its loss with the same one every step)

@@ -107,7 +107,6 @@ from creditlab.integrations._common import (
     cached_fork_reward,
     check_tested_version,
     group_ids,
-    parse_correction_spec,
     token_reward_advantages,
     turn_layout,
 )
@@ -181,7 +180,7 @@ def parse_rollout_is(spec: str) -> tuple[str, dict[str, float]]:
     >>> parse_rollout_is("creditlab_tis:cap=3")
     ('tis', {'cap': 3.0})
     """
-    return parse_correction_spec(spec, "algorithm.rollout_correction.rollout_is", ROLLOUT_PREFIX)
+    return correction.parse_correction(spec, "algorithm.rollout_correction.rollout_is", ROLLOUT_PREFIX)
 
 
 #: :func:`parse_rollout_is` once per spec: verl calls with the same spec every micro-batch

@@ -109,8 +109,10 @@ class LabConfig:
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able values (tuples become lists)."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """Plain JSON-able values (tuples become lists). A field added after runs were stored declares the
+        value those runs had (``field(metadata={"absent": value})``): at that value it is left out, so a
+        stored run's cell keys do not change, and :meth:`from_dict` reads its absence as that value."""
+        return json.loads(json.dumps(_without_absent(self)))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]):
@@ -141,11 +143,30 @@ def _replace_path(cfg: Any, path: str, value: Any) -> Any:
     return dataclasses.replace(cfg, **{head: value})
 
 
+#: The metadata key of a dataclass field added after runs were stored: the value those runs had (see
+#: :meth:`LabConfig.to_dict`).
+ABSENT = "absent"
+
+
+def _without_absent(obj: Any) -> Any:
+    """``dataclasses.asdict`` of ``obj``, leaving out every field (at any depth) whose value is its ``absent``."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _without_absent(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (ABSENT in f.metadata and getattr(obj, f.name) == f.metadata[ABSENT])}
+    if isinstance(obj, list | tuple):
+        return [_without_absent(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _without_absent(v) for k, v in obj.items()}
+    return obj
+
+
 def _from_dict(cls: type, data: Mapping[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in data:
+            if ABSENT in f.metadata:
+                kwargs[f.name] = f.metadata[ABSENT]
             continue
         kwargs[f.name] = _coerce(hints.get(f.name, Any), data[f.name])
     unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})

@@ -79,9 +79,10 @@ class KVCache:
     All sequences of the batch advance together, one position per :meth:`TinyLM.step`.
     """
 
-    def __init__(self, model: TinyLM, batch: int, precision: str, max_len: int | None = None):
+    def __init__(self, model: TinyLM, batch: int, precision: str, max_len: int | None = None, exact: bool = False):
         cfg = model.cfg
         self.precision = EngineFormat.parse(precision)
+        self.exact = bool(exact)
         self.max_len = int(max_len or cfg.max_len)
         if self.max_len > cfg.max_len:
             raise ConfigError("max_len", f"{self.max_len} exceeds the model's max_len {cfg.max_len}")
@@ -196,7 +197,7 @@ class TinyLM(nn.Module):
                cache: KVCache | None, layer: int) -> torch.Tensor:
         B, L, D = x.size()
         H = self.cfg.n_head
-        eng = cache is not None
+        eng = cache is not None and not cache.exact
         qkv = self._linear(blk.ln1(x), blk.qkv, w["qkv"], precision, eng)  # (B, L, 3D)
         q, k, v = qkv.split(D, dim=-1)
         q, k, v = (t.view(B, L, H, D // H).transpose(1, 2) for t in (q, k, v))  # (B, H, L, hd)
@@ -235,8 +236,12 @@ class TinyLM(nn.Module):
             x = self._block(blk, weights[i], x, precision, None, i)
         return self.head(self.ln_f(x))
 
-    def init_cache(self, batch: int, precision: str = "fp32", max_len: int | None = None) -> KVCache:
-        return KVCache(self, batch, precision, max_len)
+    def init_cache(self, batch: int, precision: str = "fp32", max_len: int | None = None,
+                   exact: bool = False) -> KVCache:
+        """The rollout engine's cache. ``exact``: the engine computes as the learner does (its quantized GEMMs
+        keep fp32 outputs instead of writing bf16), so it samples from the learner's own distribution up to
+        the summation order of incremental decoding (the known-answer sampler of the mismatch lab)."""
+        return KVCache(self, batch, precision, max_len, exact)
 
     def step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Feed ``tokens`` ``(B,)`` or a block ``(B, n)`` at the cache position; returns the logits of the
@@ -290,9 +295,10 @@ class StackedKVCache:
     head_dim)`` and the engine's quantized weights; all ``M * B`` sequences advance together."""
 
     def __init__(self, model: StackedTinyLM, batch: int, precision: str | Sequence[str],
-                 max_len: int | None = None):
+                 max_len: int | None = None, exact: bool = False):
         cfg = model.cfg
         self.precision = _per_model(precision, model.n_models)
+        self.exact = bool(exact)
         self.max_len = int(max_len or cfg.max_len)
         if self.max_len > cfg.max_len:
             raise ConfigError("max_len", f"{self.max_len} exceeds the model's max_len {cfg.max_len}")
@@ -390,7 +396,7 @@ class StackedTinyLM(nn.Module):
                cache: StackedKVCache | None) -> torch.Tensor:
         M, B, L, D = x.shape
         H = self.cfg.n_head
-        eng = cache is not None
+        eng = cache is not None and not cache.exact
         pre = f"blocks.{i}"
         qkv = self._linear(self._ln(x, f"{pre}.ln1"), f"{pre}.qkv", w["qkv"], prec, eng)  # (M, B, L, 3D)
         q = qkv[..., :D].reshape(M, B, L, H, D // H)
@@ -443,8 +449,9 @@ class StackedTinyLM(nn.Module):
         return self._head(x)
 
     def init_cache(self, batch: int, precision: str | Sequence[str] = "fp32",
-                   max_len: int | None = None) -> StackedKVCache:
-        return StackedKVCache(self, batch, precision, max_len)
+                   max_len: int | None = None, exact: bool = False) -> StackedKVCache:
+        """The stacked engine's cache; ``exact`` as in :meth:`TinyLM.init_cache`."""
+        return StackedKVCache(self, batch, precision, max_len, exact)
 
     def step(self, tokens: torch.Tensor, cache: StackedKVCache) -> torch.Tensor:
         """Feed ``tokens`` ``(M, B)`` or ``(M, B, n)`` at the cache position; returns the logits of the

@@ -21,10 +21,11 @@ execution-mismatch correction arms of :func:`make_weights`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -184,7 +185,9 @@ class GRPOConfig:
     reward: str = "success"
     """Outcome reward: "success" (binary) or "progress" (field-level score)."""
     correction: str = "none"
-    """Per-token weights: an arm of creditlab.core.correction.CORRECTIONS; a callable can be passed instead."""
+    """Per-token weights: an arm of creditlab.core.correction.CORRECTIONS with its parameters, as the trainer
+    integrations name one (``"tis"``, ``"mis:lo=0.3679,hi=inf"``: creditlab.core.correction.parse_correction);
+    a callable can be passed to train_grpo instead."""
     lr: float = 3e-4
     """AdamW learning rate."""
     minibatches: int = 2
@@ -195,6 +198,11 @@ class GRPOConfig:
     """PPO ratio clip below."""
     clip_high: float = 0.28
     """PPO ratio clip above (DAPO-style asymmetric clip)."""
+    clip_ratio_c: float | None = field(default=3.0, metadata={"absent": None})
+    """Dual clip (verl's ``clip_ratio_c``, default 3 as verl's): for negative advantages the token loss is
+    capped at ``-A * clip_ratio_c``, so a token the learner now finds far likelier than the sampler did cannot
+    dominate the update. None: off (the protocol of runs stored before the field existed: a stored config
+    without it reads as None)."""
     agg: str = "token_mean"
     """Loss aggregation mode (creditlab.core.losses.aggregate)."""
     grad_clip: float = 1.0
@@ -213,10 +221,22 @@ class GRPOConfig:
     """Size of the fixed evaluation set (seeds disjoint from training)."""
     seed: int = 0
     """Seed of the task stream and the sampling."""
+    plant: float = field(default=0.0, metadata={"absent": 0.0})
+    """Strength of the planted engine (0: none): the rollout engine shifts the logits of tool-call tokens at
+    turn k by ``plant * (k + 1) * z`` (creditlab.train.toolshop_rollout.planted_direction), a mismatch of
+    known size that grows with the turn; see :func:`~creditlab.train.toolshop_rollout.rollout`."""
 
     def __post_init__(self) -> None:
+        from creditlab.core.correction import parse_correction
+
         for name in ("rollout_precision", "learner_precision"):  # parsed here, once; the error names the field
             object.__setattr__(self, name, EngineFormat.parse(getattr(self, name), name))
+        if isinstance(self.correction, str):
+            parse_correction(self.correction, "correction")
+        if self.clip_ratio_c is not None and not float(self.clip_ratio_c) > 1.0:
+            raise ConfigError("clip_ratio_c", f"must be > 1 (or None: off), got {self.clip_ratio_c}")
+        if not (math.isfinite(float(self.plant)) and float(self.plant) >= 0):
+            raise ConfigError("plant", f"must be a finite strength >= 0, got {self.plant}")
         if self.reward not in ("success", "progress"):
             raise ConfigError("reward", f"must be 'success' or 'progress', got {self.reward!r}")
         for name in ("updates", "tasks_per_update", "group_size", "minibatches", "epochs"):
@@ -301,7 +321,8 @@ def _eval_grpo(model: TinyLM, cfg: GRPOConfig) -> dict[str, float]:
     model.eval()
     ev = evaluate(model, range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + cfg.eval_tasks), cfg.chain_lengths,
                   precision=cfg.rollout_precision, seed=seed_stream("grpo/eval", cfg.seed), max_len=cfg.max_len,
-                  max_turns=cfg.max_turns, max_action_len=cfg.max_action_len, temperature=cfg.temperature)
+                  max_turns=cfg.max_turns, max_action_len=cfg.max_action_len, temperature=cfg.temperature,
+                  plant=cfg.plant)
     return {f"eval/{n}": v for n, v in ev.items()}
 
 
@@ -311,7 +332,7 @@ def _rollouts(model: TinyLM, cfg: GRPOConfig, update: int, gen: torch.Generator)
     tasks = [t for t in make_tasks(task_seeds(cfg, update), cfg.chain_lengths) for _ in range(G)]
     return rollout(model, tasks, precision=cfg.rollout_precision, max_len=cfg.max_len, max_turns=cfg.max_turns,
                    max_action_len=cfg.max_action_len, temperature=cfg.temperature, generator=gen,
-                   group_ids=[j // G for j in range(len(tasks))])
+                   group_ids=[j // G for j in range(len(tasks))], plant=cfg.plant)
 
 
 def _correction(correction: str | WeightFn, old: torch.Tensor, rollout_lp: torch.Tensor, pm: torch.Tensor,
@@ -322,10 +343,11 @@ def _correction(correction: str | WeightFn, old: torch.Tensor, rollout_lp: torch
     one InterQ pass, ``correction/*`` from the arm and ``mismatch/*`` from
     :func:`~creditlab.core.correction.mismatch_metrics`. A callable :data:`WeightFn` gets
     ``mismatch_metrics`` beside it, merged by the same rule."""
-    from creditlab.core.correction import correction_weights, mismatch_metrics
+    from creditlab.core.correction import correction_weights, mismatch_metrics, parse_correction
 
     if isinstance(correction, str):
-        w, metrics = correction_weights(correction, old, rollout_lp, pm, vm)
+        arm, params = parse_correction(correction, "correction")
+        w, metrics = correction_weights(arm, old, rollout_lp, pm, vm, params=params)
         return w, {n: float(v) for n, v in metrics.items() if n.startswith(("mismatch/", "correction/"))}
     w, metrics = correction(old, rollout_lp, pm, vm)
     return w, {**mismatch_metrics(old, rollout_lp, pm, vm),
@@ -355,7 +377,8 @@ def _minibatch_steps(model: TinyLM, opt: torch.optim.Optimizer, cfg: GRPOConfig,
         for chunk in perm.chunk(cfg.minibatches):
             lp = sequence_logprobs(model, batch.tokens[chunk], cfg.learner_precision, cfg.temperature)
             loss, lm = policy_loss(lp, old[chunk], adv[chunk], pm[chunk], clip_low=cfg.clip_low,
-                                   clip_high=cfg.clip_high, weights=w[chunk].to(lp.dtype), agg=cfg.agg)
+                                   clip_high=cfg.clip_high, weights=w[chunk].to(lp.dtype), agg=cfg.agg,
+                                   clip_ratio_c=cfg.clip_ratio_c)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
@@ -404,7 +427,7 @@ def _entropy_metrics(batch: RolloutBatch) -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------
 
 #: GRPOConfig fields each stacked model may set for itself; all others must agree (lock step).
-PER_MODEL_FIELDS = ("rollout_precision", "learner_precision", "correction", "seed")
+PER_MODEL_FIELDS = ("rollout_precision", "learner_precision", "correction", "seed", "plant")
 
 
 def _model_batch(batch: StackedRollout, m: int, group_size: int) -> RolloutBatch:
@@ -425,33 +448,43 @@ def _uniforms(seeds: list[int], tag: str, update: int, B: int, L: int) -> torch.
     return torch.stack([per[s] for s in seeds])
 
 
-def _stacked_eval(stack: StackedTinyLM, cfg: GRPOConfig, precision: str | tuple[str, ...]
-                  ) -> dict[str, torch.Tensor]:
+def _stacked_eval(stack: StackedTinyLM, cfg: GRPOConfig, engine: _EvalEngine) -> dict[str, torch.Tensor]:
     """Held-out evaluation of every model on the same tasks with the same uniforms (common random
     numbers): per model success, progress, truncation, tool calls and their per-episode values."""
     M = stack.n_models
     seeds = list(range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + cfg.eval_tasks))
     tasks = make_tasks(seeds, cfg.chain_lengths)
     u = torch.rand(cfg.eval_tasks, cfg.max_len, generator=generator("grpo/eval_uniforms"), dtype=torch.float64)
-    b = rollout_stacked(stack, [tasks] * M, u.expand(M, -1, -1), precision=precision, max_len=cfg.max_len,
-                        max_turns=cfg.max_turns, max_action_len=cfg.max_action_len, temperature=cfg.temperature)
+    b = rollout_stacked(stack, [tasks] * M, u.expand(M, -1, -1), precision=engine.precision, max_len=cfg.max_len,
+                        max_turns=cfg.max_turns, max_action_len=cfg.max_action_len, temperature=cfg.temperature,
+                        plant=engine.plant)
     return {"success": b.success, "progress": b.progress, "truncated": b.truncated.float(),
             "n_calls": b.n_calls.float(), "budget": b.budget.float()}
 
 
-def _eval_row(ev: dict[str, torch.Tensor], m: int) -> dict[str, float]:
+class _EvalEngine(NamedTuple):
+    """The engine a held-out evaluation samples with: one precision or one per model, and the planted
+    strength(s); ``prefix`` of its row keys (``eval/``, or ``eval_fp32/`` for the one beside it)."""
+
+    precision: str | tuple[str, ...]
+    plant: float | tuple[float, ...]
+    prefix: str
+
+
+def _eval_row(ev: dict[str, torch.Tensor], m: int, prefix: str = "eval/") -> dict[str, float]:
     succ, calls = ev["success"][m], ev["n_calls"][m]
     fail = succ < 0.5
-    row = {f"eval/{k}": float(ev[k][m].mean()) for k in ("success", "progress", "truncated", "n_calls")}
+    row = {f"{prefix}{k}": float(ev[k][m].mean()) for k in ("success", "progress", "truncated", "n_calls")}
     # interaction cost: mean turns of the successful episodes; cap exhaustion: share of the failures
     # that used the whole action budget
-    row["eval/interaction_cost"] = float(calls[~fail].mean()) if bool((~fail).any()) else float("nan")
-    row["eval/cap_exhaustion"] = float((calls[fail] >= ev["budget"][m][fail]).float().mean()) \
+    row[f"{prefix}interaction_cost"] = float(calls[~fail].mean()) if bool((~fail).any()) else float("nan")
+    row[f"{prefix}cap_exhaustion"] = float((calls[fail] >= ev["budget"][m][fail]).float().mean()) \
         if bool(fail.any()) else float("nan")
     return row
 
 
 def train_grpo_stacked(stack: StackedTinyLM, configs: list[GRPOConfig], *, eval_precision: str | None = "fp32",
+                       eval_also: str | None = None,
                        on_update: Callable[[int, list[dict[str, float]]], None] | None = None,
                        on_rollouts: Callable[[int, int, RolloutBatch, torch.Tensor, torch.Tensor], None] | None = None,
                        checkpoint: str | os.PathLike[str] | None = None, checkpoint_every: int = 0
@@ -473,7 +506,10 @@ def train_grpo_stacked(stack: StackedTinyLM, configs: list[GRPOConfig], *, eval_
     Held-out evaluation every ``eval_every`` updates and after the last one (row ``update =
     updates``): every model on the same ``eval_tasks`` tasks with the same uniforms, with the
     engine of ``eval_precision`` (``fp32`` by default: the learned policy, not its engine; None:
-    each model's rollout precision). Eval rows add ``eval/interaction_cost`` (mean turns of
+    each model's rollout engine, its planted shift included: the paper's quantized endpoint).
+    ``eval_also`` (e.g. ``"fp32"``): a second evaluation beside it at every point, on the same tasks and
+    uniforms with that engine, in the keys ``eval_<eval_also>/*``; ``"engine"``: each model's own rollout
+    engine (``eval_engine/*``). Eval rows add ``eval/interaction_cost`` (mean turns of
     successful episodes) and ``eval/cap_exhaustion`` (share of failures that used the whole action
     budget). ``time/*`` splits the update into rollout, learner log-probs, weights and metrics, and
     the optimisation; ``time/decode_steps`` counts the engine's positions.
@@ -486,7 +522,7 @@ def train_grpo_stacked(stack: StackedTinyLM, configs: list[GRPOConfig], *, eval_
     """
     M = stack.n_models
     cfg = _check_stacked(configs, M, eval_precision)
-    run = _StackedRun(stack, configs, cfg, eval_precision)
+    run = _StackedRun(stack, configs, cfg, eval_precision, eval_also)
     rows: list[list[dict[str, float]]] = [[] for _ in range(M)]
     start = 0
     if checkpoint is not None and Path(checkpoint).exists():
@@ -507,12 +543,20 @@ def train_grpo_stacked(stack: StackedTinyLM, configs: list[GRPOConfig], *, eval_
 class _StackedRun:
     """What every update of :func:`train_grpo_stacked` shares: the stack, its configs, the optimizer."""
 
-    def __init__(self, stack: StackedTinyLM, configs: list[GRPOConfig], cfg: GRPOConfig, eval_precision: str | None):
+    def __init__(self, stack: StackedTinyLM, configs: list[GRPOConfig], cfg: GRPOConfig, eval_precision: str | None,
+                 eval_also: str | None = None):
         self.stack, self.configs, self.cfg, self.M = stack, configs, cfg, stack.n_models
         self.engines = tuple(c.rollout_precision for c in configs)
         self.learners = tuple(c.learner_precision for c in configs)
         self.seeds = [c.seed for c in configs]
-        self.eval_engines = eval_precision or self.engines
+        self.plants = tuple(float(c.plant) for c in configs)
+        own = _EvalEngine(self.engines, self.plants, "eval/")
+        self.eval_engines = [own if eval_precision is None else _EvalEngine(eval_precision, 0.0, "eval/")]
+        if eval_also == "engine":
+            self.eval_engines.append(own._replace(prefix="eval_engine/"))
+        elif eval_also is not None:
+            self.eval_engines.append(_EvalEngine(EngineFormat.parse(eval_also, "eval_also"), 0.0,
+                                                 f"eval_{eval_also}/"))
         self.opt = adamw(stack.parameters(), cfg.lr)
         G, n_tasks = cfg.group_size, cfg.tasks_per_update
         self.B = G * n_tasks
@@ -528,7 +572,7 @@ class _StackedRun:
         t_eval = _eval_into(new, stack, cfg, self.eval_engines) if cfg.eval_every and k % cfg.eval_every == 0 else 0.0
         t0 = time.perf_counter()
         # --- rollouts
-        batch = _stacked_rollouts(stack, cfg, self.seeds, k, self.engines)
+        batch = _stacked_rollouts(stack, cfg, self.seeds, k, self.engines, self.plants)
         t1 = time.perf_counter()
         pm, vm, rlp = batch.policy_mask, batch.valid_mask, batch.rollout_logprobs
         orders = _minibatch_orders(self.seeds, k, B, cfg)
@@ -585,7 +629,7 @@ def _load_checkpoint(path, stack: StackedTinyLM, opt, configs: list[GRPOConfig])
 
 
 def _stacked_rollouts(stack: StackedTinyLM, cfg: GRPOConfig, seeds: list[int], update: int,
-                      engines: tuple[str, ...]) -> StackedRollout:
+                      engines: tuple[str, ...], plants: tuple[float, ...] = ()) -> StackedRollout:
     """One update's rollouts of every model: ``group_size`` per task of its seed's :func:`task_seeds`,
     sampled from the uniforms of its seed (common random numbers), the stack in eval mode."""
     stack.eval()
@@ -595,16 +639,18 @@ def _stacked_rollouts(stack: StackedTinyLM, cfg: GRPOConfig, seeds: list[int], u
     B = G * cfg.tasks_per_update
     return rollout_stacked(stack, tasks, _uniforms(seeds, "train", update, B, cfg.max_len), precision=engines,
                            max_len=cfg.max_len, max_turns=cfg.max_turns, max_action_len=cfg.max_action_len,
-                           temperature=cfg.temperature)
+                           temperature=cfg.temperature, plant=plants or 0.0)
 
 
 def _eval_into(rows: list[dict[str, float]], stack: StackedTinyLM, cfg: GRPOConfig,
-               precision: str | tuple[str, ...]) -> float:
-    """Add the held-out ``eval/*`` of every model to its row of ``rows``; returns the seconds it took."""
+               engines: list[_EvalEngine]) -> float:
+    """Add the held-out ``eval/*`` (and ``eval_<engine>/*``) of every model to its row of ``rows``; returns
+    the seconds it took."""
     t0 = time.perf_counter()
-    ev = _stacked_eval(stack, cfg, precision)
-    for m, row in enumerate(rows):
-        row.update(_eval_row(ev, m))
+    for engine in engines:
+        ev = _stacked_eval(stack, cfg, engine)
+        for m, row in enumerate(rows):
+            row.update(_eval_row(ev, m, engine.prefix))
     return time.perf_counter() - t0
 
 
@@ -693,7 +739,8 @@ def _stacked_steps(stack: StackedTinyLM, opt: torch.optim.Optimizer, cfg: GRPOCo
         total = lp.new_zeros(())
         for m in range(M):
             loss, lm = policy_loss(lp[m], old_c[m], adv_c[m], pm_c[m], clip_low=cfg.clip_low,
-                                   clip_high=cfg.clip_high, weights=w_c[m].to(lp.dtype), agg=cfg.agg)
+                                   clip_high=cfg.clip_high, weights=w_c[m].to(lp.dtype), agg=cfg.agg,
+                                   clip_ratio_c=cfg.clip_ratio_c)
             total = total + loss
             for n, v in lm.items():
                 losses[m].setdefault(n, []).append(float(v))

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from creditlab.envs.toolshop import EOA, PAD, Task, ToolshopEnv, TurnRecord, make_task, verify
+from creditlab.envs.toolshop import EOA, PAD, SPECIALS, THOUGHT0, Task, ToolshopEnv, TurnRecord, make_task, verify
 from creditlab.errors import ConfigError
 from creditlab.models.quant import EngineFormat
 from creditlab.models.tiny_lm import KVCache, StackedKVCache, StackedTinyLM, TinyLM
@@ -48,6 +48,7 @@ __all__ = [
     "evaluate",
     "StackedRollout",
     "make_tasks",
+    "planted_direction",
     "rollout",
     "rollout_stacked",
     "sequence_logprobs",
@@ -59,6 +60,23 @@ __all__ = [
 ]
 
 EVAL_SEED_OFFSET = 5_000_000  # evaluation tasks; training tasks are drawn below this
+#: Seed of the fixed direction of the planted engine's logit shift (:func:`planted_direction`).
+PLANT_SEED = 20261205
+
+
+def planted_direction(vocab_size: int) -> torch.Tensor:
+    """The fixed direction ``z`` ``(vocab_size,)`` of the planted engine (``plant`` of :func:`rollout`):
+    independent standard normal values on the tool-call tokens (every token of the toolshop vocabulary
+    that is neither a special token, ``EOA`` included, nor a thought), 0 on the others, drawn once from
+    :data:`PLANT_SEED`. The planted engine samples turn ``k`` (0-based) of a trajectory from
+    ``softmax(logits + s (k + 1) z)`` at strength ``s``: it changes which call the engine writes (a
+    shift common to all call tokens would change nothing), more at every later turn, and leaves
+    thoughts, ``EOA`` and forced tokens alone. Its log-probs are what the engine reports, so
+    the behaviour policy ``mu`` of a planted batch is known exactly."""
+    z = torch.randn(vocab_size, generator=torch.Generator().manual_seed(PLANT_SEED), dtype=torch.float64)
+    keep = torch.zeros(vocab_size, dtype=torch.bool)
+    keep[len(SPECIALS):min(THOUGHT0, vocab_size)] = True
+    return (z * keep).float()
 
 
 @dataclass
@@ -186,6 +204,7 @@ class _Rows:
     live: np.ndarray       # (B,) or (M, W) int64
     pos: np.ndarray        # (R,) int64
     ent: np.ndarray | None = None  # (R, max_len) float32: the engine's entropy where a token was sampled
+    plant: np.ndarray | None = None  # (R,) float64: the planted engine's strength of each row (None: no plant)
     decode_steps: int = 0
     decode_rows: int = 0
 
@@ -218,7 +237,16 @@ class _Rows:
         logits = model.step(torch.as_tensor(self.tokens[self.live, t]), cache).float()
         self.decode_steps += 1
         self.decode_rows += self.live.size
-        return logits.view(self.live.size, logits.size(-1))
+        logits = logits.view(self.live.size, logits.size(-1))
+        if self.plant is not None:
+            rows = self.live.reshape(-1)
+            scale = self.plant[rows] * (self.nrec[rows] + 1)  # the turn a row samples is nrec (0-based)
+            on = np.flatnonzero(scale != 0)
+            if on.size:
+                z = planted_direction(logits.size(-1))
+                idx = torch.as_tensor(on)
+                logits[idx] = logits[idx] + torch.as_tensor(scale[on], dtype=torch.float32)[:, None] * z
+        return logits
 
     def to_sample(self) -> np.ndarray:
         """The rows that sample their next token from the policy: running, with no forced token queued."""
@@ -317,17 +345,32 @@ class _Rows:
             decode_steps=self.decode_steps, decode_rows=self.decode_rows, entropy=mb(self.ent[:, :L]))
 
 
+def _plant_of(plant: float | Sequence[float], M: int, B: int) -> np.ndarray | None:
+    """Each row's planted strength ``(M * B,)`` from one strength or one per model; None when all are 0."""
+    per = np.full(M, float(plant)) if isinstance(plant, int | float) else np.asarray(list(plant), dtype=np.float64)
+    if per.shape != (M,) or not np.isfinite(per).all() or (per < 0).any():
+        raise ConfigError("plant", f"expected one finite strength >= 0 (or one per model, {M}), got {plant!r}")
+    return np.repeat(per, B) if (per > 0).any() else None
+
+
 @torch.no_grad()
 def rollout(model: TinyLM, tasks: Sequence[Task], *, precision: str = "fp32", max_len: int = 160,
             max_turns: int | None = None, max_action_len: int = 8, temperature: float = 1.0,
-            generator: torch.Generator | None = None, group_ids: Sequence[int] | None = None
-            ) -> RolloutBatch:
-    """Sample one trajectory per task with the engine of ``precision`` (see module doc)."""
+            generator: torch.Generator | None = None, group_ids: Sequence[int] | None = None,
+            plant: float = 0.0, exact: bool = False) -> RolloutBatch:
+    """Sample one trajectory per task with the engine of ``precision`` (see module doc).
+
+    ``plant`` (> 0): the planted engine, whose logits of tool-call tokens at turn ``k`` are shifted by
+    ``plant * (k + 1) * z`` (:func:`planted_direction`), a mismatch of known size that grows with the turn
+    and changes which states later turns reach; ``rollout_logprobs`` are the shifted distribution's.
+    ``exact``: the engine computes as the learner does (:meth:`~creditlab.models.tiny_lm.TinyLM.init_cache`),
+    so it samples from the learner's distribution of ``precision``."""
     precision = EngineFormat.parse(precision)
     if temperature <= 0:
         raise ConfigError("temperature", f"must be > 0, got {temperature}")
     rows = _Rows.start([ToolshopEnv(t, max_turns) for t in tasks], max_len, max_action_len, (len(tasks),))
-    cache = model.init_cache(len(tasks), precision, max_len)
+    rows.plant = _plant_of(plant, 1, len(tasks))
+    cache = model.init_cache(len(tasks), precision, max_len, exact)
     for t in range(max_len - 1):
         logits = rows.engine_logits(model, cache, t)  # (B, V): next-token distribution at position t+1
         need = rows.to_sample()
@@ -365,8 +408,8 @@ class StackedRollout:
 @torch.no_grad()
 def rollout_stacked(model: StackedTinyLM, tasks: Sequence[Sequence[Task]], uniforms: torch.Tensor, *,
                     precision: str | Sequence[str] = "fp32", max_len: int = 160, max_turns: int | None = None,
-                    max_action_len: int = 8, temperature: float = 1.0, compact: float | None = None
-                    ) -> StackedRollout:
+                    max_action_len: int = 8, temperature: float = 1.0, compact: float | None = None,
+                    plant: float | Sequence[float] = 0.0, exact: bool = False) -> StackedRollout:
     """Sample one trajectory per task for each of the ``M`` stacked models (``tasks[m]``: ``B`` tasks
     of model ``m``), the engine of ``precision`` (one, or one per model).
 
@@ -390,8 +433,9 @@ def rollout_stacked(model: StackedTinyLM, tasks: Sequence[Sequence[Task]], unifo
     if temperature <= 0:
         raise ConfigError("temperature", f"must be > 0, got {temperature}")
     rows = _Rows.start([ToolshopEnv(t, max_turns) for row in tasks for t in row], max_len, max_action_len, (M, B))
+    rows.plant = _plant_of(plant, M, B)
     u_all = uniforms.reshape(M * B, max_len).to(torch.float64)
-    cache = model.init_cache(B, precision, max_len)
+    cache = model.init_cache(B, precision, max_len, exact)
     for t in range(max_len - 1):
         logits = rows.engine_logits(model, cache, t)  # (engine's batch, V): next-token distribution at t+1
         need = rows.to_sample()

@@ -77,8 +77,11 @@ class GranularityConfig(BasePolicyConfig, LabConfig):
     base: BaseConfig = field(default_factory=lambda: BaseConfig(chain_lengths=TASK_CHAIN_LENGTHS))
     """Supervised warm start of the shared base policy (cached), on every chain length of the mix."""
     grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(
-        updates=50, tasks_per_update=16, group_size=8, chain_lengths=TASK_CHAIN_LENGTHS, eval_every=10))
-    """Training shared by every arm (outcome GRPO's settings; OPSD uses its lr, minibatches, grad clip)."""
+        updates=50, tasks_per_update=16, group_size=8, chain_lengths=TASK_CHAIN_LENGTHS, eval_every=10,
+        clip_ratio_c=None))
+    """Training shared by every arm (outcome GRPO's settings; OPSD uses its lr, minibatches, grad clip). No dual
+    clip (``clip_ratio_c=None``): the lab's registered runs, committed under results/, were made without it, and
+    its engine is the learner's (fp32 rollouts), where the ratio of a minibatch step stays near 1."""
     seeds: int = 3
     """Paired seeds per arm (task stream, sampling, minibatch order)."""
     lam: float = 0.5
@@ -135,7 +138,7 @@ class GranularityConfig(BasePolicyConfig, LabConfig):
         return cls(base=QUICK_BASE, multi_base=QUICK_MULTI_BASE, warm_base=QUICK_WARM_BASE,
                    budget_base=QUICK_MULTI_BASE,
                    grpo=GRPOConfig(updates=6, tasks_per_update=4, group_size=4, chain_lengths=TASK_CHAIN_LENGTHS,
-                                   eval_every=3),
+                                   eval_every=3, clip_ratio_c=None),
                    seeds=1, eval_per_type=16, experiments=EXPERIMENTS)
 
     def arms(self) -> tuple[str, ...]:

@@ -39,7 +39,7 @@ from creditlab.lab.experiment import ExperimentLab
 from creditlab.lab.protocol import Table
 from creditlab.lab.report import knobs_table, small_run_note
 from creditlab.labs._toolshop import BasePolicyLab, base_knob, optim_knob, seeds_knob
-from creditlab.labs.mismatch import comparison
+from creditlab.labs.mismatch import comparison, estimator, planted, sample
 from creditlab.labs.mismatch.cells import ENTROPY_BINS, gate_metrics, run_dose_cell, run_stack
 from creditlab.labs.mismatch.comparison import (
     PREDICTIONS_STATED,
@@ -114,16 +114,27 @@ def _knob_rows(cfg: MismatchConfig) -> list[tuple[str, str, str]]:
         ("rollouts per update", f"{g.tasks_per_update} tasks x {g.group_size}",
          "a quarter of the toolshop lab's 256, for time: the cost of a run is linear in rollouts per update."),
         ("optimisation", optim_knob(g), "GRPOConfig defaults, as in the toolshop lab; not tuned."),
-        ("held-out evaluation", f"{g.eval_tasks} tasks every {g.eval_every} updates, fp32 engine, sampled",
-         "one evaluation for every arm (the fp32 engine measures the learned policy, not its engine); sampled at "
-         f"temperature {g.temperature:g} like training, with the same uniforms for every arm and evaluation, so "
-         "arms and evaluation points differ only by their policies."),
+        ("dual clip", "off" if g.clip_ratio_c is None else f"clip_ratio_c = {g.clip_ratio_c:g}",
+         "verl's default (3): for a negative advantage the token loss is capped at -A x clip_ratio_c, so a token the "
+         "learner finds far likelier than the sampler did cannot dominate an update. Off in the 2-core protocol, "
+         "registered before the trainer had it."),
+        ("held-out evaluation", f"{g.eval_tasks} tasks every {g.eval_every} updates, "
+         + ("each arm's rollout engine (fp32 engine beside it)" if cfg.eval_on == "engine" else "fp32 engine")
+         + ", sampled",
+         ("scored on the engine an arm rolls out with (the quantized endpoint a user deploys, the metric of the "
+          "paper), with the fp32 engine's score beside it (the learned policy without its engine)"
+          if cfg.eval_on == "engine" else
+          "one evaluation for every arm (the fp32 engine measures the learned policy, not its engine)")
+         + f"; sampled at temperature {g.temperature:g} like training, with the same uniforms for every arm and "
+         "evaluation, so arms and evaluation points differ only by their policies (and engines)."),
         ("final / best window", f"{cfg.smooth} evaluation points",
          "a single point has a standard error of about 0.03 at 256 tasks, so best-minus-last of raw points reads "
          "noise as rollback; means of a window (and the fp32 arm as the no-mismatch reference) keep it honest."),
         seeds_knob(cfg.seeds),
         ("correction parameters", "core defaults",
-         "TIS cap 2, MIS [0.5, 2], InterQ eps 0.025 / 0.05, alpha_g 0.5 (prefix: alpha 1); not tuned."),
+         "TIS cap 2, MIS [0.5, 2], InterQ eps 0.025 / 0.05, alpha_g 0.5 (prefix: alpha 1); not tuned. "
+         "QAT+MIS(delta<-1) masks only the tokens with a ratio below e^-1 (mis:lo=e^-1,hi=inf), the lower side TIS "
+         "acts on in this world; QAT+InterQxTIS is the registered arm interq_tis (InterQ's weight times TIS's)."),
         ("doses", ", ".join(_doses(cfg)),
          "engine precisions of current serving stacks: FP8 W8A8-KV8, INT8 W8A8, FP4 W4A4-KV8 (NVFP4: E2M1 in "
          "blocks of 16 with FP8 scales; MXFP4, blocks of 32 with power-of-two scales, is available as -e mxfp4)."),
@@ -132,12 +143,13 @@ def _knob_rows(cfg: MismatchConfig) -> list[tuple[str, str, str]]:
 
 #: The lab's experiments, in report order (``-e`` selects among them; adding one is one line here): one per
 #: dose, in the order of :data:`DOSES`, and the comparison across the doses a run selects (in every run).
-EXPERIMENT_TABLE = (*(Dose(d) for d in DOSES), comparison.EXPERIMENT)
+EXPERIMENT_TABLE = (*(Dose(d) for d in DOSES), estimator.EXPERIMENT, planted.EXPERIMENT, sample.EXPERIMENT,
+                    comparison.EXPERIMENT)
 #: The ``-e`` choices: every experiment but those that run in every selection.
 EXPERIMENTS = tuple(e.name for e in EXPERIMENT_TABLE if not e.always)
 MismatchConfig.EXPERIMENTS = EXPERIMENTS  # the config (in the lab's compute code) takes them from this table
 #: Config fields every experiment shares (the others each belong to one experiment's ``fields``).
-SHARED_FIELDS = ("base", "grpo", "seeds", "arms", "dose_tasks", "experiments", "cache_dir", "dump_dir")
+SHARED_FIELDS = ("base", "grpo", "seeds", "arms", "dose_tasks", "experiments", "cache_dir", "dump_dir", "eval_on")
 
 
 #: Base policies that the source repository commits beside a run (not shipped with the package): config key ->
@@ -212,8 +224,11 @@ class MismatchLab(ExperimentLab, BasePolicyLab):
             f"{', '.join(_doses(cfg)) or 'none'}. {g.updates} updates of {g.tasks_per_update} tasks x {g.group_size} "
             f"rollouts, {g.minibatches} AdamW steps per update (lr {g.lr:g}), {cfg.seeds} paired seed(s): every arm "
             "sees the same tasks, sampling uniforms and minibatch order seed for seed. Held-out success: "
-            f"{g.eval_tasks} fixed tasks every {g.eval_every} updates, sampled (temperature {g.temperature:g}) by the "
-            "fp32 engine with the same uniforms for every arm and every evaluation. Final success is the mean "
+            f"{g.eval_tasks} fixed tasks every {g.eval_every} updates, sampled (temperature {g.temperature:g}) by "
+            + ("each arm's own rollout engine (and, beside it, by the fp32 engine)" if cfg.eval_on == "engine" else
+               "the fp32 engine")
+            + f" with the same uniforms for every arm and every evaluation. Dual clip: "
+            f"{'off' if g.clip_ratio_c is None else g.clip_ratio_c}. Final success is the mean "
             f"of the last {cfg.smooth} evaluation points, best the largest mean of {cfg.smooth} consecutive points, "
             "rollback = best - final." + self._map_note(cfg))
 

@@ -52,7 +52,11 @@ def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_
                       "code": code_fingerprint(COMPUTE_CODE)})
         ck = Path(cache_dir) / "checkpoints" / f"mismatch-{dose}-{key}.pt"
     label = f"mismatch {dose} seed={','.join(map(str, seeds))} ({len(members)} model(s): {', '.join(arms)})"
-    rows = train_grpo_stacked(stack, configs, eval_precision="fp32", on_rollouts=on_rollouts, checkpoint=ck,
+    # held-out success on each arm's own engine (the quantized endpoint) with the fp32 engine's beside it, or
+    # (eval_on="fp32", the 2-core protocol) on the fp32 engine only
+    on_engine = cfg.eval_on == "engine"
+    rows = train_grpo_stacked(stack, configs, eval_precision=None if on_engine else "fp32",
+                              eval_also="fp32" if on_engine else None, on_rollouts=on_rollouts, checkpoint=ck,
                               checkpoint_every=CHECKPOINT_EVERY, on_update=UpdateProgress(label, cfg.grpo.updates))
     if ck is not None:
         ck.unlink(missing_ok=True)

@@ -26,6 +26,7 @@ from creditlab.lab.plotting import new_figure, save
 from creditlab.lab.protocol import Table, diff_paths
 from creditlab.lab.report import ci_columns, group_means, paired_diff, read_diff, small_run_note, sort_in_order
 from creditlab.lab.runner import Cell
+from creditlab.labs.mismatch.ablation import DUAL_CLIP_STATED, ablation_predictions
 from creditlab.labs.mismatch.config import ARMS, DIFF, DOSES, LABELS, ROLLBACK, UNIT, MismatchConfig
 from creditlab.labs.mismatch.gate import gate_table
 
@@ -63,8 +64,12 @@ def _summary(df: pd.DataFrame, cfg: MismatchConfig) -> pd.DataFrame:
         last = ev[ev["update"] == ev["update"].max()].iloc[0]
         early = tr[tr["update"] < U / 3]["mismatch/k3"].mean()
         late = tr[tr["update"] >= 2 * U / 3]["mismatch/k3"].mean()
+        beside = {}
+        if "eval_fp32/success" in ev.columns and ev["eval_fp32/success"].notna().any():  # scored on the engine
+            beside = {"final_fp32": score_curve(ev["update"].to_numpy(), ev["eval_fp32/success"].to_numpy(),
+                                                cfg.smooth)["final"]}
         rows.append({"arm": arm, "dose": dose, "seed": int(seed),
-                     **score_curve(ev["update"].to_numpy(), ev["eval/success"].to_numpy(), cfg.smooth),
+                     **score_curve(ev["update"].to_numpy(), ev["eval/success"].to_numpy(), cfg.smooth), **beside,
                      "interaction_cost": last.get("eval/interaction_cost", math.nan),
                      "cap_exhaustion": last.get("eval/cap_exhaustion", math.nan),
                      "k3_early": early, "k3_late": late,
@@ -101,6 +106,8 @@ def _with_fp32_per_dose(summary: pd.DataFrame, doses: list[str]) -> pd.DataFrame
 def _means(summary: pd.DataFrame, doses: list[str]) -> pd.DataFrame:
     intervals = [("final", UNIT), ("rollback", (0.0, 1.0)), ("aulc", UNIT), ("k3_late", (0.0, math.inf)),
                  ("k3_growth", (0.0, math.inf))]
+    if "final_fp32" in summary.columns:
+        intervals.insert(1, ("final_fp32", UNIT))
     means = group_means(_with_fp32_per_dose(summary, doses), ["dose", "arm"], intervals,
                         ("interaction_cost", "cap_exhaustion"))
     return _ordered(means, ["dose", "arm"])
@@ -111,16 +118,17 @@ def _diffs(summary: pd.DataFrame, doses: list[str], ref: str) -> pd.DataFrame:
     arms = [a for a in ARMS if a != ref and a in set(df["arm"])]
     if ref not in set(df["arm"]):
         return pd.DataFrame()
+    metrics = ("final", "rollback", "aulc", *(("final_fp32",) if "final_fp32" in df.columns else ()))
     out = []
     for a in arms:
         merged = None
-        for m in ("final", "rollback", "aulc"):
+        for m in metrics:
             d = paired_diff(df, a, ref, ["dose"], m, bounds=DIFF).rename(
                 columns={"mean": m, "lo": f"{m}_lo", "hi": f"{m}_hi"})
             merged = d if merged is None else merged.merge(d.drop(columns=["n"]), on=["diff", "dose"])
         out.append(merged)
     res = pd.concat(out, ignore_index=True)
-    cols = ["diff", "dose"] + [c for m in ("final", "rollback", "aulc") for c in (m, f"{m}_lo", f"{m}_hi")] + ["n"]
+    cols = ["diff", "dose"] + [c for m in metrics for c in (m, f"{m}_lo", f"{m}_hi")] + ["n"]
     return res[cols]
 
 
@@ -287,7 +295,9 @@ class Registration:
 
 #: ``MismatchConfig.protocol`` -> its registration.
 REGISTRATIONS = {"paper": Registration(PREDICTIONS_STATED, "half", False),
-                 "two-core": Registration(TWO_CORE_STATED, "fp32_saturation", True)}
+                 "two-core": Registration(TWO_CORE_STATED, "fp32_saturation", True),
+                 # (A1)-(A4) of labs/mismatch/ablation.py, judged on paired differences, not on (a)-(d)'s rules
+                 "dual-clip": Registration(DUAL_CLIP_STATED, "fp32_saturation", True)}
 
 
 #: The arms each prediction is judged on at each dose, in the predictions table's order.
@@ -433,8 +443,10 @@ def predictions(cfg: MismatchConfig) -> tuple[Prediction, ...]:
     """The predictions (a)-(d) of ``cfg``'s registered protocol, one per dose and arm (:data:`JUDGED`): the
     selected doses first, in the selection's order (the table's rows), then every other dose, never judged
     (listed so that what a run records does not depend on its selection)."""
-    rules = _Rules(REGISTRATIONS[cfg.protocol], cfg.grpo.updates, cfg.smooth)
     doses = [d for d in cfg.experiments if d in DOSES]
+    if cfg.protocol == "dual-clip":
+        return ablation_predictions(doses, DOSES)
+    rules = _Rules(REGISTRATIONS[cfg.protocol], cfg.grpo.updates, cfg.smooth)
     return tuple(rules.prediction(letter, arm, dose, dose in doses)
                  for dose in (*doses, *(d for d in DOSES if d not in doses)) for letter, arm in JUDGED)
 
@@ -685,7 +697,8 @@ def _read_fingerprint(by_turn: pd.DataFrame) -> str:
 
 
 COLORS = {"fp32": "black", "naive": "tab:red", "qat": "tab:blue", "qat_tis": "tab:orange", "qat_mis": "tab:brown",
-          "qat_prefix": "tab:purple", "qat_global": "tab:olive", "qat_interq": "tab:green"}
+          "qat_prefix": "tab:purple", "qat_global": "tab:olive", "qat_interq": "tab:green", "qat_mis_low": "tab:pink",
+          "qat_interq_tis": "tab:cyan"}
 
 
 def _runs_for(curves: pd.DataFrame, dose: str) -> pd.DataFrame:
@@ -860,9 +873,11 @@ class Comparison(Experiment):
         df = df[df["dose"].isin(["fp32", *cfg.experiments]) & df["arm"].isin((*cfg.arms, *cfg.map_arms))]
         doses = [d for d in cfg.experiments if d in set(df["dose"])]
         summary = _summary(df, cfg)
-        tabs = {"summary": Table(summary, "Summary per arm, dose and seed (held-out success, fp32 engine)", ".3g"),
+        scored = ("each arm's own rollout engine; final_fp32: the fp32 engine's" if cfg.eval_on == "engine" else
+                  "fp32 engine")
+        tabs = {"summary": Table(summary, f"Summary per arm, dose and seed (held-out success: {scored})", ".3g"),
                 "means": Table(_means(summary, doses), "Means over seeds with 95% intervals", ".3g", console=True)}
-        for ref in ("qat", "fp32"):
+        for ref in ("qat", "fp32", "qat_tis"):
             d = _diffs(summary, doses, ref)
             if len(d):
                 tabs[f"diff_vs_{ref}"] = Table(d, f"Paired differences against {LABELS[ref]} (same seeds)", ".3g")
@@ -928,13 +943,13 @@ class Comparison(Experiment):
                "are the noise of the evaluation and of RL itself, not a collapse." if not math.isnan(noise) else "")
             + few)
         text["means"] = _read_means(m, cfg) + few
-        for ref in ("qat", "fp32"):
+        for ref in ("qat", "fp32", "qat_tis"):
             name = f"diff_vs_{ref}"
             if name not in tabs:
                 continue
             d = tabs[name].frame
             parts = []
-            for metric in ("final", "rollback"):
+            for metric in ("final", "rollback", *(("final_fp32",) if "final_fp32" in d.columns else ())):
                 sub = d.rename(columns={metric: "mean", f"{metric}_lo": "lo", f"{metric}_hi": "hi"})
                 for what, g in sub.groupby("diff", sort=False):
                     parts.append(f"[{metric}] " + read_diff(g[["dose", "mean", "lo", "hi", "n"]], ["dose"], what))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from creditlab.errors import ConfigError
@@ -22,9 +22,14 @@ ARMS: dict[str, tuple[str, str, str]] = {
     "qat_prefix": ("P", "P", "prefix"),
     "qat_global": ("P", "P", "global"),
     "qat_interq": ("P", "P", "interq"),
+    # the ablation of the dual-clip protocol: masking only the tokens the engine found far likelier than the
+    # learner (delta < -1, the lower side TIS acts on), and InterQ-RL composed with TIS
+    "qat_mis_low": ("P", "P", "mis:lo=0.36787944117144233,hi=inf"),
+    "qat_interq_tis": ("P", "P", "interq_tis"),
 }
 LABELS = {"fp32": "fp32", "naive": "naive", "qat": "QAT", "qat_tis": "QAT+TIS", "qat_mis": "QAT+MIS",
-          "qat_prefix": "QAT+prefix", "qat_global": "QAT+global", "qat_interq": "QAT+InterQ"}
+          "qat_prefix": "QAT+prefix", "qat_global": "QAT+global", "qat_interq": "QAT+InterQ",
+          "qat_mis_low": "QAT+MIS(delta<-1)", "qat_interq_tis": "QAT+InterQxTIS"}
 #: Engine precisions of the dose (``-e`` selects among them): every quantized format of the engine.
 DOSES = QUANTIZED
 DEFAULT_DOSES = ("fp8", "int8", "nvfp4")
@@ -47,7 +52,8 @@ CHECKPOINT_EVERY = 25
 #: report and docs are not in it, so fixing one of them does not void a run. tests/test_compute_code.py
 #: holds it to the modules the cells import.
 COMPUTE_CODE = ("errors.py", "core/", "envs/", "models/", "train/", "lab/runner.py", "lab/store.py",
-                "labs/_toolshop.py", "labs/mismatch/cells.py", "labs/mismatch/config.py")
+                "labs/_toolshop.py", "labs/mismatch/cells.py", "labs/mismatch/config.py", "labs/mismatch/estimator.py",
+                "labs/mismatch/planted.py", "labs/mismatch/sample.py")
 UNIT, DIFF = (0.0, 1.0), (-1.0, 1.0)
 METRICS = ("final", "best", "rollback", "aulc")
 
@@ -68,8 +74,12 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
     EXPERIMENTS: ClassVar[tuple[str, ...]] = DOSES
     """The ``-e`` choices: the doses, and any other experiment of the lab's table, which sets them
     (``labs/mismatch/__init__.py``: adding an experiment does not touch this module, which computes cells)."""
-    PROTOCOLS: ClassVar[dict[str, str]] = {"two-core": "two_core"}
-    SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "smooth", "dose_tasks", "dump_dir")
+    PROTOCOLS: ClassVar[dict[str, str]] = {"two-core": "two_core", "dual-clip": "dual_clip"}
+    SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "smooth", "dose_tasks", "dump_dir",
+                                            "planted_strengths", "planted_arms", "planted_variants", "planted_seeds",
+                                            "planted_updates", "planted_tasks", "estimator_doses",
+                                            "estimator_batches", "estimator_planted_batches", "estimator_qat_updates",
+                                            "sample_updates")
 
     base: BaseConfig = field(default_factory=lambda: _base_config())
     """Supervised warm start of the shared base policy (cached): chains of 5 to 8 tool calls, each
@@ -91,7 +101,7 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
     """Engine precisions of the dose to run (fp8, int8, nvfp4, mxfp4)."""
     protocol: str = "paper"
     """The registered protocol whose predictions a run tests (recorded at its start): ``paper`` (the
-    paper-scale run) or ``two-core`` (:meth:`two_core`)."""
+    paper-scale run), ``two-core`` (:meth:`two_core`) or ``dual-clip`` (:meth:`dual_clip`)."""
     map_doses: tuple[str, ...] = ()
     """Doses that run only ``map_arms`` x ``map_seeds`` (the phase map's points: the learner's drift
     against its rollback), not every arm; empty: every selected dose runs ``arms`` x ``seeds``."""
@@ -104,15 +114,51 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
     dump_dir: str | None = None
     """Write every training update's rollouts in the ``creditlab diagnose`` schema here (one JSONL
     file per dose, arm and seed, for the cells this run computes); never changes a number."""
+    planted_strengths: tuple[float, ...] = (0.1, 0.2, 0.4)
+    """Strengths of the planted engine (experiment ``planted``): at turn k it shifts the logits of the tool-call
+    tokens by ``strength * (k + 1) * z``. This and the other fields of the planted and estimator experiments are
+    passed to their cells (in their keys), so they are not part of the run's identity (SELECTION), and the
+    other cells' keys do not depend on them."""
+    planted_arms: tuple[str, ...] = ("none", "tis", "interq", "exact_prefix")
+    """Arms of the planted experiment (``labs/mismatch/planted.py``, PLANTED_ARMS)."""
+    planted_variants: tuple[str, ...] = ("thoughts", "thought_free")
+    """Worlds of the planted experiment: the lab's 24-thought base, and a thought-free base."""
+    planted_seeds: int = 4
+    """Paired seeds of the planted experiment."""
+    planted_updates: int = 50
+    """Updates of every planted run (the rest of the training settings are ``grpo``'s)."""
+    planted_tasks: int = 128
+    """Held-out trajectories of the planted gate per world and strength."""
+    estimator_doses: tuple[str, ...] = ("nvfp4", "mxfp4", "planted:0.2", "planted:0.4")
+    """Doses of the known-answer test of the estimator (experiment ``estimator``): engine precisions, and planted
+    engines (``planted:<strength>``, in the thought-free world of the planted experiment)."""
+    estimator_batches: int = 64
+    """Batches (of ``grpo.tasks_per_update`` x ``grpo.group_size``) per sampler in each estimator cell."""
+    estimator_planted_batches: int = 256
+    """Batches per sampler in an estimator cell at a planted dose (cheap; 64 did not resolve its bias)."""
+    estimator_qat_updates: int = 30
+    """Updates of QAT training (no correction) that make the estimator's QAT checkpoint."""
+    sample_updates: int = 2
+    """Updates of the per-token sample (experiment ``sample``; passed to its cell, not in the run's identity)."""
+    eval_on: str = field(default="engine", metadata={"absent": "fp32"})
+    """The engine that scores held-out success: ``engine`` (each arm's own rollout engine, the quantized
+    endpoint users deploy: ``eval/*``, with the fp32 engine's score beside it in ``eval_fp32/*``) or ``fp32``
+    (the fp32 engine only: the learned policy without its engine; the 2-core protocol's, registered
+    before this field existed)."""
 
     @classmethod
     def quick(cls) -> MismatchConfig:
         """The full run's gate table (the same base policy, which ships with the package, on the same
         256 tasks: the same numbers) and a short run at NVFP4 (4 updates, one seed) of fp32 and of the
         quantized arms naive, QAT, QAT+TIS and QAT+InterQ (stacked in one cell: the lab's corrections at
-        little cost), far too short for the predictions, which are about hundreds of updates."""
+        little cost), far too short for the predictions, which are about hundreds of updates. With ``-e estimator``,
+        ``-e planted`` or ``-e sample``: those experiments at a size that only shows they run (2 batches at NVFP4 and
+        a planted dose; the thought-free planted world at one strength, 2 updates; one update of tokens)."""
         return cls(grpo=_grpo_config(updates=4, tasks_per_update=4, group_size=4, eval_every=2, eval_tasks=32),
-                   seeds=1, smooth=1, arms=("fp32", "naive", "qat", "qat_tis", "qat_interq"), experiments=("nvfp4",))
+                   seeds=1, smooth=1, arms=("fp32", "naive", "qat", "qat_tis", "qat_interq"), experiments=("nvfp4",),
+                   planted_strengths=(0.4,), planted_arms=("none", "interq"), planted_variants=("thought_free",),
+                   planted_seeds=1, planted_updates=2, planted_tasks=16, estimator_doses=("nvfp4", "planted:0.4"),
+                   estimator_batches=2, estimator_planted_batches=2, estimator_qat_updates=1, sample_updates=1)
 
     @classmethod
     def two_core(cls) -> MismatchConfig:
@@ -125,10 +171,25 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
                           steps=3000)
         grpo = GRPOConfig(chain_lengths=CHAIN_LENGTHS, max_len=544, max_action_len=TWO_CORE_THOUGHTS + 8,
                           updates=100, tasks_per_update=8, group_size=4, eval_every=10, eval_tasks=128)
+        grpo = replace(grpo, clip_ratio_c=None)  # registered before the dual clip existed
         return cls(base=base, grpo=grpo, seeds=5, protocol="two-core",
                    arms=("fp32", "naive", "qat", "qat_tis", "qat_interq", "qat_prefix", "qat_global"),
                    experiments=("mxfp4", "fp8", "int8", "nvfp4"), map_doses=("fp8", "int8", "nvfp4"),
-                   map_arms=("naive", "qat"), map_seeds=2)
+                   map_arms=("naive", "qat"), map_seeds=2, eval_on="fp32")
+
+    @classmethod
+    def dual_clip(cls) -> MismatchConfig:
+        """The protocol registered to decide the 2-core run's InterQ result (``--protocol dual-clip``;
+        docs/mismatch.md, "The dual-clip protocol"): the 2-core protocol's world, base policy and budget (40
+        thoughts, 100 updates of 8 tasks x 4 rollouts, 128 held-out tasks every 10 updates), with a trainer
+        that clips like verl (``clip_ratio_c = 3``) and held-out success scored on each arm's rollout engine
+        (the fp32 engine beside it); at MXFP4 the ablation QAT, QAT+TIS, QAT+InterQ, QAT+MIS masking only
+        delta < -1 and QAT+InterQxTIS on 8 paired seeds; and the known-answer test of the estimator and the
+        planted mismatch."""
+        two = cls.two_core()
+        return cls(base=two.base, grpo=replace(two.grpo, clip_ratio_c=3.0), seeds=8, protocol="dual-clip",
+                   arms=("qat", "qat_tis", "qat_interq", "qat_mis_low", "qat_interq_tis"),
+                   experiments=("mxfp4", "estimator", "planted", "sample"), eval_on="engine")
 
     def dose_runs(self, dose: str) -> tuple[tuple[str, ...], int]:
         """(arms, seeds) that run at ``dose``: ``map_arms`` x ``map_seeds`` for a ``map_doses`` dose,
@@ -138,8 +199,10 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
     def validate(self) -> None:
         check_count(self.seeds, "--seeds")
         check_count(self.map_seeds, "map_seeds")
-        if self.protocol not in ("paper", "two-core"):
-            raise ConfigError("--protocol", f"unknown protocol {self.protocol!r}; valid: paper, two-core")
+        if self.protocol not in ("paper", "two-core", "dual-clip"):
+            raise ConfigError("--protocol", f"unknown protocol {self.protocol!r}; valid: paper, two-core, dual-clip")
+        if self.eval_on not in ("engine", "fp32"):
+            raise ConfigError("eval_on", f"must be 'engine' or 'fp32', got {self.eval_on!r}")
         for a in self.map_arms:
             arm_triple(a, "fp8")
         if any(d not in DOSES for d in self.map_doses):

@@ -46,8 +46,9 @@ class ToolshopLabConfig(BasePolicyConfig, LabConfig):
 
     base: BaseConfig = field(default_factory=BaseConfig)
     """Supervised warm start of the base policy (cached)."""
-    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(updates=100, eval_every=10))
-    """Outcome GRPO from the base policy."""
+    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(updates=100, eval_every=10, clip_ratio_c=None))
+    """Outcome GRPO from the base policy (no dual clip: the lab's settings from before ``clip_ratio_c`` existed,
+    kept so that its numbers do not move; ``--correction`` arms are the mismatch lab's subject)."""
     seeds: int = 2
     """Training seeds 0..seeds-1 (task stream and sampling); the base policy is shared."""
     mismatch_tasks: int = 256
@@ -64,7 +65,8 @@ class ToolshopLabConfig(BasePolicyConfig, LabConfig):
     def quick(cls) -> ToolshopLabConfig:
         """12 updates from the quick base policy (:data:`QUICK_BASE`, built in under a minute)."""
         return cls(base=QUICK_BASE,
-                   grpo=GRPOConfig(updates=12, tasks_per_update=16, group_size=8, eval_every=4, eval_tasks=128),
+                   grpo=GRPOConfig(updates=12, tasks_per_update=16, group_size=8, eval_every=4, eval_tasks=128,
+                                   clip_ratio_c=None),
                    seeds=1, mismatch_tasks=64)
 
     def validate(self) -> None:
