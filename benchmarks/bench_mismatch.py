@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from _common import cache_dir, integer, line_buffered, load_base, smoke_base  # noqa: E402
 from _common import parser as bench_parser  # noqa: E402
 
-from creditlab.labs.mismatch import ARMS, DOSES, MismatchConfig, arm_triple  # noqa: E402
+from creditlab.labs.mismatch import DOSES, MismatchConfig, arm_triple  # noqa: E402
 from creditlab.models.tiny_lm import StackedTinyLM  # noqa: E402
 from creditlab.train.toolshop_grpo import train_grpo_stacked  # noqa: E402
 from creditlab.train.toolshop_rollout import make_tasks, rollout_stacked, stacked_logprobs  # noqa: E402
@@ -168,7 +168,7 @@ def run(args, cache: str) -> None:
     load = os.getloadavg()
     print(f"dose {args.dose}, {tasks} tasks x {cfg.grpo.group_size} rollouts per update, {updates} updates, "
           f"1 thread; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    arms = [a for a in ARMS if a != "fp32"]
+    arms = [a for a in cfg.arms if a != "fp32"]  # the lab's default run's quantized arms
     mcfg = base.cfg
     print(f"matmul peak of one thread (40320x64 @ 64x64, fp32): {peak / 1e9:.0f} GFLOP/s; copy bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s (read + write); THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}"
@@ -254,7 +254,7 @@ def run(args, cache: str) -> None:
     per_model = parts["update_s"] / len(arms)
     cell = len(arms) * g.updates * per_model
     total = cfg.seeds * cell + cfg.seeds * g.updates * per_model  # + the fp32 cell (cheaper: no quantizer)
-    print(f"\n4. training updates of one dose ({cfg.seeds} seeds x {len(ARMS)} arms x {g.updates} updates) at this "
+    print(f"\n4. training updates of one dose ({cfg.seeds} seeds x {len(cfg.arms)} arms x {g.updates} updates) at this "
           f"speed: about {total / 60:.0f} min with 1 worker, {max(total / 2, cell) / 60:.0f} min with --workers 2")
     load = os.getloadavg()
     print(f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")

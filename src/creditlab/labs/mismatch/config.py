@@ -27,6 +27,9 @@ ARMS: dict[str, tuple[str, str, str]] = {
     "qat_mis_low": ("P", "P", "mis:lo=0.36787944117144233,hi=inf"),
     "qat_interq_tis": ("P", "P", "interq_tis"),
 }
+#: The arms of the paper-scale protocol (the default run), as registered: every arm but the dual-clip protocol's
+#: ablation arms.
+PAPER_ARMS = ("fp32", "naive", "qat", "qat_tis", "qat_mis", "qat_prefix", "qat_global", "qat_interq")
 LABELS = {"fp32": "fp32", "naive": "naive", "qat": "QAT", "qat_tis": "QAT+TIS", "qat_mis": "QAT+MIS",
           "qat_prefix": "QAT+prefix", "qat_global": "QAT+global", "qat_interq": "QAT+InterQ",
           "qat_mis_low": "QAT+MIS(delta<-1)", "qat_interq_tis": "QAT+InterQxTIS"}
@@ -89,7 +92,7 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
     """Outcome GRPO shared by every arm (its precisions, correction and seed are set per arm)."""
     seeds: int = 5
     """Paired seeds per arm (task stream, sampling uniforms, minibatch order)."""
-    arms: tuple[str, ...] = tuple(ARMS)
+    arms: tuple[str, ...] = PAPER_ARMS
     """Arms to train (see ARMS)."""
     dose_tasks: int = 256
     """Held-out trajectories of the base policy per engine in the dose table (passed to that cell,
