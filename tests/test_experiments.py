@@ -64,12 +64,13 @@ def test_experiments_make_cells_of_their_own_group_and_only_selected_ones_run(la
     assert len(lab.cells(two)) == len({c.key for c in lab.cells(two)})
 
 
-def test_the_mismatch_lab_is_its_doses_and_the_comparison_across_them():
+def test_the_mismatch_lab_is_its_doses_its_own_experiments_and_the_comparison_across_them():
     from creditlab.labs.mismatch import EXPERIMENTS
     from creditlab.labs.mismatch.config import DOSES
 
-    assert EXPERIMENTS == DOSES == MismatchConfig.EXPERIMENTS
-    assert [e.name for e in MISMATCH.experiments] == [*DOSES, "comparison"]
+    own = ("estimator", "planted", "sample")
+    assert EXPERIMENTS == (*DOSES, *own) == MismatchConfig.EXPERIMENTS
+    assert [e.name for e in MISMATCH.experiments] == [*DOSES, *own, "comparison"]
     comparison = MISMATCH.experiments[-1]
     assert comparison.always and not comparison.cells(MismatchConfig.quick())
     assert set(comparison.fields) == {"smooth", "protocol", "map_doses", "map_arms", "map_seeds"}
