@@ -50,10 +50,13 @@ def test_token_quantities_equal_core_mismatch_metrics_on_padded_rows(tmp_path):
         rows.append({"step": i % 4, "group": i // 4, "reward": float(i % 2), **row})
     dump = read_dump(write_dump(rows, tmp_path / "r.parquet"))
     ctx = Context(dump, max_turns=8)
-    ts = ctx.tokens
+    ts = token_stats(dump)  # the flat token arrays; the checks read their sums per row (ctx.tokens.rows)
     want = mismatch_metrics(*padded_tensors(rows), max_turns=8)
     k3 = float((np.expm1(ts.delta) - ts.delta).sum() / ts.usable.sum())
     assert k3 == pytest.approx(want["mismatch/k3"], rel=1e-9)
+    r = ctx.tokens.rows
+    assert float(r.sum_k3.sum() / r.usable.sum()) == pytest.approx(want["mismatch/k3"], rel=1e-9)
+    assert np.array_equal(r.usable, ts.row_usable) and np.array_equal(r.sum_delta, ts.row_delta)
     prof = turn_profile(ctx)
     for k in range(8):
         if f"mismatch/turn{k}/tokens" in want:

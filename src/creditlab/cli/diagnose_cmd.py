@@ -33,12 +33,28 @@ def diagnose(
                                                  "(repeatable): the reward is their sum, NaN as 0. Needed when "
                                                  "the table's layout and advantage cannot tell them from "
                                                  "log_extra columns (the error says so)."),
+    steps: str = typer.Option(None, "--steps", metavar="SPEC",
+                              help="Diagnose only these training steps: N, A:B (B excluded), A:B:K (every K-th), "
+                                   "every:K (the steps divisible by K, as verl's save_freq counts), or several "
+                                   "joined by commas, e.g. 0:100:10,250:260. Other rows are not read (a verl "
+                                   "rollout_data_dir file of another step is not opened); the report says which "
+                                   "steps were read."),
+    workers: int = typer.Option(1, "--workers", help="Read this many dump files at a time, in worker processes "
+                                                     "(with --executor ray, the CPUs of a local Ray instance)."),
+    executor: str = typer.Option(None, "--executor",
+                                 help="Where the files are read: serial, process, ray (default: process when "
+                                      '--workers > 1). ray needs pip install "creditlab\\[ray]".'),
+    ray_address: str = typer.Option(None, "--ray-address", metavar="ADDR",
+                                    help="Ray cluster of --executor ray (auto, HOST:PORT, ray://HOST:PORT); default: "
+                                         "a local Ray instance for this run."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress and no table on the terminal (input warnings "
                                                       "and notes still go to stderr)."),
 ) -> None:
     """Diagnose rollout dumps: execution mismatch, reward hacking, degenerate groups, credit coverage.
 
     Writes report.md (a verdict table, then one section per check with its plot), PNG plots and diagnose.json.
+    Reads dumps of any size in bounded memory, a batch of rows at a time; --steps reads a subset of the steps,
+    --workers several files at a time.
 
     Exit code 0 when no check fails, 1 when one does (or warns, or the input has a warning, with --fail-on warn),
     2 for unreadable input or an --out that holds files creditlab diagnose did not write.
@@ -47,11 +63,19 @@ def diagnose(
 
     from creditlab.diagnose.checks import format_value
     from creditlab.diagnose.report import diagnose as run
+    from creditlab.diagnose.steps import parse_steps
+    from creditlab.lab.runner import make_executor
 
     console = Console(stderr=True)
+    selection = parse_steps(steps) if steps is not None else None
+    ex = None
+    if workers > 1 or executor not in (None, "serial") or ray_address is not None:
+        ex = make_executor(workers, executor, ray_address,
+                           warn=lambda m: console.print(f"[yellow]warning:[/] {escape(m)}", highlight=False))
+    opts = {"fail_on": fail_on, "only": check or None, "max_turns": max_turns, "reward_columns": reward_column or None,
+            "steps": selection, "executor": ex}
     if quiet:
-        result = run(dumps, out, fail_on=fail_on, only=check or None, max_turns=max_turns,
-                     reward_columns=reward_column or None)
+        result = run(dumps, out, **opts)
     else:
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                       TimeElapsedColumn(), console=console, transient=True) as bar:
@@ -63,8 +87,7 @@ def diagnose(
                     tasks[kind] = bar.add_task("reading" if kind == "read" else "checks", total=total)
                 bar.update(tasks[kind], completed=done, total=total, description=what)
 
-            result = run(dumps, out, fail_on=fail_on, only=check or None, max_turns=max_turns, progress=progress,
-                         reward_columns=reward_column or None)
+            result = run(dumps, out, progress=progress, **opts)
         table = Table(title=f"creditlab diagnose: {result.summary['trajectories']:,} trajectories, "
                             f"{result.summary['tokens']:,} tokens", show_lines=False)
         for col in ("check", "status", "value", "evidence"):

@@ -1,9 +1,10 @@
 """The checks of ``creditlab diagnose``: one registry, one function per check.
 
-A check reads a :class:`Context` (the dump and its token quantities, computed once) and returns an
-:class:`Outcome`; :func:`run_checks` adds what the registry knows (id, title, threshold, fix) and
-turns missing columns into ``skipped`` results with the reason. Statuses: ``ok``, ``warn``,
-``fail``, ``skipped``. Thresholds and the reasons for them are in docs/diagnose.md.
+A check reads a :class:`Context` (the dump and its token quantities, reduced per row as the dump was
+read: :class:`~creditlab.diagnose._tokens.RowStats`) and returns an :class:`Outcome`;
+:func:`run_checks` adds what the registry knows (id, title, threshold, fix) and turns missing columns
+into ``skipped`` results with the reason. Statuses: ``ok``, ``warn``, ``fail``, ``skipped``. Thresholds
+and the reasons for them are in docs/diagnose.md.
 
 Trends over training compare the first and the last quarter of the dump's steps ("early" and
 "late"; at least 4 distinct steps). A per-row value may be null in some rows: a trend uses the rows
@@ -24,9 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from creditlab.core.diagnostics import CheckParams, chain_length, mixing_score, p_cover
+from creditlab.core.diagnostics import CheckParams, mixing_score, p_cover
 from creditlab.core.registry import Registry
-from creditlab.diagnose._tokens import COPY_MIN_TOKENS, POSITIVE_TOL, RUN_GAP, RUN_MIN, TokenStats, token_stats
+from creditlab.diagnose._tokens import COPY_MIN_TOKENS, MEASURABLE, POSITIVE_TOL, RUN_GAP, RUN_MIN, MismatchRows
 from creditlab.diagnose._trl_logs import FORMAT_TRL
 from creditlab.diagnose._trl_logs import NO_LOGPROBS as TRL_NO_LOGPROBS
 from creditlab.diagnose.readers import FORMAT_VERL, Dump
@@ -156,8 +157,9 @@ class Context:
         self.steps, self.step_code = np.unique(dump.step, return_inverse=True)
 
     @cached_property
-    def tokens(self) -> TokenStats:
-        return token_stats(self.dump)
+    def tokens(self) -> MismatchRows:
+        """The rows' token sums, copied files left out (the dump must have token columns)."""
+        return self.dump.mismatch()
 
     @property
     def n_steps(self) -> int:
@@ -219,11 +221,11 @@ class Context:
                 unit = "characters" if all(f == FORMAT_VERL for f in d.formats) else "tokens"
             return d.scalars["response_length"], unit
         if d.has("policy_mask"):
-            out = self.tokens.row_policy.astype(np.float64)
-            out[~d.tokens.has_tokens] = np.nan
+            out = self.tokens.rows.policy.astype(np.float64)
+            out[~self.tokens.rows.has_tokens] = np.nan
             return out, "policy tokens"
         if d.has("response"):
-            return np.asarray([np.nan if r is None else len(r) for r in d.texts["response"]]), "characters"
+            return d.response_chars.copy(), "characters"
         return None
 
 
@@ -267,7 +269,7 @@ def _excluded(ctx: Context) -> str:
     ts = ctx.tokens
     d = ctx.dump
     out = []
-    nf = int(ts.nonfinite.sum())
+    nf = int(ts.rows.nonfinite.sum())
     if nf:
         out.append(f"{nf:,} tokens with a NaN/inf log-prob (mismatch.nonfinite_logprobs) left out")
     for cause in _flag_causes(ts, short=True):
@@ -275,9 +277,8 @@ def _excluded(ctx: Context) -> str:
     if ts.copied_files:
         names = ", ".join(Path(d.files[f]).name for f in ts.copied_files[:3])
         more = f" and {len(ts.copied_files) - 3} more" if len(ts.copied_files) > 3 else ""
-        out.append(f"{int(ts.copied.sum()):,} tokens of {names}{more}, whose rollout_logprobs equal logprobs, "
-                   "left out")
-    no_tok = int((~d.tokens.has_tokens).sum())
+        out.append(f"{ts.copied:,} tokens of {names}{more}, whose rollout_logprobs equal logprobs, left out")
+    no_tok = int((~ts.rows.has_tokens).sum())
     if no_tok:
         out.append(f"token columns in {len(d) - no_tok:,} of {len(d):,} rows")
     if ts.engine_rows:
@@ -285,13 +286,14 @@ def _excluded(ctx: Context) -> str:
     return f" ({'; '.join(out)})" if out else ""
 
 
-def _flag_causes(ts: TokenStats, *, short: bool = False) -> list[str]:
+def _flag_causes(ts: MismatchRows, *, short: bool = False) -> list[str]:
     """What the placeholder flags found, one phrase per cause, most telling first: a side that is 0.0 on
     every policy token of rows, padding, then the token-level findings. ``short``: with counts and the
     check's name, for the other checks' evidence."""
     out = []
+    r = ts.rows
     eng, lrn = ts.zero_rows
-    zs, pad = int(ts.zero_side.sum()), int(ts.padding.sum())
+    zs, pad = int(r.zero_side.sum()), int(r.padding.sum())
     rows = ts.padded_rows
     if short:
         if zs:
@@ -299,7 +301,7 @@ def _flag_causes(ts: TokenStats, *, short: bool = False) -> list[str]:
             out.append(f"{zs:,} tokens of {eng + lrn:,} rows whose {which} are 0.0 throughout")
         if pad:
             out.append(f"{pad:,} padding tokens ending {rows:,} row{'s' if rows > 1 else ''}")
-        rest = int((ts.positive | ts.zero_fill | ts.placeholder).sum())
+        rest = int(r.positive.sum() + r.zero_fill.sum() + r.placeholder.sum())  # disjoint by construction
         if rest:
             out.append(f"{rest:,} tokens with placeholder values")
         return out
@@ -312,7 +314,7 @@ def _flag_causes(ts: TokenStats, *, short: bool = False) -> list[str]:
     if pad:
         out.append(f"{pad:,} padding tokens in the policy mask (runs of {RUN_MIN}+ tokens with log-prob exactly 0.0 "
                    f"on both sides ending {rows:,} row{'s' if rows > 1 else ''})")
-    pos, zf, ph = (int(x.sum()) for x in (ts.positive, ts.zero_fill, ts.placeholder))
+    pos, zf, ph = (int(x.sum()) for x in (r.positive, r.zero_fill, r.placeholder))
     if pos:
         out.append(f"{pos:,} above 0")
     if zf:
@@ -327,19 +329,19 @@ def _unusable_outcome(ctx: Context) -> Outcome | None:
     """Skipped, naming the cause, when the dump has policy tokens but every one is flagged (placeholders,
     padding, NaN/inf): what is left is no evidence about precision."""
     ts = ctx.tokens
-    if ts.usable.any():
+    if ts.rows.usable.any():
         return None
-    P = int(ts.policy.sum())
+    P = int(ts.rows.policy.sum())
     if P == 0:
         return Outcome("skipped", None, "No policy tokens in the dump.")
     if ts.engine_rows and ts.engine_all:
         return None  # the engine outcome says why
     parts = [f"{c} (mismatch.placeholder_logprobs)" for c in _flag_causes(ts, short=True)]
-    nf = int(ts.nonfinite.sum())
+    nf = int(ts.rows.nonfinite.sum())
     if nf:
         parts.append(f"{nf:,} with a NaN/inf log-prob (mismatch.nonfinite_logprobs)")
-    if ts.copied is not None and ts.copied.any():
-        parts.append(f"{int(ts.copied.sum()):,} in files whose rollout_logprobs equal logprobs")
+    if ts.copied:
+        parts.append(f"{ts.copied:,} in files whose rollout_logprobs equal logprobs")
     if ts.engine_rows:
         parts.append(f"{ts.engine_rows:,} rows whose logprobs_source says logprobs are the engine's")
     return Outcome("skipped", None, f"No usable policy token: all {P:,} are flagged or left out ({'; '.join(parts)}), "
@@ -361,7 +363,7 @@ def _engine_outcome(ctx: Context) -> Outcome | None:
     """Skipped, with the reason, when every row with tokens has the engine's log-probs as ``logprobs``."""
     if not ctx.tokens.engine_all:
         return None
-    src = next(s for s in ctx.dump.texts["logprobs_source"] if s is not None)
+    src = next(s for s in ctx.dump.sources if s is not None)
     return Outcome("skipped", None, ENGINE.format(source=src) + ".", {"engine_rows": ctx.tokens.engine_rows})
 
 
@@ -376,7 +378,7 @@ def _copied_outcome(ctx: Context, *, headline: bool = False) -> Outcome | None:
     ts = ctx.tokens
     if not ts.copied_all:
         return None
-    n = int(ts.usable.sum())
+    n = int(ts.rows.usable.sum())
     if not headline:
         return Outcome("skipped", None, f"{COPIED} (see mismatch.k3).")
     if n < COPY_MIN_TOKENS:
@@ -422,20 +424,18 @@ def check_k3(ctx: Context) -> Outcome:
     if unusable is not None:
         return unusable
     ts = ctx.tokens
-    n = int(ts.usable.sum())
-    k3_tok = np.expm1(ts.delta) - ts.delta  # 0 off usable tokens
-    k3 = float(k3_tok.sum() / n)
-    step_tok = ctx.step_code[ts.row]
-    cnt = np.bincount(step_tok, weights=ts.usable, minlength=ctx.n_steps)
-    tot = np.bincount(step_tok, weights=k3_tok, minlength=ctx.n_steps)
+    r = ts.rows
+    n = int(r.usable.sum())
+    k3 = float(r.sum_k3.sum() / n)  # sum_k3: the sum of expm1(delta) - delta over a row's usable tokens
+    cnt = np.bincount(ctx.step_code, weights=r.usable, minlength=ctx.n_steps)
+    tot = np.bincount(ctx.step_code, weights=r.sum_k3, minlength=ctx.n_steps)
     with np.errstate(invalid="ignore", divide="ignore"):
         by_step = np.where(cnt > 0, tot / np.maximum(cnt, 1), np.nan)
     details: dict[str, Any] = {"k3": k3, "tokens": n, "k3_max_step": float(np.nanmax(by_step))}
     kept_note = ""
-    if ts.rejected is not None:  # rejection sampling (verl rollout_rs): K3 of what the loss still sees
-        kept = ts.usable & ~ts.rejected
-        n_kept = int(kept.sum())
-        k3_kept = float(k3_tok[kept].sum() / n_kept) if n_kept else math.nan
+    if ts.has_rejected:  # rejection sampling (verl rollout_rs): K3 of what the loss still sees
+        n_kept = int(r.kept.sum())
+        k3_kept = float(r.sum_k3_kept.sum() / n_kept) if n_kept else math.nan
         details.update(k3_kept=k3_kept, tokens_kept=n_kept, tokens_rejected=n - n_kept)
         kept_note = (f"; over the {n_kept:,} policy tokens rejection sampling kept it is {format_value(k3_kept)} "
                      f"({n - n_kept:,} rejected: the value covers every policy token the engine sampled)")
@@ -478,19 +478,17 @@ def turn_profile(ctx: Context) -> dict[str, np.ndarray]:
     """By turn, every turn of the dump: tokens, mean and RMS of the current (``delta``) and the prefix
     (``E``) log ratio over the usable policy tokens of turn ``k``. The turns (``"turn"``) are
     ``0 .. max_turns - 1`` (with 0 tokens where none) and every later turn that has usable tokens."""
-    ts = ctx.tokens
-    sel = ts.usable & (ts.turn >= 0)
-    turns = np.union1d(np.arange(ctx.max_turns), np.unique(ts.turn[sel]))  # turn ids may be sparse
+    tt = ctx.tokens.turns  # sums over the usable policy tokens of each (row, turn)
+    turns = np.union1d(np.arange(ctx.max_turns), np.unique(tt.turn))  # turn ids may be sparse
     T = turns.shape[0]
-    k = np.searchsorted(turns, ts.turn[sel])
-    d, E = ts.delta[sel], ts.prefix[sel]
-    n = np.bincount(k, minlength=T).astype(np.float64)
+    k = np.searchsorted(turns, tt.turn)
+    n = np.bincount(k, weights=tt.n, minlength=T)
     with np.errstate(invalid="ignore", divide="ignore"):
-        def mean(w):
-            return np.where(n > 0, np.bincount(k, weights=w, minlength=T) / np.maximum(n, 1), np.nan)
+        def mean(sums):
+            return np.where(n > 0, np.bincount(k, weights=sums, minlength=T) / np.maximum(n, 1), np.nan)
 
-        return {"turn": turns, "tokens": n, "current_mean": mean(d), "prefix_mean": mean(E),
-                "current_rms": np.sqrt(mean(d * d)), "prefix_rms": np.sqrt(mean(E * E))}
+        return {"turn": turns, "tokens": n, "current_mean": mean(tt.sum_delta), "prefix_mean": mean(tt.sum_prefix),
+                "current_rms": np.sqrt(mean(tt.sum_delta2)), "prefix_rms": np.sqrt(mean(tt.sum_prefix2))}
 
 
 @register_check(
@@ -551,7 +549,7 @@ def _span(turns: np.ndarray) -> str:
     return f"turns {head} and {len(t) - 4} more" if len(t) > 5 else f"turns {', '.join(map(str, t[:-1]))} and {t[-1]}"
 
 
-ONE_SIDED_WARN, ONE_SIDED_FAIL, MEASURABLE, MIN_MEASURABLE, NEGLIGIBLE_SHARE = 0.75, 0.9, 1e-5, 100, 0.05
+ONE_SIDED_WARN, ONE_SIDED_FAIL, MIN_MEASURABLE, NEGLIGIBLE_SHARE = 0.75, 0.9, 100, 0.05
 
 
 @register_check(
@@ -565,23 +563,22 @@ def check_one_sided(ctx: Context) -> Outcome:
     copied = _copied_outcome(ctx) or _unusable_outcome(ctx)
     if copied is not None:
         return copied
-    ts = ctx.tokens
-    d = ts.delta[ts.usable]
-    meas = np.abs(d) > MEASURABLE
-    m = int(meas.sum())
-    rows = ts.row_usable > 0
-    bias = float(d.mean()) if d.size else 0.0
-    seq_bias = float(ts.row_delta[rows].mean()) if rows.any() else 0.0
-    details = {"tokens": int(d.size), "measurable": m, "bias_per_token": bias, "bias_per_sequence": seq_bias}
-    if d.size == 0:
+    r = ctx.tokens.rows
+    size = int(r.usable.sum())  # usable tokens, with delta = logprobs - rollout_logprobs
+    m = int(r.measurable.sum())  # ... with |delta| > MEASURABLE
+    rows = r.usable > 0
+    bias = float(r.sum_delta.sum() / size) if size else 0.0
+    seq_bias = float(r.sum_delta[rows].mean()) if rows.any() else 0.0
+    details = {"tokens": size, "measurable": m, "bias_per_token": bias, "bias_per_sequence": seq_bias}
+    if size == 0:
         return Outcome("skipped", None, "No usable policy tokens.")
     if m < MIN_MEASURABLE:
-        if m <= NEGLIGIBLE_SHARE * d.size:  # (almost) no token differs: there is no side to take
-            return Outcome("ok", 0.0, f"No measurable mismatch: |delta| <= {MEASURABLE:g} on {d.size - m:,} of "
-                           f"{d.size:,} policy tokens.", details)
+        if m <= NEGLIGIBLE_SHARE * size:  # (almost) no token differs: there is no side to take
+            return Outcome("ok", 0.0, f"No measurable mismatch: |delta| <= {MEASURABLE:g} on {size - m:,} of "
+                           f"{size:,} policy tokens.", details)
         return Outcome("skipped", None, f"Too few measurable tokens to tell a side: |delta| > {MEASURABLE:g} on "
-                       f"{m:,} of {d.size:,} policy tokens ({m:,} < {MIN_MEASURABLE}).", details)
-    above = float((d[meas] < 0).mean())  # delta = learner - engine < 0: the engine is above
+                       f"{m:,} of {size:,} policy tokens ({m:,} < {MIN_MEASURABLE}).", details)
+    above = float(r.measurable_neg.sum() / m)  # delta = learner - engine < 0: the engine is above
     share = max(above, 1 - above)
     details.update(engine_above=above)
     side = "engine log-probs above the learner's" if above >= 0.5 else "learner log-probs above the engine's"
@@ -617,31 +614,30 @@ def check_placeholders(ctx: Context) -> Outcome:
     if engine is not None:
         return engine
     ts = ctx.tokens
-    P = int(ts.policy.sum())
+    r = ts.rows
+    P = int(r.policy.sum())
     if P == 0:
         return Outcome("skipped", None, "No policy tokens in the dump.")
-    nf = int(ts.nonfinite.sum())
-    found = ts.positive | ts.zero_fill | ts.placeholder | ts.zero_side | ts.padding
-    bad = int(found.sum())  # NaN/inf: mismatch.nonfinite_logprobs, an engine that could not score, not a mask leak
+    nf = int(r.nonfinite.sum())
+    bad = int(r.flagged.sum())  # NaN/inf: mismatch.nonfinite_logprobs, an engine that could not score, not a mask leak
     share = bad / P
     eng, lrn = ts.zero_rows
-    details = {"policy_tokens": P, "positive": int(ts.positive.sum()), "zero_fill": int(ts.zero_fill.sum()),
-               "repeated_runs": int(ts.placeholder.sum()), "zero_rows_tokens": int(ts.zero_side.sum()),
-               "padding": int(ts.padding.sum()), "padded_rows": ts.padded_rows, "zero_rollout_logprobs_rows": eng,
+    details = {"policy_tokens": P, "positive": int(r.positive.sum()), "zero_fill": int(r.zero_fill.sum()),
+               "repeated_runs": int(r.placeholder.sum()), "zero_rows_tokens": int(r.zero_side.sum()),
+               "padding": int(r.padding.sum()), "padded_rows": ts.padded_rows, "zero_rollout_logprobs_rows": eng,
                "zero_logprobs_rows": lrn}
     nan_note = f" ({nf:,} NaN/inf log-probs are reported by mismatch.nonfinite_logprobs)" if nf else ""
     if bad == 0:
         return Outcome("ok", 0.0, f"No positive, zero-filled, repeated placeholder or padding log-probs among {P:,} "
                        f"policy tokens{nan_note}.", details)
     status = "fail" if share >= PLACEHOLDER_FAIL else "warn"
-    k = int(np.flatnonzero(found)[0])
-    r = int(ts.row[k])
-    where = f"{ctx.dump.where(r)}, token {k - int(ctx.dump.tokens.offsets[r])}"
+    i = int(np.flatnonzero(r.flagged)[0])  # the first row with one, and its first
+    where = f"{ctx.dump.where(i)}, token {int(r.first_flagged[i])}"
     if eng or lrn:
         why = ("the engine's log-probs are placeholders, not a precision mismatch: no mismatch can be measured on "
                "those rows" if eng else "the learner's log-probs are placeholders: no mismatch can be measured "
                "on those rows")
-    elif ts.padding.any() and ts.padding.sum() == bad:
+    elif r.padding.any() and r.padding.sum() == bad:
         why = "padding marked as policy tokens: it would dilute every mismatch average"
     else:
         why = "tool/observation tokens or padding in the policy mask, or masked positions filled with a constant"
@@ -665,24 +661,19 @@ NONFINITE_FAIL = 1e-3
         "what the engine scores), or leave such tokens out of the policy mask. A NaN in the learner's logprobs "
         "makes the loss NaN: look for overflowing logits in its forward.")
 def check_nonfinite(ctx: Context) -> Outcome:
-    ts = ctx.tokens
-    t = ctx.dump.tokens
-    P = int(ts.policy.sum())
+    r = ctx.tokens.rows
+    P = int(r.policy.sum())
     if P == 0:
         return Outcome("skipped", None, "No policy tokens in the dump.")
-    engine = ts.policy & ~np.isfinite(t.rollout_logprobs)
-    learner = ts.policy & ~np.isfinite(t.logprobs)
-    bad = engine | learner
-    n, n_e, n_l = int(bad.sum()), int(engine.sum()), int(learner.sum())
-    rows = int(np.unique(ts.row[bad]).size)
+    n, n_e, n_l = int(r.nonfinite.sum()), int(r.nonfinite_engine.sum()), int(r.nonfinite_learner.sum())
+    rows = int((r.nonfinite > 0).sum())
     details = {"policy_tokens": P, "nonfinite": n, "rollout_logprobs": n_e, "logprobs": n_l, "rows": rows}
     if n == 0:
         return Outcome("ok", 0.0, f"No NaN/inf log-prob among {P:,} policy tokens.", details)
     share = n / P
     status = "fail" if n_l or share >= NONFINITE_FAIL else "warn"
-    k = int(np.flatnonzero(bad)[0])
-    r = int(ts.row[k])
-    where = f"{ctx.dump.where(r)}, token {k - int(t.offsets[r])}"
+    i = int(np.flatnonzero(r.nonfinite)[0])  # the first row with one, and its first
+    where = f"{ctx.dump.where(i)}, token {int(r.first_nonfinite[i])}"
     parts = [f"{n_e:,} in rollout_logprobs, tokens the engine could not score (TRL gives them an importance "
              "ratio of 1: no correction)" if n_e else "",
              f"{n_l:,} in logprobs, the learner's (the loss is NaN there)" if n_l else ""]
@@ -718,13 +709,13 @@ def check_sequence_ratio(ctx: Context) -> Outcome:
     copied = _copied_outcome(ctx) or _unusable_outcome(ctx)
     if copied is not None:
         return copied
-    ts = ctx.tokens
-    rows = np.flatnonzero(ts.row_usable > 0)
+    r = ctx.tokens.rows
+    rows = np.flatnonzero(r.usable > 0)
     if rows.size < SEQ_MIN_ROWS:
         return Outcome("skipped", None, f"Needs at least {SEQ_MIN_ROWS} trajectories with policy tokens, got "
                        f"{rows.size}.")
-    n = ts.row_usable[rows]
-    S = ts.row_delta[rows]
+    n = r.usable[rows].astype(np.float64)
+    S = r.sum_delta[rows]
     if np.unique(n).size < 2:
         return Outcome("skipped", None, "Every trajectory has the same number of policy tokens: no length trend.")
     k = _quartiles(n)
@@ -853,8 +844,8 @@ def check_process_hacking(ctx: Context) -> Outcome:
     phases = ctx.phases()
     series: dict[str, Any] = {"steps": ctx.steps, "process": ctx.per_step(proc), "outcome": ctx.per_step(d.reward)}
     calls = None
-    if d.turns is not None:
-        calls = np.asarray([np.nan if t is None else len(t) for t in d.turns], dtype=np.float64)
+    if d.turn_rows is not None:
+        calls = d.turn_rows.calls  # NaN where a row has no turns
         series["tool_calls"] = ctx.per_step(calls)
     trunc = d.scalars.get("truncated")
     if trunc is not None:
@@ -963,15 +954,10 @@ def check_degenerate_groups(ctx: Context) -> Outcome:
 VD_WARN = 0.8
 
 
-def _calls(turns: list[dict]) -> list[dict]:
-    return [{"name": t["tool"], "arguments": t["args"], "returned": t["returned"], "is_write": t["is_write"]}
-            for t in turns]
-
-
 def _turns_note(d: Dump, used: int | None = None) -> str:
     """The evidence's count of rows: " (turns in J of N rows)" when rows lack turns, and the
     trajectories used when ``used`` differs from the rows with turns."""
-    have = sum(bool(t) for t in d.turns)
+    have = int((d.turn_rows.calls > 0).sum())
     parts = [] if used is None or used == have else [f"from {used:,} trajectories ending in a write"]
     if have < len(d):
         parts.append(f"turns in {have:,} of {len(d):,} rows")
@@ -987,33 +973,26 @@ def _turns_note(d: Dump, used: int | None = None) -> str:
         "the others at chance (docs/credit.md).")
 def check_coverage(ctx: Context) -> Outcome:
     d = ctx.dump
-    instr = d.texts.get("instruction")
-    Cs, Ts, ks, wf = [], [], [], []
-    scored_any = any(t.get("process_score") is not None for ts in d.turns if ts for t in ts)
-    for i, ts in enumerate(d.turns):
-        if not ts:
-            continue
-        try:
-            C = chain_length(_calls(ts), (instr[i] or "") if instr else "")
-        except InputError as err:
-            raise InputError(f"{d.where(i)}: column 'turns': {err}") from None
-        n_w = sum(t["is_write"] for t in ts)
-        wf.append(n_w / len(ts))
-        if C < 1:
-            continue
-        k = sum(t.get("process_score") is not None for t in ts) if scored_any else n_w
-        Cs.append(C)
-        Ts.append(len(ts))
-        ks.append(min(k, C))
-    if not Cs:
+    tr = d.turn_rows  # per row: chain length C by dataflow (core.diagnostics.chain_length), writes, scored turns
+    instr = d.instruction
+    with_turns = tr.calls > 0  # rows with a non-empty list of turns
+    if tr.errors:
+        i = min(tr.errors)
+        raise InputError(f"{d.where(i)}: column 'turns': {tr.errors[i]}")
+    scored_any = bool(tr.scored.any())
+    wf = tr.writes[with_turns] / tr.calls[with_turns]
+    sel = with_turns & (tr.chain >= 1)
+    if not sel.any():
         return Outcome("skipped", None, "No trajectory ends in a write: the chain length by dataflow is 0 "
-                       "everywhere.", {"trajectories": len(wf)})
-    C_t, T_t, k_t = (torch.tensor(x, dtype=torch.float64) for x in (Cs, Ts, ks))
+                       "everywhere.", {"trajectories": int(wf.size)})
+    C = tr.chain[sel]
+    k = np.minimum(tr.scored[sel] if scored_any else tr.writes[sel], C)
+    C_t, T_t, k_t = (torch.tensor(x.astype(np.float64), dtype=torch.float64) for x in (C, tr.calls[sel], k))
     vd = float((k_t / C_t).mean())
     pc = float(p_cover(T_t, C_t, k_t).mean())
     C_mean, T_mean, k_mean, w = float(C_t.mean()), float(T_t.mean()), float(k_t.mean()), float(np.mean(wf))
     seen = "turns with a process score" if scored_any else "the writes, as a state-diff verifier does"
-    details = {"trajectories": len(Cs), "C_mean": C_mean, "T_mean": T_mean, "k_mean": k_mean, "V_d": vd,
+    details = {"trajectories": int(C.size), "C_mean": C_mean, "T_mean": T_mean, "k_mean": k_mean, "V_d": vd,
                "write_fraction": w, "p_cover": pc, "k_counts": seen, "instruction": instr is not None}
     long_chain = C_mean >= 2
     status = "warn" if vd < VD_WARN and long_chain else "ok"
@@ -1022,7 +1001,7 @@ def check_coverage(ctx: Context) -> Outcome:
     no_instr = "" if instr is not None else " (no instruction column: values it would give count as reads)"
     msg = (f"Chains by dataflow hold C = {format_value(C_mean)} of T = {format_value(T_mean)} calls on average and the "
            f"verifier sees k = {format_value(k_mean)} of them ({seen}): V_d = {format_value(vd)}, write fraction "
-           f"{format_value(w)}, P_cover {format_value(pc)}; {regime}{no_instr}{_turns_note(d, len(Cs))}.")
+           f"{format_value(w)}, P_cover {format_value(pc)}; {regime}{no_instr}{_turns_note(d, int(C.size))}.")
     return Outcome(status, vd, msg, details)
 
 
@@ -1037,13 +1016,13 @@ MIXING_WARN = 0.5
         "`prm_mixed_advantages` with a decaying weight) instead of broadcasting the outcome to every turn.")
 def check_mixing(ctx: Context) -> Outcome:
     d = ctx.dump
-    scores = [[t["process_score"] for t in ts if t.get("process_score") is not None] if ts else [] for ts in d.turns]
-    flat = [s for row in scores for s in row]
-    if not flat:
+    tr = d.turn_rows  # per row: process scores above and at most 0.5 and 0, their least and largest
+    if not tr.scored.any():
         return Outcome("skipped", None, "No turn has a process_score.")
-    cut = 0.5 if min(flat) >= 0 and max(flat) <= 1 else 0.0
-    n_pos = torch.tensor([sum(s > cut for s in row) for row in scores], dtype=torch.float64)
-    n_neg = torch.tensor([sum(s <= cut for s in row) for row in scores], dtype=torch.float64)
+    cut = 0.5 if tr.score_min.min() >= 0 and tr.score_max.max() <= 1 else 0.0
+    pos, neg = (tr.pos_half, tr.neg_half) if cut == 0.5 else (tr.pos_zero, tr.neg_zero)
+    n_pos = torch.tensor(pos.astype(np.float64), dtype=torch.float64)
+    n_neg = torch.tensor(neg.astype(np.float64), dtype=torch.float64)
     mix, inc = mixing_score(n_pos, n_neg)
     value = float(mix[inc].mean())
     details = {"trajectories": int(inc.sum()), "good_turn_cut": cut,

@@ -1,12 +1,19 @@
 """Read rollout dumps (parquet, JSONL, directories of them, verl's ``rollout_data_dir``) into a :class:`Dump`.
 
-A :class:`Dump` is columnar: one entry per trajectory for the trajectory columns, and the ragged
-token columns concatenated into flat arrays with row offsets (:class:`TokenData`), so every
-token-level check is a few vectorised passes whatever the number of rows.
+A dump is read in bounded memory: each file a batch of rows at a time (about ``CHUNK_BYTES`` of JSONL
+text, or of parquet data), each batch validated and its token columns reduced at once to per-row sums
+(:func:`creditlab.diagnose._tokens.reduce_tokens`), so that what stays in memory is a few hundred bytes
+per row whatever the number of tokens and steps. A :class:`Dump` is columnar: one entry per trajectory
+for the trajectory columns and those sums (:class:`~creditlab.diagnose._tokens.RowStats`); with
+``tokens=True`` it also keeps the ragged token columns concatenated into flat arrays with row offsets
+(:class:`TokenData`), the texts and the turns, as a library caller may want them. ``steps`` reads a
+subset of the steps (:mod:`creditlab.diagnose.steps`); ``executor`` reads the files in parallel with
+the labs' executors (``creditlab.lab.runner.make_executor``: a process pool, or Ray).
 
 Every malformed value raises :class:`creditlab.errors.InputError` naming the file, the row (the
 line number in JSONL, the row number counted from 1 in parquet) and the column. Missing optional
-columns are not errors: the checks that need them are skipped.
+columns are not errors: the checks that need them are skipped. A file is validated a batch of rows at a
+time: in a file with several errors, the one named is the first of the first batch that has one.
 
 verl's own dumps (``trainer.rollout_data_dir`` and ``trainer.validation_data_dir``: one
 ``{step}.jsonl`` per step with ``input``, ``output``, ``gts``, ``score``, ``step`` and the reward
@@ -53,13 +60,24 @@ import math
 import os
 import re
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from creditlab.core.diagnostics import chain_length
+from creditlab.diagnose._tokens import (
+    DERIVE_TURN,
+    MismatchRows,
+    RowStats,
+    TokenData,
+    TurnStats,
+    engine_rows,
+    mismatch_rows,
+    reduce_tokens,
+)
 from creditlab.diagnose._trl_logs import FORMAT_TRL, from_trl, is_trl
 from creditlab.diagnose._trl_logs import not_a_dump as trl_tables
 from creditlab.diagnose.schema import (
@@ -74,9 +92,10 @@ from creditlab.diagnose.schema import (
     VERL_NAMES,
     is_number,
 )
-from creditlab.errors import InputError
+from creditlab.diagnose.steps import StepSelection, describe_steps, parse_steps
+from creditlab.errors import ConfigError, CreditlabError, InputError
 
-__all__ = ["Dump", "TokenData", "read_dump", "dump_files"]
+__all__ = ["CHUNK_BYTES", "DERIVE_TURN", "Dump", "TokenData", "TurnRows", "read_dump", "dump_files"]
 
 Progress = Callable[[str, int, int], None]
 """``progress(what, done, total)``: called as files are read."""
@@ -86,33 +105,108 @@ FORMAT_VERL = "verl rollout_data_dir"
 _SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 _SCALAR_FLOATS = ("response_length", "process_reward", "precision", "recall", "truncated")
 _TEXT = ("response", "instruction", "logprobs_source")
-DERIVE_TURN = -2
-"""``TokenData.turn_ids`` of rows whose file had no ``turn_ids``: their turns are their policy runs."""
+CHUNK_BYTES = 1 << 23
+"""JSONL text parsed, validated and reduced at a time (8 MiB; a longer line is read whole): what bounds the
+reader's memory, with the parquet batches of about ``4 * CHUNK_BYTES`` of column data."""
+
+try:  # parsed about 5x faster when installed; the same values (both parse numbers exactly), and a line it
+    # refuses (NaN, Infinity, huge integers, lone surrogates) goes to json, which reads or names it as before
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - orjson is optional
+    _orjson = None
+
+
+def _loads(line: str) -> Any:
+    if _orjson is not None:
+        try:
+            obj = _orjson.loads(line)
+        except _orjson.JSONDecodeError:
+            return json.loads(line)
+        # orjson reads integers beyond 64 bits as floats, json as integers: a step or group that large is read
+        # by json, so that it keeps its value
+        if not (isinstance(obj, dict) and any(isinstance(obj.get(k), float) and abs(obj[k]) >= 2.0 ** 63
+                                              for k in ("step", "group"))):
+            return obj
+    return json.loads(line)
 
 
 @dataclass
-class TokenData:
-    """The token columns of every row, flat: row ``i`` owns ``[offsets[i], offsets[i + 1])``.
+class TurnRows:
+    """The ``turns`` column of ``N`` rows reduced to what ``credit.coverage``, ``credit.mixing`` and
+    ``reward.process_hacking`` read."""
 
-    Rows without token columns (a file that has none) own an empty range and ``has_tokens`` False.
-    """
+    present: np.ndarray      # bool: the row has turns (not null)
+    calls: np.ndarray        # float: number of turns, NaN where null
+    chain: np.ndarray        # int64: chain length C by dataflow (core.diagnostics.chain_length), -1 without turns
+    writes: np.ndarray       # int64: turns that write
+    scored: np.ndarray       # int64: turns with a process_score
+    pos_half: np.ndarray     # int64: process scores > 0.5
+    neg_half: np.ndarray     # int64: ... <= 0.5
+    pos_zero: np.ndarray     # int64: ... > 0
+    neg_zero: np.ndarray     # int64: ... <= 0
+    score_min: np.ndarray    # float: smallest process score (inf: none)
+    score_max: np.ndarray    # float: largest (-inf: none)
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why chain_length could not read its turns
 
-    offsets: np.ndarray           # (N + 1,) int64
-    logprobs: np.ndarray          # (M,) float64, NaN where a value was null
-    rollout_logprobs: np.ndarray  # (M,) float64
-    policy_mask: np.ndarray       # (M,) bool
-    turn_ids: np.ndarray | None   # (M,) int64, or None when no file has turn_ids
-    has_tokens: np.ndarray        # (N,) bool
-    rejected: np.ndarray | None = None  # (M,) bool, or None when no file has rejected (False: kept)
+    def take(self, keep: np.ndarray) -> TurnRows:
+        new = np.cumsum(keep) - 1
+        return TurnRows(**{f.name: getattr(self, f.name)[keep] for f in fields(self) if f.name != "errors"},
+                        errors={int(new[i]): e for i, e in self.errors.items() if keep[i]})
 
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
+    @staticmethod
+    def concat(parts: list[TurnRows | None], sizes: list[int]) -> TurnRows:
+        parts = [p if p is not None else TurnRows.none(n) for p, n in zip(parts, sizes, strict=True)]
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
+        return TurnRows(**{f.name: np.concatenate([getattr(p, f.name) for p in parts])
+                           for f in fields(TurnRows) if f.name != "errors"},
+                        errors={int(s) + i: e for p, s in zip(parts, starts, strict=True) for i, e in p.errors.items()})
+
+    @staticmethod
+    def none(n: int) -> TurnRows:
+        """``n`` rows without turns."""
+        def z() -> np.ndarray:
+            return np.zeros(n, dtype=np.int64)
+
+        return TurnRows(np.zeros(n, dtype=bool), np.full(n, np.nan), np.full(n, -1, dtype=np.int64), z(), z(), z(),
+                        z(), z(), z(), np.full(n, np.inf), np.full(n, -np.inf))
+
+
+def _calls(turns: list[dict]) -> list[dict]:
+    return [{"name": t["tool"], "arguments": t["args"], "returned": t["returned"], "is_write": t["is_write"]}
+            for t in turns]
+
+
+def _turn_rows(turns: list[list[dict] | None], instructions: list[str | None] | None) -> TurnRows:
+    """The :class:`TurnRows` of validated ``turns`` (the chain lengths with each row's instruction)."""
+    n = len(turns)
+    out = TurnRows.none(n)
+    for i, ts in enumerate(turns):
+        if ts is None:
+            continue
+        out.present[i] = True
+        out.calls[i] = len(ts)
+        if not ts:
+            continue
+        try:
+            out.chain[i] = chain_length(_calls(ts), (instructions[i] or "") if instructions else "")
+        except InputError as err:
+            out.errors[i] = str(err)
+        out.writes[i] = sum(t["is_write"] for t in ts)
+        scores = [t["process_score"] for t in ts if t.get("process_score") is not None]
+        out.scored[i] = len(scores)
+        if scores:
+            out.pos_half[i] = sum(s > 0.5 for s in scores)
+            out.neg_half[i] = sum(s <= 0.5 for s in scores)
+            out.pos_zero[i] = sum(s > 0 for s in scores)
+            out.neg_zero[i] = sum(s <= 0 for s in scores)
+            out.score_min[i], out.score_max[i] = min(scores), max(scores)
+    return out
 
 
 @dataclass
 class Dump:
-    """Rows of one or more dump files. ``N`` trajectories, ``M`` tokens in all."""
+    """Rows of one or more dump files. ``N`` trajectories; their tokens reduced per row (``rows``), and kept
+    whole only when read with ``tokens=True`` (``tokens``, ``texts``, ``turns``)."""
 
     files: list[str]
     formats: list[str]               # per file: "creditlab" or "verl rollout_data_dir"
@@ -122,37 +216,52 @@ class Dump:
     group: np.ndarray                # (N,) int64 codes of the group labels
     group_labels: list[Any]          # label of each code
     reward: np.ndarray               # (N,) float64
-    tokens: TokenData | None         # None when no file has token columns
+    rows: RowStats | None = None     # (N,) the token columns reduced per row; None when no file has them
+    turn_stats: TurnStats | None = None  # per (row, turn) sums over usable policy tokens
     scalars: dict[str, np.ndarray] = field(default_factory=dict)  # (N,) float64, NaN = missing
-    texts: dict[str, list[str | None]] = field(default_factory=dict)
-    turns: list[list[dict] | None] | None = None
+    response_chars: np.ndarray | None = None  # (N,) characters of response (NaN: null); None: no file has it
+    sources: list[str | None] | None = None   # (N,) logprobs_source; None: no file has the column
+    instruction: np.ndarray | None = None     # (N,) bool: the row has an instruction; None: no file has the column
+    turn_rows: TurnRows | None = None         # (N,) the turns reduced per row; None: no file has turns
+    token_columns: frozenset[str] = frozenset()  # the optional token columns a file has: turn_ids, rejected
+    tokens: TokenData | None = None  # with tokens=True: the token columns (None when no file has them)
+    texts: dict[str, list[str | None]] = field(default_factory=dict)  # with tokens=True
+    turns: list[list[dict] | None] | None = None  # with tokens=True
     warnings: list[str] = field(default_factory=list)  # about the input, one sentence each (report, json)
     length_units: list[str | None] = field(default_factory=list)  # per file: unit of response_length
     reward_sources: list[str] = field(default_factory=list)  # per file: the column(s) the reward is
+    steps_selection: str | None = None  # --steps, as given (None: every step was read)
+    steps_not_read: list[int] = field(default_factory=list)  # steps of the input left out by the selection
 
     def __len__(self) -> int:
         return int(self.step.shape[0])
 
     @property
     def n_tokens(self) -> int:
-        return 0 if self.tokens is None else int(self.tokens.offsets[-1])
+        return 0 if self.rows is None else int(self.rows.tokens.sum())
+
+    @property
+    def n_policy_tokens(self) -> int:
+        return 0 if self.rows is None else int(self.rows.policy.sum())
 
     def has(self, column: str) -> bool:
         """Whether ``column`` holds a value in at least one row."""
         if column in ("step", "group", "reward"):
             return len(self) > 0
         if column in TOKEN_COLUMNS:
-            return self.tokens is not None and bool(self.tokens.has_tokens.any())
-        if column == "turn_ids":
-            return self.tokens is not None and self.tokens.turn_ids is not None
-        if column == "rejected":
-            return self.tokens is not None and self.tokens.rejected is not None
+            return self.rows is not None and bool(self.rows.has_tokens.any())
+        if column in ("turn_ids", "rejected"):
+            return self.rows is not None and column in self.token_columns
         if column in self.scalars:
             return bool(np.isfinite(self.scalars[column]).any())
-        if column in self.texts:
-            return any(v is not None for v in self.texts[column])
+        if column == "response":
+            return self.response_chars is not None and bool(np.isfinite(self.response_chars).any())
+        if column == "instruction":
+            return self.instruction is not None and bool(self.instruction.any())
+        if column == "logprobs_source":
+            return self.sources is not None and any(v is not None for v in self.sources)
         if column == "turns":
-            return self.turns is not None and any(t is not None for t in self.turns)
+            return self.turn_rows is not None and bool(self.turn_rows.present.any())
         return False
 
     def where(self, i: int) -> str:
@@ -160,6 +269,13 @@ class Dump:
         f = int(self.row_file[i])
         unit = "row" if self.files[f].endswith(".parquet") else "line"
         return f"{self.files[f]}: {unit} {int(self.row_number[i])}"
+
+    def mismatch(self) -> MismatchRows:
+        """The rows' token sums with copied files left out (:func:`~creditlab.diagnose._tokens.mismatch_rows`);
+        the dump must have token columns."""
+        assert self.rows is not None and self.turn_stats is not None
+        return mismatch_rows(self.rows, self.turn_stats, self.row_file, len(self.files),
+                             "rejected" in self.token_columns)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,46 +339,153 @@ def _newest(files: list[tuple[Path, int]]) -> set[int]:
     return {i for _, i in best.values()}
 
 
+def _step_file(path: Path) -> int | None:
+    """The step of a verl ``rollout_data_dir`` file (``{step}.jsonl``, one step per file) whose first row is
+    verl's and of that step, else None: such a file need not be read to leave it out of a step selection."""
+    m = re.fullmatch(r"(\d+)\.jsonl", path.name)
+    if m is None:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            head = fh.readline(1 << 20)
+        first = json.loads(head)
+    except (OSError, ValueError, RecursionError):
+        return None
+    if isinstance(first, dict) and _is_verl(set(first)) and first.get("step") == int(m[1]) \
+            and type(first.get("step")) is int:
+        return int(m[1])
+    return None
+
+
+@dataclass(frozen=True)
+class _FileCell:
+    """One file to read, as a cell of the labs' executors (:mod:`creditlab.lab.runner`: ``key``, ``name`` and
+    ``run()``, which returns one row: the file's part, or what it raised)."""
+
+    group: str
+    name: str
+    key: str
+    kwargs: dict
+
+    def run(self) -> list[dict]:
+        return [_read_file_task(**self.kwargs)]
+
+
+def _read_file_task(path: str, live: bool, reward_columns: Sequence[str] | None, keep: bool,
+                    steps: StepSelection | None) -> dict:
+    """:func:`_read_file` in a worker: its part, or the error it raised as plain values (an exception with its
+    own arguments does not always survive pickling), raised again by the driver in file order."""
+    try:
+        return {"part": _read_file(Path(path), None, live=live, reward_columns=reward_columns, keep=keep,
+                                   steps=steps)}
+    except _Skipped as skip:
+        return {"skipped": (str(skip), skip.error)}
+    except ConfigError as err:
+        return {"error": ("config", err.parameter, err.message)}
+    except CreditlabError as err:
+        return {"error": (type(err).__name__, str(err), "")}
+
+
+def _raise_again(out: dict) -> _Part:
+    """The part of a task's row, or its error raised again."""
+    if "part" in out:
+        return out["part"]
+    if "skipped" in out:
+        raise _Skipped(*out["skipped"])
+    kind, a, b = out["error"]
+    if kind == "config":
+        raise ConfigError(a, b)
+    raise InputError(a)
+
+
 def read_dump(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
-              progress: Progress | None = None, reward_columns: Sequence[str] | None = None) -> Dump:
+              progress: Progress | None = None, reward_columns: Sequence[str] | None = None, tokens: bool = True,
+              steps: str | StepSelection | None = None, executor: Any = None) -> Dump:
     """Read and validate one or more dumps (files or directories) into one :class:`Dump`.
     ``reward_columns``: the reward-function columns of TRL's completion tables (``NAME`` or
     ``NAME=WEIGHT``), when TRL's layout and advantage cannot tell them (``--reward-column``).
+
+    ``tokens``: keep every row's token columns, texts and turns (:attr:`Dump.tokens`, ``texts``, ``turns``);
+    False reads in bounded memory, keeping only their per-row reductions, all the checks use (what
+    ``creditlab diagnose`` does). ``steps``: read only these steps (``"0:100:10"``, ``"every:10"``:
+    :mod:`creditlab.diagnose.steps`). ``executor``: read the files in parallel on one of the labs'
+    executors (``creditlab.lab.runner.make_executor(workers)``; a process pool or Ray); the dump is the
+    same as read serially.
 
     Input errors raise :class:`creditlab.errors.InputError`; what the checks should know about the
     input but can work around lands in :attr:`Dump.warnings`.
     """
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
+    selection = parse_steps(steps) if isinstance(steps, str) else steps
     grouped = _dump_files(paths)
     files = [f for f, _ in grouped]
     live = _newest(grouped)
-    total = sum(f.stat().st_size for f in files)
-    done = 0
+    sizes = [f.stat().st_size for f in files]
+    total = sum(sizes)
+    not_read: set[int] = set()
+    todo = []
+    for k, f in enumerate(files):
+        s = _step_file(f) if selection is not None else None
+        if s is not None and s not in selection:
+            not_read.add(s)  # a verl file of a step not selected: not read
+        else:
+            todo.append(k)
+    results: dict[int, Callable[[], _Part]] = {}
+    if executor is not None and len(todo) > 1:
+        cells = [_FileCell("diagnose", files[k].name, f"diagnose/{k}/{files[k]}",
+                           {"path": str(files[k]), "live": k in live, "reward_columns": reward_columns, "keep": tokens,
+                            "steps": selection}) for k in todo]
+        index = {c.key: k for c, k in zip(cells, todo, strict=True)}
+        done = 0
+        for cell, out in executor.submit_all(cells):
+            k = index[cell.key]
+            results[k] = (lambda o=out[0]: _raise_again(o))
+            done += sizes[k]
+            if progress is not None:
+                progress(f"read {files[k].name}", done, total)
     parts, kept, skipped = [], [], []
     kept_groups: list[int] = []
+    done = 0
     for k, f in enumerate(files):
-        size = f.stat().st_size
+        size = sizes[k]
+        if k not in todo:
+            done += size
+            continue
         tick = None
-        if progress is not None:
+        if progress is not None and k not in results:
             def tick(n: int, f=f, base=done, size=size) -> None:  # within a file, by bytes read
                 progress(f"read {f.name}", base + min(n, size), total)
         try:
-            parts.append(_read_file(f, tick, live=k in live, reward_columns=reward_columns))
-            kept.append(f)
-            kept_groups.append(grouped[k][1])
+            part = results[k]() if k in results else _read_file(f, tick, live=k in live, reward_columns=reward_columns,
+                                                                keep=tokens, steps=selection)
         except _Skipped as skip:  # empty, or nothing but a cut-off line: what a writer left unfinished
             if len(files) == 1:
                 raise InputError(skip.error) from None
             skipped.append(str(skip))
+            part = None
         done += size
-        if progress is not None:
+        if progress is not None and k not in results:
             progress(f"read {f.name}", done, total)
+        if part is None:
+            continue
+        not_read |= part.steps_not_read
+        if part.n == 0:  # every row of the file is at a step not selected
+            continue
+        parts.append(part)
+        kept.append(f)
+        kept_groups.append(grouped[k][1])
     if not parts:
+        if selection is not None and not_read:
+            raise ConfigError("--steps", f"{selection.text!r} selects none of the steps in the input "
+                                         f"({describe_steps(not_read)})")
         raise InputError(f"no complete row in the input: {' '.join(skipped)}")
+    keys = list(itertools.chain.from_iterable(p.keys for p in parts))
     dump = _concat([str(f) for f in kept], parts)
     dump.warnings[:0] = skipped
-    keys = [_row_key(dump, i) for i in range(len(dump))]
+    if selection is not None:
+        dump.steps_selection = selection.text
+        dump.steps_not_read = sorted(not_read - set(np.unique(dump.step).tolist()))
     _same_dump_twice(dump, keys)
     _separate_runs(dump, kept_groups, [str(p) for p in paths])
     dump = _drop_repeated_rows(dump, keys)
@@ -276,7 +499,7 @@ def read_dump(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
 
 
 class _PartTokens(NamedTuple):
-    """One file's token columns, flattened over its rows (``offsets`` ``(n + 1,)`` into the rest)."""
+    """Token columns flattened over rows (``offsets`` ``(n + 1,)`` into the rest)."""
 
     offsets: np.ndarray
     logprobs: np.ndarray
@@ -287,7 +510,9 @@ class _PartTokens(NamedTuple):
 
 
 @dataclass
-class _Part:
+class _Rows:
+    """A batch of validated rows of one file."""
+
     fmt: str
     n: int
     row_number: np.ndarray
@@ -301,6 +526,34 @@ class _Part:
     warnings: list[str] = field(default_factory=list)
     length_unit: str | None = None  # of response_length: "tokens", "characters", None without the column
     reward_source: str = "column reward"  # the column(s) the reward is
+
+
+@dataclass
+class _Part:
+    """One file, read: its rows' trajectory columns and token reductions (and, kept, their tokens)."""
+
+    fmt: str
+    n: int
+    row_number: np.ndarray
+    step: np.ndarray
+    group: list[Any]
+    reward: np.ndarray
+    rows: RowStats | None                # None: the file has no token columns
+    turn_stats: TurnStats | None
+    scalars: dict[str, np.ndarray]
+    response_chars: np.ndarray | None
+    sources: list[str | None] | None
+    instruction: np.ndarray | None
+    turn_rows: TurnRows | None
+    token_columns: set[str]
+    keys: list[bytes]                    # a digest of each row's values but its step (repeated rows)
+    tokens: _PartTokens | None = None    # kept
+    texts: dict[str, list[str | None]] = field(default_factory=dict)  # kept
+    turns: list[list[dict] | None] | None = None  # kept
+    warnings: list[str] = field(default_factory=list)
+    length_unit: str | None = None
+    reward_source: str = "column reward"
+    steps_not_read: set[int] = field(default_factory=set)
 
 
 class _Where:
@@ -340,9 +593,12 @@ class _Skipped(InputError):
 
 
 def _read_file(path: Path, tick: Callable[[int], None] | None, *, live: bool = False,
-               reward_columns: Sequence[str] | None = None) -> _Part:
+               reward_columns: Sequence[str] | None = None, keep: bool = False,
+               steps: StepSelection | None = None) -> _Part:
     """One file, read in the format its bytes are in (a gzip file named ``.jsonl`` is read as gzip, a
-    plain one named ``.jsonl.gz`` as text, a parquet file under a JSONL name as parquet)."""
+    plain one named ``.jsonl.gz`` as text, a parquet file under a JSONL name as parquet). ``keep``: keep the
+    token columns, texts and turns; ``steps``: the rows of other steps are left out (the part's
+    ``steps_not_read``)."""
     try:
         kind = _sniff(path)
     except OSError as err:
@@ -355,11 +611,317 @@ def _read_file(path: Path, tick: Callable[[int], None] | None, *, live: bool = F
     if kind in _DECOMPRESS:
         raise InputError(f"{path}: is {kind}-compressed, which diagnose does not read: decompress it "
                          f"({_DECOMPRESS[kind]} {path.name}), or compress it with gzip as a .jsonl.gz file")
-    if kind == "parquet":
-        return _read_parquet(path, reward_columns)
-    if path.name.endswith(".parquet") and kind is None and not _starts_like_json(path):
-        return _read_parquet(path, reward_columns)  # not parquet, not JSONL: the parquet reader's error names it
-    return _read_jsonl(path, tick, live=live, gz=kind == "gzip")
+    if kind == "parquet" or (path.name.endswith(".parquet") and kind is None and not _starts_like_json(path)):
+        # (not parquet, not JSONL: the parquet reader's error names it)
+        return _read_parquet(path, reward_columns, keep=keep, steps=steps)
+    return _read_jsonl(path, tick, live=live, gz=kind == "gzip", keep=keep, steps=steps)
+
+
+_TOKEN_ORDER = (*TOKEN_COLUMNS, "turn_ids", "rejected")
+"""The token columns in the order a batch validates them."""
+
+
+class _BadLogprob(Exception):
+    """A log-prob above ``LOGPROB_TOL`` on a policy token: the file is counted to its end before the error."""
+
+
+@dataclass
+class _LogprobCount:
+    bad: int = 0
+    policy: int = 0
+    unit: bool = True  # every policy value in [0, 1]
+    first: tuple[str, int, float] | None = None  # where, element, value of the first bad one
+
+
+class _LogprobCheck:
+    """Log-probs are <= 0: a value above ``LOGPROB_TOL`` on a policy token is an error naming the first, with
+    the counts of its whole file (the batches after the first bad one are only counted)."""
+
+    def __init__(self) -> None:
+        self.counts = {name: _LogprobCount() for name in ("logprobs", "rollout_logprobs")}
+        self.failed = False
+
+    def check(self, a: np.ndarray, policy: np.ndarray, lengths: Sequence[int], name: str, where: _Where | None,
+              *, stop: bool = True) -> None:
+        c = self.counts[name]
+        with np.errstate(invalid="ignore"):
+            bad = policy & (a > LOGPROB_TOL)
+        on = a[policy & ~np.isnan(a)]
+        c.policy += int(on.size)
+        c.unit &= bool(((on >= 0) & (on <= 1)).all())
+        if not bad.any():
+            return
+        c.bad += int(bad.sum())
+        if c.first is None and where is not None:
+            k = int(np.flatnonzero(bad)[0])
+            i, j = _first_row(list(lengths), k)
+            c.first = (where(i, name), j, float(a[k]))
+        self.failed = True
+        if stop:
+            raise _BadLogprob
+
+    def count(self, batch: Iterable[tuple[Any, Any, Any]]) -> None:
+        """Count the rows ``(logprobs, rollout_logprobs, policy_mask)`` of a batch after the first bad value
+        (only the counts of the error message; a row that cannot be read is passed over)."""
+        lp, rlp, pm = [], [], []
+        for a, b, m in batch:
+            try:
+                a, b, m = (np.asarray(a, dtype=np.float64).reshape(-1), np.asarray(b, dtype=np.float64).reshape(-1),
+                           np.asarray(m, dtype=bool).reshape(-1))
+            except (TypeError, ValueError):
+                continue
+            if a.shape == b.shape == m.shape:
+                lp.append(a)
+                rlp.append(b)
+                pm.append(m)
+        if lp:
+            policy = np.concatenate(pm)
+            for name, x in (("logprobs", lp), ("rollout_logprobs", rlp)):
+                self.check(np.concatenate(x), policy, [], name, None, stop=False)
+
+    def error(self) -> InputError:
+        for c in self.counts.values():
+            if c.first is not None:
+                where, j, value = c.first
+                what = ("the column looks like probabilities (every policy value in [0, 1]): write their log"
+                        if c.unit else "log-probs are <= 0")
+                return InputError(f"{where}: element {j} is {value!r} on a policy token, above {LOGPROB_TOL:g} "
+                                  f"({c.bad:,} of {c.policy:,} policy tokens of this file are): {what}")
+        raise AssertionError("no bad log-prob recorded")  # pragma: no cover
+
+
+_NAN = np.float64(np.nan).tobytes()
+
+
+def _keys(b: _Rows) -> list[bytes]:
+    """A digest of every value of each row of ``b`` but its step: equal for rows equal in every column (a
+    column a file lacks counts as null, an absent ``rejected`` as all false, as the readers fill them)."""
+    t = b.tokens
+    scalars = [b.scalars.get(name) for name in sorted(_SCALAR_FLOATS)]
+    texts = [b.texts.get(name) for name in sorted(_TEXT)]
+    out = []
+    for i in range(b.n):
+        h = hashlib.blake2b(digest_size=16)
+        g = b.group[i]
+        h.update(repr((type(g).__name__, g, float(b.reward[i]))).encode())
+        if t is not None:
+            a, e = int(t.offsets[i]), int(t.offsets[i + 1])
+            for arr in (t.logprobs, t.rollout_logprobs, t.policy_mask):
+                h.update(arr[a:e].tobytes())
+            if t.turn_ids is not None:
+                h.update(t.turn_ids[a:e].tobytes())
+            if t.rejected is not None and t.rejected[a:e].any():
+                h.update(t.rejected[a:e].tobytes())
+        for s in scalars:
+            h.update(_NAN if s is None else s[i].tobytes())
+        for v in texts:
+            h.update(repr(None if v is None else v[i]).encode())
+        h.update(json.dumps(None if b.turns is None else b.turns[i], sort_keys=True, default=str).encode())
+        out.append(h.digest())
+    return out
+
+
+class _FileRows:
+    """The rows of one file, one validated batch at a time: each reduced at once (:func:`reduce_tokens`), its
+    token columns, texts and turns kept only with ``keep``."""
+
+    def __init__(self, path: Path, keep: bool, steps: StepSelection | None):
+        self.path, self.keep, self.steps = path, keep, steps
+        self.batches: list[dict[str, Any]] = []
+        self.fmt: str | None = None
+        self.names: set[str] = set()
+        self.token_columns: set[str] | None = None
+        self.first_line = 0
+        self.logprobs = _LogprobCheck()
+        self.steps_not_read: set[int] = set()
+        self.optional: set[str] = set()  # turn_ids, rejected: the optional token columns the file has
+        self.n = 0
+
+    # -- JSONL ----------------------------------------------------------------------------------------
+
+    def add_lines(self, rows: list[dict], numbers: list[int]) -> None:
+        """A batch of JSONL rows (``numbers``: their lines)."""
+        if self.steps is not None:
+            sel = [i for i, r in enumerate(rows) if self._selected(r.get("step"))]
+            if len(sel) < len(rows):
+                rows, numbers = [rows[i] for i in sel], [numbers[i] for i in sel]
+        if not rows:
+            return
+        if self.logprobs.failed:
+            self.logprobs.count((r.get("logprobs"), r.get("rollout_logprobs"), r.get("policy_mask")) for r in rows)
+            return
+        where = _Where(self.path, "line", np.asarray(numbers))
+        names: set[str] = set()
+        for r in rows:
+            names.update(r)
+        self._same_layout(names, where, numbers[0])
+
+        def values(name: str) -> list[Any] | None:
+            return [r.get(name) for r in rows] if name in names else None
+
+        def flat(name: str) -> tuple[list[Any], list[int]] | None:
+            if name not in names:
+                return None
+            vals = []
+            for i, r in enumerate(rows):
+                v = r.get(name)
+                if not isinstance(v, list):
+                    if name not in r:
+                        raise InputError(f"{where(i, name)}: missing here, present in other rows (a file has a token "
+                                         "column in every row or in none)")
+                    got = "nothing" if v is None else type(v).__name__
+                    raise InputError(f"{where(i, name)}: expected a list, got {got}")
+                vals.append(v)
+            return list(itertools.chain.from_iterable(vals)), [len(v) for v in vals]
+
+        if self.fmt == FORMAT_VERL:
+            self.add(_from_verl(rows, where))
+            return
+        try:
+            self.add(_build(FORMAT_CREDITLAB, len(rows), where, names.__contains__, values, flat, self.logprobs))
+        except _BadLogprob:
+            pass  # counted to the end of the file, then raised (finish)
+
+    def _selected(self, step: Any) -> bool:
+        """Whether a row at ``step`` is read (a step that is not an integer is, so that it is named as an error)."""
+        if is_number(step) and math.isfinite(float(step)) and float(step) == int(step):
+            if int(step) in self.steps:
+                return True
+            self.steps_not_read.add(int(step))
+            return False
+        return True
+
+    def _same_layout(self, names: set[str], where: _Where, first: int) -> None:
+        """The first batch sets the file's format and token columns; a later batch must agree (a file is
+        validated as one: a token column is in every row or in none)."""
+        tokens = {c for c in _TOKEN_ORDER if c in names}
+        if self.fmt is None:
+            self.fmt = FORMAT_VERL if _is_verl(names) else FORMAT_CREDITLAB
+            self.token_columns, self.first_line = tokens, first
+            self.names = set(names)
+            return
+        self.names |= names
+        if _is_verl(self.names) != (self.fmt == FORMAT_VERL):
+            other = FORMAT_VERL if self.fmt != FORMAT_VERL else FORMAT_CREDITLAB
+            raise InputError(f"{self.path}: line {first}: the rows from here on read as {other} and the rows before "
+                             f"as {self.fmt}: a file holds rows of one format; split it")
+        if self.fmt == FORMAT_VERL or tokens == self.token_columns:
+            return
+        name = next(c for c in _TOKEN_ORDER if c in tokens ^ self.token_columns)
+        line = first if name in self.token_columns else self.first_line  # the first row without it
+        raise InputError(f"{self.path}: line {line}: column '{name}': missing here, present in other rows (a file "
+                         "has a token column in every row or in none)")
+
+    # -- every format ---------------------------------------------------------------------------------
+
+    def add(self, b: _Rows) -> None:
+        """A batch of validated rows: reduced, and kept with ``keep``."""
+        if self.steps is not None and self.fmt != FORMAT_CREDITLAB:  # verl, TRL: selected after validation
+            sel = self.steps.mask(b.step)
+            self.steps_not_read.update(np.unique(b.step[~sel]).tolist())
+            if not sel.all():
+                b = _take_rows(b, sel)
+        if b.n == 0:
+            return
+        sources = b.texts.get("logprobs_source")
+        rows = turn_stats = None
+        if b.tokens is not None:
+            t = b.tokens
+            self.optional |= {c for c, a in (("turn_ids", t.turn_ids), ("rejected", t.rejected)) if a is not None}
+            td = TokenData(t.offsets, t.logprobs, t.rollout_logprobs, t.policy_mask, t.turn_ids,
+                           np.ones(b.n, dtype=bool), t.rejected)
+            rows, turn_stats = reduce_tokens(td, engine_rows(sources, td.has_tokens))
+        resp = b.texts.get("response")
+        instr = b.texts.get("instruction")
+        self.batches.append({
+            "rows": b, "stats": rows, "turn_stats": turn_stats, "keys": _keys(b),
+            "response_chars": None if resp is None else
+            np.asarray([np.nan if r is None else len(r) for r in resp], dtype=np.float64),
+            "instruction": None if instr is None else np.asarray([v is not None for v in instr], dtype=bool),
+            "turn_rows": None if b.turns is None else _turn_rows(b.turns, instr),
+        })
+        self.n += b.n
+        if not self.keep:  # what the checks need is reduced: the batch's columns can go
+            b.tokens, b.texts, b.turns = None, {k: v for k, v in b.texts.items() if k == "logprobs_source"}, None
+
+    def finish(self, warnings: list[str]) -> _Part:
+        """The file's part (a file whose every row was left out by the step selection has ``n`` 0)."""
+        if self.logprobs.failed:
+            raise self.logprobs.error()
+        bs = self.batches
+        first: _Rows | None = bs[0]["rows"] if bs else None
+        sizes = [x["rows"].n for x in bs]
+
+        def cat(key: str, fill: Callable[[int], Any]) -> Any:
+            got = [x[key] for x in bs]
+            if all(g is None for g in got):
+                return None
+            return np.concatenate([g if g is not None else fill(n) for g, n in zip(got, sizes, strict=True)])
+
+        scalars: dict[str, np.ndarray] = {}
+        for name in _SCALAR_FLOATS:
+            if any(name in x["rows"].scalars for x in bs):
+                scalars[name] = np.concatenate([x["rows"].scalars.get(name, np.full(x["rows"].n, np.nan)) for x in bs])
+        sources = None
+        if any("logprobs_source" in x["rows"].texts for x in bs):
+            sources = list(itertools.chain.from_iterable(x["rows"].texts.get("logprobs_source", [None] * x["rows"].n)
+                                                         for x in bs))
+        has_tokens = first is not None and bs[0]["stats"] is not None
+        rows = RowStats.concat([x["stats"] for x in bs]) if has_tokens else None
+        turn_stats = TurnStats.concat([x["turn_stats"] for x in bs], list(np.cumsum([0] + sizes[:-1]))) \
+            if has_tokens else None
+        response_chars = cat("response_chars", lambda n: np.full(n, np.nan))
+        part = _Part(
+            fmt=first.fmt if first is not None else (self.fmt or FORMAT_CREDITLAB), n=self.n,
+            row_number=np.concatenate([x["rows"].row_number for x in bs]) if bs else np.zeros(0, dtype=np.int64),
+            step=np.concatenate([x["rows"].step for x in bs]) if bs else np.zeros(0, dtype=np.int64),
+            group=list(itertools.chain.from_iterable(x["rows"].group for x in bs)),
+            reward=np.concatenate([x["rows"].reward for x in bs]) if bs else np.zeros(0),
+            rows=rows, turn_stats=turn_stats, scalars=scalars, response_chars=response_chars, sources=sources,
+            instruction=cat("instruction", lambda n: np.zeros(n, dtype=bool)),
+            turn_rows=TurnRows.concat([x["turn_rows"] for x in bs], sizes)
+            if any(x["turn_rows"] is not None for x in bs) else None,
+            token_columns=set(self.optional), keys=list(itertools.chain.from_iterable(x["keys"] for x in bs)),
+            warnings=list(warnings), steps_not_read=self.steps_not_read,
+            length_unit=first.length_unit if first is not None else None,
+            reward_source=first.reward_source if first is not None else "column reward")
+        if self.keep and bs:
+            part.tokens = _cat_tokens([x["rows"].tokens for x in bs]) if has_tokens else None
+            part.texts = {name: list(itertools.chain.from_iterable(x["rows"].texts.get(name, [None] * x["rows"].n)
+                                                                   for x in bs))
+                          for name in _TEXT if any(name in x["rows"].texts for x in bs)}
+            if any(x["rows"].turns is not None for x in bs):
+                part.turns = list(itertools.chain.from_iterable(
+                    x["rows"].turns if x["rows"].turns is not None else [None] * x["rows"].n for x in bs))
+        if part.fmt == FORMAT_CREDITLAB and "response_length" in scalars:
+            part.length_unit = _length_unit(scalars["response_length"], None if rows is None else rows.tokens,
+                                            response_chars)
+        return part
+
+
+def _cat_tokens(ts: list[_PartTokens]) -> _PartTokens:
+    if len(ts) == 1:
+        return ts[0]
+    lengths = np.concatenate([np.diff(t.offsets) for t in ts])
+    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+
+    def cat(name: str) -> np.ndarray | None:
+        got = [getattr(t, name) for t in ts]
+        return None if got[0] is None else np.concatenate(got)
+
+    return _PartTokens(offsets, cat("logprobs"), cat("rollout_logprobs"), cat("policy_mask"), cat("turn_ids"),
+                       cat("rejected"))
+
+
+def _take_rows(b: _Rows, keep: np.ndarray) -> _Rows:
+    """The rows of a batch where ``keep`` is True (a batch without token columns: verl's and TRL's)."""
+    assert b.tokens is None
+    idx = np.flatnonzero(keep)
+    return _Rows(b.fmt, int(idx.size), b.row_number[keep], b.step[keep], [b.group[i] for i in idx], b.reward[keep],
+                 None, {k: v[keep] for k, v in b.scalars.items()}, {k: [v[i] for i in idx] for k, v in b.texts.items()},
+                 None if b.turns is None else [b.turns[i] for i in idx], list(b.warnings), b.length_unit,
+                 b.reward_source)
 
 
 def _starts_like_json(path: Path) -> bool:
@@ -680,61 +1242,119 @@ def _lines(numbers: list[int]) -> str:
     more = f" and {len(numbers) - 5} more" if len(numbers) > 5 else ""
     return f"line {head}" if len(numbers) == 1 else f"lines {head}{more}"
 
-
 @dataclass
 class _Lines:
-    """What reading a JSONL text gave: its rows, their line numbers, and what its writer left unfinished."""
+    """What reading a JSONL text gave besides its rows: how many, and what its writer left unfinished."""
 
-    rows: list[dict] = field(default_factory=list)
-    numbers: list[int] = field(default_factory=list)
+    rows: int = 0  # complete rows, selected or not
     torn: tuple[int, str] | None = None  # an incomplete line, until the next line tells whether it was the last
     cut_mid: list[int] = field(default_factory=list)  # cut-off lines followed by rows written later
     joined: list[int] = field(default_factory=list)   # ... with the first later row on the same line
 
 
-def _parse_lines(path: Path, fh: Any, tick: Callable[[int], None] | None, live: bool) -> _Lines:
-    got = _Lines()
-    read = 0  # characters, about the bytes of the (uncompressed) file
-    for n, line in enumerate(fh, 1):
-        read += len(line)
-        if tick is not None and n % 2000 == 0:
-            tick(read)
-        if not line.strip():
+_STEP_HEAD = re.compile(r'\{"step": (-?\d+)[,}]')
+"""How creditlab's writers start a row: a row of a step not selected is passed over without parsing it."""
+
+
+class _LineParser:
+    """The lines of a JSONL text to rows, a batch of lines at a time, with what its writer left unfinished
+    (:class:`_Lines`): a line that is not a JSON object is an error naming it, unless it is a row cut off by
+    its writer (see :func:`_read_jsonl`)."""
+
+    def __init__(self, path: Path, tick: Callable[[int], None] | None, live: bool, steps: StepSelection | None):
+        self.path, self.tick, self.live, self.steps = path, tick, live, steps
+        self.got = _Lines()
+        self.n = 0
+        self.read = 0  # characters, about the bytes of the (uncompressed) file
+        self.steps_not_read: set[int] = set()
+
+    def feed(self, lines: Iterable[str]) -> tuple[list[dict], list[int]]:
+        got, path, live = self.got, self.path, self.live
+        rows: list[dict] = []
+        numbers: list[int] = []
+        for line in lines:
+            self.n += 1
+            n = self.n
+            self.read += len(line)
+            if self.tick is not None and n % 2000 == 0:
+                self.tick(self.read)
+            if not line.strip():
+                continue
+            if got.torn is not None:  # the incomplete line was not the last: rows were appended after it
+                got.cut_mid.append(got.torn[0])
+                got.torn = None
+            if n == 1:
+                line = line.lstrip("\ufeff")
+            if self.steps is not None and line.endswith("\n") and (m := _STEP_HEAD.match(line)) is not None \
+                    and int(m[1]) not in self.steps:
+                got.rows += 1
+                self.steps_not_read.add(int(m[1]))
+                continue
+            try:
+                obj = _loads(line)
+            except json.JSONDecodeError as err:
+                after = None if live and not line.endswith("\n") else _after_cut(line)
+                if after is None:
+                    if (live and not line.endswith("\n")) or _cut_off(line, err):
+                        got.torn = (n, line)
+                        continue
+                    raise InputError(f"{path}: line {n}: not valid JSON ({err.msg} at column {err.colno}): each "
+                                     "line must be one JSON object (one trajectory); fix or remove that line") from None
+                got.joined.append(n)
+                obj = after[1]
+            except RecursionError:
+                raise InputError(f"{path}: line {n}: not valid JSON (nested too deep)") from None
+            if not isinstance(obj, dict):
+                raise InputError(f"{path}: line {n}: expected a JSON object (one trajectory), got {type(obj).__name__}")
+            got.rows += 1
+            rows.append(obj)
+            numbers.append(n)
+        return rows, numbers
+
+
+def _split_lines(data: bytes) -> list[str]:
+    """UTF-8 ``data`` as the lines Python's text mode reads (universal newlines: ``\\r\\n`` and ``\\r`` end a
+    line as ``\\n`` does), each with its ``\\n`` but a last one without."""
+    text = data.decode("utf-8")
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    lines = text.split("\n")
+    last = lines.pop()
+    out = [s + "\n" for s in lines]
+    if last:
+        out.append(last)
+    return out
+
+
+def _line_batches(fh: Any, size: int | None = None) -> Iterator[list[str]]:
+    """The lines of a binary stream of UTF-8 text, about ``size`` bytes at a time (whole lines; a line
+    longer than that comes whole)."""
+    size = size or CHUNK_BYTES
+    pending: list[bytes] = []
+    while True:
+        block = fh.read(size)
+        if not block:
+            break
+        cut = block.rfind(b"\n") + 1
+        if cut == 0:
+            pending.append(block)
             continue
-        if got.torn is not None:  # the incomplete line was not the last: rows were appended after it
-            got.cut_mid.append(got.torn[0])
-            got.torn = None
-        if n == 1:
-            line = line.lstrip("\ufeff")
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            after = None if live and not line.endswith("\n") else _after_cut(line)
-            if after is None:
-                if (live and not line.endswith("\n")) or _cut_off(line, err):
-                    got.torn = (n, line)
-                    continue
-                raise InputError(f"{path}: line {n}: not valid JSON ({err.msg} at column {err.colno}): each line "
-                                 "must be one JSON object (one trajectory); fix or remove that line") from None
-            got.joined.append(n)
-            obj = after[1]
-        except RecursionError:
-            raise InputError(f"{path}: line {n}: not valid JSON (nested too deep)") from None
-        if not isinstance(obj, dict):
-            raise InputError(f"{path}: line {n}: expected a JSON object (one trajectory), got {type(obj).__name__}")
-        got.rows.append(obj)
-        got.numbers.append(n)
-    return got
+        head = block[:cut]
+        data = b"".join([*pending, head]) if pending else head
+        pending = [block[cut:]] if cut < len(block) else []
+        yield _split_lines(data)
+    if pending:
+        yield _split_lines(b"".join(pending))
 
 
 def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None, *, live: bool = False,
-                gz: bool = False) -> _Part:
-    """Rows of a JSONL file (``gz``: gzip-compressed). A line its writer did not finish (an incomplete
-    JSON object) is skipped with a warning saying why it is there: the last line of the newest file
-    (``live``: a job still writing; any incomplete last line there), the last line of an older file (a
-    writer that stopped mid-row), or a line followed by rows appended later (a crashed writer, then a
-    resumed one; a whole row appended on the cut-off line is read). Any other line that is not a JSON
-    object is an error naming it.
+                gz: bool = False, keep: bool = False, steps: StepSelection | None = None) -> _Part:
+    """Rows of a JSONL file (``gz``: gzip-compressed), read and validated a batch of lines at a time. A line
+    its writer did not finish (an incomplete JSON object) is skipped with a warning saying why it is there:
+    the last line of the newest file (``live``: a job still writing; any incomplete last line there), the
+    last line of an older file (a writer that stopped mid-row), or a line followed by rows appended later (a
+    crashed writer, then a resumed one; a whole row appended on the cut-off line is read). Any other line
+    that is not a JSON object is an error naming it.
 
     A gzip file whose compressed stream is cut off is read up to the cut; one cut and then appended to
     (a new gzip member after the cut-off one), or holding bytes that are no gzip data, is read member by
@@ -749,14 +1369,23 @@ def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None, *, live: 
             return rec.open_bytes()
         return gzip.open(path, "rb") if gz else open(path, "rb")
 
+    def read(fh: Any) -> tuple[_LineParser, _FileRows]:
+        parser = _LineParser(path, tick, live, steps)
+        acc = _FileRows(path, keep, steps)
+        for lines in _line_batches(fh):
+            rows, numbers = parser.feed(lines)
+            acc.add_lines(rows, numbers)
+        acc.steps_not_read |= parser.steps_not_read
+        return parser, acc
+
     try:
         if not gz:
-            with open(path, encoding="utf-8") as fh:
-                got = _parse_lines(path, fh, tick, live)
+            with open(path, "rb") as fh:
+                parser, acc = read(fh)
         else:
             try:
-                with gzip.open(path, "rt", encoding="utf-8") as fh:
-                    got = _parse_lines(path, fh, tick, live)
+                with gzip.open(path, "rb") as fh:
+                    parser, acc = read(fh)
             except (EOFError, zlib.error, OSError, UnicodeDecodeError, InputError):
                 # a stream cut off, or one that fails: read it member by member. A cut member followed by
                 # another decompresses into garbage (or runs to the end), so what the first read gave is
@@ -764,8 +1393,8 @@ def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None, *, live: 
                 rec = _gzip_recovered(path)
                 if rec is None:
                     raise
-                with rec.open_text() as fh:
-                    got = _parse_lines(path, fh, tick, live)
+                with rec.open_bytes() as fh:
+                    parser, acc = read(fh)
                 stream_cut = rec.open_tail(len(rec.layout.segments) - 1)
     except UnicodeDecodeError as err:
         at, byte = _bad_utf8(open_bytes) or (None, err.object[err.start])
@@ -774,9 +1403,10 @@ def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None, *, live: 
                          "line), nor gzip or parquet; pass the dump in one of those formats") from None
     except (OSError, EOFError, zlib.error) as err:
         raise InputError(f"{path}: cannot be read ({err})") from None
-    rows, numbers, torn, cut_mid, joined = got.rows, got.numbers, got.torn, got.cut_mid, got.joined
+    got = parser.got
+    torn, cut_mid, joined = got.torn, got.cut_mid, got.joined
     if rec is not None:
-        warnings += rec.notes(numbers)
+        warnings += rec.notes([int(x) for b in acc.batches for x in b["rows"].row_number])
     if cut_mid or joined:
         both = sorted(cut_mid + joined)
         same = (f"; the row written after it on the same line ({_lines(joined)}) was read"
@@ -802,8 +1432,8 @@ def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None, *, live: 
         at = f" at byte {len(rec.buf):,}" if rec is not None else ""
         member = f" (in its last member, from byte {last:,})" if rec is not None and last else ""
         warnings.append(f"{path}: the gzip stream is cut off{at}{member} ({why}): the rows before the cut "
-                        f"({len(rows):,}) were read.")
-    if not rows:
+                        f"({acc.n:,}) were read.")
+    if not got.rows:
         if rec is not None and rec.layout.junk:
             raise InputError(f"{path}: cannot be read: holds no complete row ({warnings[0]})")
         if warnings:
@@ -811,36 +1441,7 @@ def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None, *, live: 
             raise _Skipped(warnings[0], f"{path}: holds no complete row: its only row is cut off ({why}); "
                                         "diagnose it once a row is complete")
         raise InputError(f"{path}: holds no rows")
-    where = _Where(path, "line", np.asarray(numbers))
-    names: set[str] = set()
-    for r in rows:
-        names.update(r)
-    if _is_verl(names):
-        part = _from_verl(rows, where)
-        part.warnings += warnings
-        return part
-
-    def values(name: str) -> list[Any] | None:
-        return [r.get(name) for r in rows] if name in names else None
-
-    def flat(name: str) -> tuple[list[Any], list[int]] | None:
-        if name not in names:
-            return None
-        vals = []
-        for i, r in enumerate(rows):
-            v = r.get(name)
-            if not isinstance(v, list):
-                if name not in r:
-                    raise InputError(f"{where(i, name)}: missing here, present in other rows (a file has a token "
-                                     "column in every row or in none)")
-                got = "nothing" if v is None else type(v).__name__
-                raise InputError(f"{where(i, name)}: expected a list, got {got}")
-            vals.append(v)
-        return list(itertools.chain.from_iterable(vals)), [len(v) for v in vals]
-
-    part = _build(FORMAT_CREDITLAB, len(rows), where, names.__contains__, values, flat)
-    part.warnings += warnings
-    return part
+    return acc.finish(warnings)
 
 
 VERL_KEYS = ("input", "output", "score", "step")
@@ -869,7 +1470,7 @@ def _required_text(rows: list[dict], name: str, what: str, where: _Where) -> lis
     return out
 
 
-def _from_verl(rows: list[dict], where: _Where) -> _Part:
+def _from_verl(rows: list[dict], where: _Where) -> _Rows:
     n = len(rows)
     step = _int_column([r.get("step") for r in rows], "step", where)
     group = _required_text(rows, "input", "the prompt text", where)
@@ -884,31 +1485,87 @@ def _from_verl(rows: list[dict], where: _Where) -> _Part:
         if any(name in r for r in rows):
             scalars[name] = _share_column(_float_column([r.get(name) for r in rows], name, where, required=False),
                                           name, where)
-    return _Part(FORMAT_VERL, n, where.numbers, step, group, reward, None, scalars, {"response": response}, None,
+    return _Rows(FORMAT_VERL, n, where.numbers, step, group, reward, None, scalars, {"response": response}, None,
                  length_unit="characters", reward_source="verl's column score")
 
 
-def _read_parquet(path: Path, reward_columns: Sequence[str] | None = None) -> _Part:
+def _read_parquet(path: Path, reward_columns: Sequence[str] | None = None, *, keep: bool = False,
+                  steps: StepSelection | None = None) -> _Part:
+    """Rows of a parquet file, a batch of rows at a time (about ``4 * CHUNK_BYTES`` of column data; verl's
+    and TRL's tables, which hold no tokens, at once)."""
     import pyarrow as pa
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        pf = pq.ParquetFile(path)
+        n = pf.metadata.num_rows
+        names = set(pf.schema_arrow.names)
+        if n and (_is_verl(names) or is_trl(names)):
+            table = pf.read()
     except (OSError, pa.ArrowException) as err:
         raise InputError(f"{path}: not a readable parquet file ({err})") from None
-    n = table.num_rows
     if n == 0:
         raise InputError(f"{path}: holds no rows")
-    where = _Where(path, "row", np.arange(1, n + 1))
-    names = set(table.column_names)
+    acc = _FileRows(path, keep, steps)
     if _is_verl(names):
-        return _from_verl(table.to_pylist(), where)
+        acc.fmt = FORMAT_VERL
+        acc.add(_from_verl(table.to_pylist(), _Where(path, "row", np.arange(1, n + 1))))
+        return acc.finish([])
     if is_trl(names):  # TRL's log_completions files
+        where = _Where(path, "row", np.arange(1, n + 1))
         t = from_trl(table.to_pylist(), table.column_names, where, reward_columns_given=reward_columns)
-        return _Part(FORMAT_TRL, int(t.rows.size), where.numbers[t.rows], t.step, t.group, t.reward, None,
-                     {"response_length": t.length}, {"response": t.response}, None, length_unit="characters",
-                     reward_source=t.source)
+        acc.fmt = FORMAT_TRL
+        acc.add(_Rows(FORMAT_TRL, int(t.rows.size), where.numbers[t.rows], t.step, t.group, t.reward, None,
+                      {"response_length": t.length}, {"response": t.response}, None, length_unit="characters",
+                      reward_source=t.source))
+        return acc.finish([])
+    acc.fmt = FORMAT_CREDITLAB
+    size = sum(pf.metadata.row_group(g).total_byte_size for g in range(pf.metadata.num_row_groups))
+    batch = max(1, int(4 * CHUNK_BYTES * n / max(size, 1)))
+    start = 0
+    try:
+        for rb in pf.iter_batches(batch_size=batch):
+            table = pa.Table.from_batches([rb])
+            numbers = np.arange(start + 1, start + table.num_rows + 1)
+            start += table.num_rows
+            if steps is not None and "step" in names:
+                table, numbers = _select_steps(table, numbers, acc)
+            if table.num_rows == 0:
+                continue
+            if acc.logprobs.failed:
+                acc.logprobs.count(zip(*(table.column(c).to_pylist() if c in names else [None] * table.num_rows
+                                         for c in TOKEN_COLUMNS), strict=True))
+                continue
+            try:
+                acc.add(_parquet_rows(table, _Where(path, "row", numbers), acc.logprobs))
+            except _BadLogprob:
+                pass
+    except (OSError, pa.ArrowException) as err:
+        raise InputError(f"{path}: not a readable parquet file ({err})") from None
+    return acc.finish([])
+
+
+def _select_steps(table: Any, numbers: np.ndarray, acc: _FileRows) -> tuple[Any, np.ndarray]:
+    """The rows of a parquet batch at a selected step (and those whose step is not an integer, so that they
+    are named as errors)."""
+    import pyarrow as pa
+
+    col = table.column("step")
+    if not pa.types.is_integer(col.type) or col.null_count:
+        return table, numbers
+    steps = col.to_numpy()
+    sel = acc.steps.mask(steps)
+    acc.steps_not_read.update(np.unique(steps[~sel]).tolist())
+    return table.filter(pa.array(sel)), numbers[sel]
+
+
+def _parquet_rows(table: Any, where: _Where, check: _LogprobCheck) -> _Rows:
+    """A batch of rows of a creditlab-format parquet file, validated."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    names = set(table.column_names)
+    n = table.num_rows
 
     def values(name: str) -> list[Any] | np.ndarray | None:
         if name not in names:
@@ -942,7 +1599,7 @@ def _read_parquet(path: Path, reward_columns: Sequence[str] | None = None) -> _P
         # anything else (strings, structs, nulls): validate row by row to name the bad element
         return list(itertools.chain.from_iterable(arr.to_pylist())), lengths.tolist()
 
-    return _build(FORMAT_CREDITLAB, n, where, names.__contains__, values, flat)
+    return _build(FORMAT_CREDITLAB, n, where, names.__contains__, values, flat, check)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1158,7 +1815,10 @@ def _turns_column(vals: list[Any], where: _Where) -> list[list[dict] | None]:
     return out
 
 
-def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, flat) -> _Part:
+def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, flat, check: _LogprobCheck) -> _Rows:
+    """A batch of ``n`` rows validated (``values(name)``: a column's values, ``flat(name)``: a token column's
+    values and the rows' lengths); a log-prob above ``LOGPROB_TOL`` is recorded in ``check``, which raises
+    :class:`_BadLogprob`."""
     renames = [(v, c) for v, c in VERL_NAMES.items() if has(v) and not has(c)]
     if renames:
         s = "s" if len(renames) > 1 else ""
@@ -1196,7 +1856,7 @@ def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, 
         rlp = _flat_floats(rl_v, rl_n, "rollout_logprobs", where)
         pm = _flat_bools(pm_v, pm_n, "policy_mask", where)
         for name, a in (("logprobs", lp), ("rollout_logprobs", rlp)):
-            _check_logprobs(a, pm, lp_n, name, where)
+            check.check(a, pm, lp_n, name, where)
         def optional(name, convert):
             """The optional token column ``name`` flattened by ``convert`` (None when the dump has none)."""
             got = flat(name) if has(name) else None
@@ -1242,34 +1902,14 @@ def _build(fmt: str, n: int, where: _Where, has: Callable[[str], bool], values, 
     if "logprobs_source" in texts:
         _source_column(texts["logprobs_source"], where)
     turns = _turns_column(values("turns"), where) if has("turns") else None
-    unit = None
-    if "response_length" in scalars:
-        unit = _length_unit(scalars["response_length"], None if tokens is None else np.diff(tokens.offsets),
-                            texts.get("response"))
-    return _Part(fmt, n, where.numbers, step, group, reward, tokens, scalars, texts, turns, length_unit=unit)
-
-
-def _check_logprobs(a: np.ndarray, policy: np.ndarray, lengths: list[int], name: str, where: _Where) -> None:
-    """Log-probs are <= 0: a value above ``LOGPROB_TOL`` on a policy token is an error naming the first."""
-    with np.errstate(invalid="ignore"):
-        bad = policy & (a > LOGPROB_TOL)
-    if not bad.any():
-        return
-    k = int(np.flatnonzero(bad)[0])
-    i, j = _first_row(lengths, k)
-    on = a[policy & ~np.isnan(a)]
-    n_bad, n_pol = int(bad.sum()), int(on.size)
-    what = ("the column looks like probabilities (every policy value in [0, 1]): write their log"
-            if bool(((on >= 0) & (on <= 1)).all()) else "log-probs are <= 0")
-    raise InputError(f"{where(i, name)}: element {j} is {float(a[k])!r} on a policy token, above {LOGPROB_TOL:g} "
-                     f"({n_bad:,} of {n_pol:,} policy tokens of this file are): {what}")
+    return _Rows(fmt, n, where.numbers, step, group, reward, tokens, scalars, texts, turns)
 
 
 CHARACTERS = "characters"
 TOKENS = "tokens"
 
 
-def _length_unit(length: np.ndarray, n_tokens: np.ndarray | None, response: list[str | None] | None) -> str:
+def _length_unit(length: np.ndarray, n_tokens: np.ndarray | None, chars: np.ndarray | None) -> str:
     """The unit of a creditlab file's ``response_length``: "tokens" (the schema's), or "characters" when
     it exceeds the row's token count (prompt and tool tokens included) by half on the median row, or
     equals the length of the ``response`` text on 90% of 4+ rows (a tokenizer would give fewer)."""
@@ -1278,8 +1918,7 @@ def _length_unit(length: np.ndarray, n_tokens: np.ndarray | None, response: list
         sel = ok & (n_tokens > 0)
         if sel.any() and float(np.median(length[sel] / n_tokens[sel])) > 1.5:
             return CHARACTERS
-    if response is not None:
-        chars = np.asarray([np.nan if r is None else len(r) for r in response], dtype=np.float64)
+    if chars is not None:
         sel = ok & np.isfinite(chars) & (chars > 1)
         if sel.sum() >= 4 and float(np.mean(length[sel] == chars[sel])) >= 0.9:
             return CHARACTERS
@@ -1288,6 +1927,7 @@ def _length_unit(length: np.ndarray, n_tokens: np.ndarray | None, response: list
 
 def _concat(files: list[str], parts: list[_Part]) -> Dump:
     N = sum(p.n for p in parts)
+    sizes = [p.n for p in parts]
     labels: dict[Any, int] = {}
     codes = np.empty(N, dtype=np.int64)
     k = 0
@@ -1297,7 +1937,46 @@ def _concat(files: list[str], parts: list[_Part]) -> Dump:
             codes[k] = labels.setdefault(key, len(labels))
             k += 1
     group_labels = [g for (_, g) in labels]
-    tokens = None
+    rows = turn_stats = None
+    if any(p.rows is not None for p in parts):
+        rows = RowStats.concat([p.rows if p.rows is not None else RowStats.empty(p.n) for p in parts])
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
+        have = [(p.turn_stats, s) for p, s in zip(parts, starts, strict=True) if p.turn_stats is not None]
+        turn_stats = TurnStats.concat([t for t, _ in have], [s for _, s in have])
+
+    def cat_scalar(name: str) -> np.ndarray:
+        return np.concatenate([p.scalars.get(name, np.full(p.n, np.nan)) for p in parts])
+
+    scalars = {name: cat_scalar(name) for name in _SCALAR_FLOATS if any(name in p.scalars for p in parts)}
+    response_chars = instruction = sources = turn_rows = None
+    if any(p.response_chars is not None for p in parts):
+        response_chars = np.concatenate([p.response_chars if p.response_chars is not None else np.full(p.n, np.nan)
+                                         for p in parts])
+    if any(p.instruction is not None for p in parts):
+        instruction = np.concatenate([p.instruction if p.instruction is not None else np.zeros(p.n, dtype=bool)
+                                      for p in parts])
+    if any(p.sources is not None for p in parts):
+        sources = list(itertools.chain.from_iterable(p.sources if p.sources is not None else [None] * p.n
+                                                     for p in parts))
+    if any(p.turn_rows is not None for p in parts):
+        turn_rows = TurnRows.concat([p.turn_rows for p in parts], sizes)
+    dump = Dump(
+        files=files, formats=[p.fmt for p in parts],
+        row_file=np.concatenate([np.full(p.n, i, dtype=np.int64) for i, p in enumerate(parts)]),
+        row_number=np.concatenate([p.row_number for p in parts]),
+        step=np.concatenate([p.step for p in parts]), group=codes, group_labels=group_labels,
+        reward=np.concatenate([p.reward for p in parts]), rows=rows, turn_stats=turn_stats, scalars=scalars,
+        response_chars=response_chars, sources=sources, instruction=instruction, turn_rows=turn_rows,
+        token_columns=frozenset().union(*(p.token_columns for p in parts)),
+        warnings=[w for p in parts for w in p.warnings], length_units=[p.length_unit for p in parts],
+        reward_sources=[p.reward_source for p in parts],
+    )
+    _concat_kept(dump, parts)
+    return dump
+
+
+def _concat_kept(dump: Dump, parts: list[_Part]) -> None:
+    """The token columns, texts and turns the parts kept (``tokens=True``), joined as the dump's."""
     if any(p.tokens is not None for p in parts):
         lengths, lps, rlps, pms, tids, rejs, has = [], [], [], [], [], [], []
         any_tid = any(p.tokens is not None and p.tokens.turn_ids is not None for p in parts)
@@ -1318,30 +1997,16 @@ def _concat(files: list[str], parts: list[_Part]) -> Dump:
                 tids.append(tid if tid is not None else np.full(lp.shape[0], DERIVE_TURN, dtype=np.int64))
             if any_rej:  # a file without the column rejected nothing
                 rejs.append(rej if rej is not None else np.zeros(lp.shape[0], dtype=bool))
-        offsets = np.zeros(N + 1, dtype=np.int64)
+        offsets = np.zeros(len(dump) + 1, dtype=np.int64)
         np.cumsum(np.concatenate(lengths), out=offsets[1:])
-        tokens = TokenData(offsets, np.concatenate(lps), np.concatenate(rlps), np.concatenate(pms),
-                           np.concatenate(tids) if any_tid else None, np.concatenate(has),
-                           np.concatenate(rejs) if any_rej else None)
-
-    def cat_scalar(name: str) -> np.ndarray:
-        return np.concatenate([p.scalars.get(name, np.full(p.n, np.nan)) for p in parts])
-
-    scalars = {name: cat_scalar(name) for name in _SCALAR_FLOATS if any(name in p.scalars for p in parts)}
-    texts = {name: list(itertools.chain.from_iterable(p.texts.get(name, [None] * p.n) for p in parts))
-             for name in _TEXT if any(name in p.texts for p in parts)}
-    turns = None
+        dump.tokens = TokenData(offsets, np.concatenate(lps), np.concatenate(rlps), np.concatenate(pms),
+                                np.concatenate(tids) if any_tid else None, np.concatenate(has),
+                                np.concatenate(rejs) if any_rej else None)
+    dump.texts = {name: list(itertools.chain.from_iterable(p.texts.get(name, [None] * p.n) for p in parts))
+                  for name in _TEXT if any(name in p.texts for p in parts)}
     if any(p.turns is not None for p in parts):
-        turns = list(itertools.chain.from_iterable(p.turns if p.turns is not None else [None] * p.n for p in parts))
-    return Dump(
-        files=files, formats=[p.fmt for p in parts],
-        row_file=np.concatenate([np.full(p.n, i, dtype=np.int64) for i, p in enumerate(parts)]),
-        row_number=np.concatenate([p.row_number for p in parts]),
-        step=np.concatenate([p.step for p in parts]), group=codes, group_labels=group_labels,
-        reward=np.concatenate([p.reward for p in parts]), tokens=tokens, scalars=scalars, texts=texts,
-        turns=turns, warnings=[w for p in parts for w in p.warnings], length_units=[p.length_unit for p in parts],
-        reward_sources=[p.reward_source for p in parts],
-    )
+        dump.turns = list(itertools.chain.from_iterable(p.turns if p.turns is not None else [None] * p.n
+                                                        for p in parts))
 
 
 def _take(d: Dump, keep: np.ndarray) -> Dump:
@@ -1359,30 +2024,17 @@ def _take(d: Dump, keep: np.ndarray) -> Dump:
     idx = np.flatnonzero(keep)
     return Dump(files=d.files, formats=d.formats, row_file=d.row_file[keep], row_number=d.row_number[keep],
                 step=d.step[keep], group=d.group[keep], group_labels=d.group_labels, reward=d.reward[keep],
-                tokens=tokens, scalars={k: v[keep] for k, v in d.scalars.items()},
-                texts={k: [v[i] for i in idx] for k, v in d.texts.items()},
+                rows=None if d.rows is None else d.rows.take(keep),
+                turn_stats=None if d.turn_stats is None else d.turn_stats.take_rows(keep),
+                scalars={k: v[keep] for k, v in d.scalars.items()},
+                response_chars=None if d.response_chars is None else d.response_chars[keep],
+                sources=None if d.sources is None else [d.sources[i] for i in idx],
+                instruction=None if d.instruction is None else d.instruction[keep],
+                turn_rows=None if d.turn_rows is None else d.turn_rows.take(keep), token_columns=d.token_columns,
+                tokens=tokens, texts={k: [v[i] for i in idx] for k, v in d.texts.items()},
                 turns=None if d.turns is None else [d.turns[i] for i in idx], warnings=list(d.warnings),
-                length_units=list(d.length_units), reward_sources=list(d.reward_sources))
-
-
-def _row_key(d: Dump, i: int) -> bytes:
-    """A digest of every value of row ``i`` but its step."""
-    h = hashlib.blake2b(digest_size=16)
-    g = d.group_labels[int(d.group[i])]
-    h.update(repr((type(g).__name__, g, float(d.reward[i]))).encode())
-    t = d.tokens
-    if t is not None and t.has_tokens[i]:
-        a, b = int(t.offsets[i]), int(t.offsets[i + 1])
-        for arr in ((t.logprobs, t.rollout_logprobs, t.policy_mask) + (() if t.turn_ids is None else (t.turn_ids,))
-                    + (() if t.rejected is None else (t.rejected,))):
-            h.update(arr[a:b].tobytes())
-    for name in sorted(d.scalars):
-        h.update(d.scalars[name][i].tobytes())
-    for name in sorted(d.texts):
-        h.update(repr(d.texts[name][i]).encode())
-    if d.turns is not None:
-        h.update(json.dumps(d.turns[i], sort_keys=True, default=str).encode())
-    return h.digest()
+                length_units=list(d.length_units), reward_sources=list(d.reward_sources),
+                steps_selection=d.steps_selection, steps_not_read=list(d.steps_not_read))
 
 
 def _rewritten(keys: list[bytes], groups: np.ndarray) -> tuple[int, int] | None:
@@ -1497,7 +2149,7 @@ def _separate_runs(d: Dump, groups: list[int], args: list[str]) -> None:
             f"run on its own: creditlab diagnose {names[0]} --out DIR{loop}")
 
 
-def _drop_repeated_rows(d: Dump, keys: list[bytes] | None = None) -> Dump:
+def _drop_repeated_rows(d: Dump, keys: list[bytes]) -> Dump:
     """Leave out rows that repeat an identical row of the same step written before: in another file, in
     another run of that step's rows in the same file, or as the step's rows written again right after
     themselves (a resumed trainer). Other identical rows within a run are kept: a group's rollouts can
@@ -1509,7 +2161,6 @@ def _drop_repeated_rows(d: Dump, keys: list[bytes] | None = None) -> Dump:
     change[1:] = (d.row_file[1:] != d.row_file[:-1]) | (d.step[1:] != d.step[:-1])
     starts = np.flatnonzero(change)
     ends = np.append(starts[1:], N)
-    keys = keys if keys is not None else [_row_key(d, i) for i in range(N)]
     repeat = np.zeros(N, dtype=bool)
     first_of: dict[int, int] = {}  # repeated row -> the row it repeats
     seen: dict[int, dict[bytes, int]] = {}  # step -> key -> first row, over the runs before

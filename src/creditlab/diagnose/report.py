@@ -32,6 +32,7 @@ from creditlab.diagnose._trl_logs import FORMAT_TRL
 from creditlab.diagnose.checks import CheckResult, format_value, run_checks
 from creditlab.diagnose.plots import PLOTS, plot_result
 from creditlab.diagnose.readers import Dump, read_dump
+from creditlab.diagnose.steps import StepSelection, describe_steps
 from creditlab.diagnose.trainer_metrics import trainer_metrics
 from creditlab.errors import ConfigError, CreditlabError, InputError
 
@@ -79,13 +80,28 @@ def summarize(dump: Dump) -> dict[str, Any]:
         "steps": int(np.unique(dump.step).size), "step_range": [int(dump.step.min()), int(dump.step.max())],
         "groups": int(np.unique(np.stack([dump.step, dump.group]), axis=1).shape[1]),
         "tokens": dump.n_tokens,
-        "policy_tokens": int(dump.tokens.policy_mask.sum()) if dump.tokens is not None else 0,
+        "policy_tokens": dump.n_policy_tokens,
         "columns": [c for c in ("logprobs", "rollout_logprobs", "policy_mask", "turn_ids", "response",
                                 "response_length", "truncated", "process_reward", "precision", "recall",
                                 "instruction", "turns") if dump.has(c)],
         "reward_source": reward_source(dump),
+        "steps_read": np.unique(dump.step).tolist(),
+        "steps_selection": dump.steps_selection,
+        "steps_not_read": list(dump.steps_not_read),
     }
     return out
+
+
+def steps_line(summary: dict[str, Any]) -> str:
+    """The report's sentence on which steps were read."""
+    read = summary["steps_read"]
+    if summary["steps_selection"] is None:
+        return f"Steps read: all {len(read):,} ({describe_steps(read)})."
+    left = summary["steps_not_read"]
+    many = len(left) != 1
+    out = (f"Steps read: {len(read):,} ({describe_steps(read)}), selected by `--steps {summary['steps_selection']}`; "
+           f"{len(left):,} other step{'s' if many else ''} of the input {'were' if many else 'was'} not read")
+    return out + (f" ({describe_steps(left)})." if left else ".")
 
 
 def reward_source(dump: Dump) -> str:
@@ -130,7 +146,7 @@ def write_report(dump: Dump, results: Sequence[CheckResult], out: str | os.PathL
     lines += [f"Input: {src} ({', '.join(summary['formats'])}): {summary['trajectories']:,} trajectories, "
               f"{summary['steps']:,} steps ({summary['step_range'][0]}-{summary['step_range'][1]}), "
               f"{summary['groups']:,} groups, {summary['tokens']:,} tokens ({summary['policy_tokens']:,} policy).",
-              "", f"Reward: {summary['reward_source']}.", ""]
+              "", steps_line(summary), "", f"Reward: {summary['reward_source']}.", ""]
     if dump.warnings:
         lines += [f"Input warnings ({len(dump.warnings)}):", ""] + [f"* {w}" for w in dump.warnings] + [""]
     lines += [f"Verdict: {counts['fail']} fail, {counts['warn']} warn, {counts['ok']} ok, {counts['skipped']} skipped "
@@ -254,8 +270,15 @@ def record_error(out: str | os.PathLike, err: CreditlabError, paths: Sequence[st
 def diagnose(paths: str | os.PathLike | Sequence[str | os.PathLike], out: str | os.PathLike, *,
              fail_on: str = "fail", only: str | Sequence[str] | None = None, max_turns: int = 16,
              progress: Callable[[str, int, int], None] | None = None,
-             reward_columns: Sequence[str] | None = None) -> Diagnosis:
+             reward_columns: Sequence[str] | None = None, steps: str | StepSelection | None = None,
+             executor: Any = None) -> Diagnosis:
     """Read the dumps at ``paths``, run the checks, write the report into ``out``.
+
+    The dumps are read in bounded memory (``read_dump(..., tokens=False)``): each file a batch of rows at a
+    time, the token columns reduced per row as they are read. ``steps``: diagnose only these steps
+    (``--steps``: :mod:`creditlab.diagnose.steps`); the report and ``diagnose.json`` say which were read.
+    ``executor``: read the files in parallel on one of the labs' executors
+    (``creditlab.lab.runner.make_executor``; ``--workers``, ``--executor``).
 
     The run holds the lock of ``out`` (``<out>.lock``) from start to end, and first checks that every
     ``report.md``, ``diagnose.json`` and plot it would replace in ``out`` is one creditlab diagnose wrote:
@@ -280,7 +303,8 @@ def diagnose(paths: str | os.PathLike | Sequence[str | os.PathLike], out: str | 
                 raise ConfigError("--max-turns", f"must be >= 2, got {max_turns}")
             if fail_on not in FAIL_ON:
                 raise ConfigError("--fail-on", f"must be fail or warn, got {fail_on!r}")
-            dump = read_dump(plist, progress=progress, reward_columns=reward_columns)
+            dump = read_dump(plist, progress=progress, reward_columns=reward_columns, tokens=False, steps=steps,
+                             executor=executor)
             if reward_columns and FORMAT_TRL not in dump.formats:
                 raise ConfigError("--reward-column", "names the reward functions of TRL's log_completions tables; "
                                                      f"this input has none ({reward_source(dump)} is the reward)")

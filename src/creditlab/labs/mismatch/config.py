@@ -219,6 +219,10 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
         valid = type(self).EXPERIMENTS
         if not self.experiments or any(e not in valid for e in self.experiments):
             raise ConfigError("--experiment", f"got {list(self.experiments)}; valid: {', '.join(valid)}")
+        from creditlab.labs.mismatch import EXPERIMENT_TABLE  # the experiments check the fields they own
+
+        for e in EXPERIMENT_TABLE:
+            e.validate(self)
         g = self.grpo
         if g.eval_every < 1:
             raise ConfigError("grpo.eval_every", "the lab scores held-out success over training: must be >= 1")
