@@ -35,7 +35,11 @@ RATIOS: dict[str, list[str]] = {
                               if importlib.util.find_spec("verl") else [])],
     "bench_coverage.py": [rf"batched is {NUM}x faster", rf"batched sweep is {NUM}x faster",
                           r"through the runner \(2 cells, 2 worker processes"],
-    "bench_diagnose.py": [rf"^parquet .*{NUM}x the target's time", rf"^jsonl .*{NUM}x the target's time"],
+    "bench_diagnose.py": [rf"^parquet .*{NUM}x the target's time", rf"^jsonl .*{NUM}x the target's time",
+                          rf"^\[2\] new, json: {NUM} MB, read\+checks\+trainer metrics {NUM} s wall \({NUM} MB/s\).* "
+                          rf"peak RSS {NUM} GB", rf"^\[2\] old / new \(json\): peak RSS {NUM}x",
+                          rf"^\[2\] --steps every:4 .*\({NUM}x faster\)",
+                          rf"^\[3\] 16 files, one per step: .*speed-up {NUM}x"],
     "bench_fork.py": [rf"^\[ratio\] openai-sdk wall / creditlab/asyncio wall: {NUM}",
                       rf"^\[ratio\] openai-sdk wall / creditlab/httpx wall: {NUM}",
                       r"^\[three, one killed halfway\] 8/8 scored",

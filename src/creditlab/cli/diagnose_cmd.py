@@ -34,11 +34,11 @@ def diagnose(
                                                  "the table's layout and advantage cannot tell them from "
                                                  "log_extra columns (the error says so)."),
     steps: str = typer.Option(None, "--steps", metavar="SPEC",
-                              help="Diagnose only these training steps: N, A:B (B excluded), A:B:K (every K-th), "
-                                   "every:K (the steps divisible by K, as verl's save_freq counts), or several "
-                                   "joined by commas, e.g. 0:100:10,250:260. Other rows are not read (a verl "
-                                   "rollout_data_dir file of another step is not opened); the report says which "
-                                   "steps were read."),
+                              help="Diagnose only these training steps: N, START:STOP (STOP excluded), "
+                                   "START:STOP:STEP (every STEP-th), every:K (the steps divisible by K, as verl's "
+                                   "save_freq counts), or several joined by commas, e.g. 10:1000:10,250:260. Other "
+                                   "rows are not read (a verl rollout_data_dir file of another step is not opened); "
+                                   "the report says which steps were read."),
     workers: int = typer.Option(1, "--workers", help="Read this many dump files at a time, in worker processes "
                                                      "(with --executor ray, the CPUs of a local Ray instance)."),
     executor: str = typer.Option(None, "--executor",
@@ -69,7 +69,7 @@ def diagnose(
     console = Console(stderr=True)
     selection = parse_steps(steps) if steps is not None else None
     ex = None
-    if workers > 1 or executor not in (None, "serial") or ray_address is not None:
+    if workers != 1 or executor not in (None, "serial") or ray_address is not None:
         ex = make_executor(workers, executor, ray_address,
                            warn=lambda m: console.print(f"[yellow]warning:[/] {escape(m)}", highlight=False))
     opts = {"fail_on": fail_on, "only": check or None, "max_turns": max_turns, "reward_columns": reward_column or None,

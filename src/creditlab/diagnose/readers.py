@@ -51,6 +51,7 @@ in characters in some files and in tokens in others. A gzip file with nothing re
 from __future__ import annotations
 
 import bisect
+import codecs
 import gzip
 import hashlib
 import io
@@ -1312,10 +1313,9 @@ class _LineParser:
         return rows, numbers
 
 
-def _split_lines(data: bytes) -> list[str]:
-    """UTF-8 ``data`` as the lines Python's text mode reads (universal newlines: ``\\r\\n`` and ``\\r`` end a
-    line as ``\\n`` does), each with its ``\\n`` but a last one without."""
-    text = data.decode("utf-8")
+def _split_lines(text: str) -> list[str]:
+    """``text`` as the lines Python's text mode reads (universal newlines: ``\\r\\n`` and ``\\r`` end a line
+    as ``\\n`` does), each with its ``\\n`` but a last one without."""
     if "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     lines = text.split("\n")
@@ -1328,23 +1328,25 @@ def _split_lines(data: bytes) -> list[str]:
 
 def _line_batches(fh: Any, size: int | None = None) -> Iterator[list[str]]:
     """The lines of a binary stream of UTF-8 text, about ``size`` bytes at a time (whole lines; a line
-    longer than that comes whole)."""
+    longer than that comes whole). Each block is decoded before any of its lines is given, as Python's text
+    mode does: bytes that are not UTF-8 raise ``UnicodeDecodeError`` before the lines around them are read."""
     size = size or CHUNK_BYTES
-    pending: list[bytes] = []
+    dec = codecs.getincrementaldecoder("utf-8")()
+    pending = ""
     while True:
         block = fh.read(size)
         if not block:
             break
-        cut = block.rfind(b"\n") + 1
+        text = pending + dec.decode(block)
+        cut = text.rfind("\n") + 1
         if cut == 0:
-            pending.append(block)
+            pending = text
             continue
-        head = block[:cut]
-        data = b"".join([*pending, head]) if pending else head
-        pending = [block[cut:]] if cut < len(block) else []
-        yield _split_lines(data)
-    if pending:
-        yield _split_lines(b"".join(pending))
+        pending = text[cut:]
+        yield _split_lines(text[:cut])
+    tail = pending + dec.decode(b"", final=True)
+    if tail:
+        yield _split_lines(tail)
 
 
 def _read_jsonl(path: Path, tick: Callable[[int], None] | None = None, *, live: bool = False,

@@ -98,10 +98,9 @@ def steps_line(summary: dict[str, Any]) -> str:
     if summary["steps_selection"] is None:
         return f"Steps read: all {len(read):,} ({describe_steps(read)})."
     left = summary["steps_not_read"]
-    many = len(left) != 1
-    out = (f"Steps read: {len(read):,} ({describe_steps(read)}), selected by `--steps {summary['steps_selection']}`; "
-           f"{len(left):,} other step{'s' if many else ''} of the input {'were' if many else 'was'} not read")
-    return out + (f" ({describe_steps(left)})." if left else ".")
+    out = (f"Steps read: {len(read):,} of {len(read) + len(left):,}, selected by `--steps "
+           f"{summary['steps_selection']}`: {describe_steps(read)}")
+    return out + (f"; not read: {describe_steps(left)}." if left else ".")
 
 
 def reward_source(dump: Dump) -> str:

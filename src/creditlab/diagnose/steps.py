@@ -76,8 +76,9 @@ def parse_steps(text: str) -> StepSelection:
     for item in text.replace(" ", "").split(","):
         m = _ITEM.match(item)
         if m is None:
-            raise ConfigError("--steps", f"{item!r} is not a step selection: use N, A:B (B excluded), A:B:K (every "
-                                         "K-th), every:K (the steps divisible by K), or several joined by commas")
+            raise ConfigError("--steps", f"{item!r} is not a step selection: use N, START:STOP (STOP excluded), "
+                                         "START:STOP:STEP (every STEP-th), every:K (the steps divisible by K), or "
+                                         "several joined by commas")
         if m["one"] is not None:
             ranges.append((int(m["one"]), int(m["one"]) + 1, 1))
             continue
@@ -90,7 +91,8 @@ def parse_steps(text: str) -> StepSelection:
         if k < 1:
             raise ConfigError("--steps", f"{item!r}: the stride must be >= 1")
         if a is not None and b is not None and b <= a:
-            raise ConfigError("--steps", f"{item!r} selects no step: A:B reads A <= step < B (B excluded)")
+            raise ConfigError("--steps", f"{item!r} selects no step: START:STOP reads START <= step < STOP (STOP "
+                                         "excluded)")
         ranges.append((a, b, k))
     return StepSelection(text, tuple(ranges))
 
