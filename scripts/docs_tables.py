@@ -67,6 +67,13 @@ class Block:
 # --- the specs ------------------------------------------------------------------------------------
 
 MXFP4 = "mismatch-2core/run"
+DUAL = "mismatch-dualclip/run"
+#: The estimator's weightings, as the page names them.
+ESTIMATOR_WEIGHTINGS = {"none": "none", "tis": "TIS", "interq": "InterQ", "global": "global", "prefix": "prefix",
+                        "seq_is": "sequence IS (cap 2)", "seq": "oracle"}
+#: A paired difference of the planted table at one strength (KEY: the row's diff|metric|world).
+PLANTED_DIFF = ("{{planted_diffs[KEY|{0}].mean:+.3f}} [{{planted_diffs[KEY|{0}].lo:+.3f}}, "
+                "{{planted_diffs[KEY|{0}].hi:+.3f}}]")
 INTERVAL = "{{{0}:.3f}} [{{{0}_lo:.2f}}, {{{0}_hi:.2f}}]"  # mean [lo, hi]
 PAIRED = "{{{0}:+.3f}} [{{{0}_lo:+.3f}}, {{{0}_hi:+.3f}}]"
 PAIRED2 = "{{{0}:+.2f}} [{{{0}_lo:+.2f}}, {{{0}_hi:+.2f}}]"
@@ -206,6 +213,63 @@ BLOCKS: tuple[Block, ...] = (
         ("fp32", "fp32", "fp32"), ("naive", "naive", "mxfp4"), ("QAT", "qat", "mxfp4"), ("QAT+TIS", "qat_tis", "mxfp4"),
         ("QAT+prefix", "qat_prefix", "mxfp4"), ("QAT+global", "qat_global", "mxfp4"),
         ("QAT+InterQ", "qat_interq", "mxfp4")))),
+    # docs/mismatch.md, "Results of the dual-clip run"
+    Block("dualclip-estimator", "mismatch.md", DUAL, "estimator", (
+        ("dose", None), ("checkpoint", None),
+        ("K3 per token", "{k3:.2f|sci}"),
+        *((label, "{bias_se_ratio:.2f}") for label in ESTIMATOR_WEIGHTINGS.values()),
+    ), tuple(Row((dose, ckpt), f"{d}|{c}|none",
+                 cells={label: f"{{estimator[{d}|{c}|{w}].bias_se_ratio:.2f}}"
+                        for w, label in ESTIMATOR_WEIGHTINGS.items()})
+             for d, dose in (("nvfp4", "NVFP4"), ("mxfp4", "MXFP4"), ("planted:0.2", "planted 0.2"),
+                             ("planted:0.4", "planted 0.4"))
+             for c, ckpt in ((("base", "base"), ("qat", "QAT")) if "planted" not in d else
+                             (("base", "base"), ("trained", "trained"))))),
+    Block("dualclip-estimator-shift", "mismatch.md", DUAL, "estimator", (
+        ("dose", None), ("checkpoint", None),
+        ("InterQ mean abs(w - 1)", "{mean_abs_w1:.3f}"),
+        ("global mean abs(w - 1)", "{mean_abs_w1:.3f}"),
+        ("oracle mean abs(w - 1)", "{mean_abs_w1:.2f}"),
+        ("InterQ's shift / its SE", "{shift_se_ratio:.2f}"),
+        ("cosine of InterQ's shift to the oracle's", "{shift_cosine_oracle:.2f}"),
+    ), tuple(Row((dose, ckpt), f"{d}|{c}|interq",
+                 cells={"global mean abs(w - 1)": f"{{estimator[{d}|{c}|global].mean_abs_w1:.3f}}",
+                        "oracle mean abs(w - 1)": f"{{estimator[{d}|{c}|seq].mean_abs_w1:.2f}}"})
+             for d, dose, c, ckpt in (("mxfp4", "MXFP4", "base", "base"), ("mxfp4", "MXFP4", "qat", "QAT"),
+                                      ("planted:0.2", "planted 0.2", "base", "base"),
+                                      ("planted:0.2", "planted 0.2", "trained", "trained"),
+                                      ("planted:0.4", "planted 0.4", "base", "base"),
+                                      ("planted:0.4", "planted 0.4", "trained", "trained")))),
+    Block("dualclip-planted-gate", "mismatch.md", DUAL, "planted_gate", (
+        ("world", None), ("strength", None),
+        ("engine success", "{engine_success:.3f}"),
+        ("trajectories on another path", "{diverged:.0%}"),
+        ("K3 on calls", "{k3_action:.2f|sci}"),
+        ("drift entering the last turn (nats)", "{drift_last:.2f|fine}"),
+    ), tuple(Row((w, f"{st:g}"), f"{w}|{st:g}") for w in ("thoughts", "thought_free") for st in (0.0, 0.1, 0.2, 0.4))),
+    Block("dualclip-planted", "mismatch.md", DUAL, "planted_diffs", (
+        ("world", None), ("difference (final held-out success)", None),
+        ("strength 0.1", PLANTED_DIFF.format("0.1")),
+        ("strength 0.2", PLANTED_DIFF.format("0.2")),
+        ("strength 0.4", PLANTED_DIFF.format("0.4")),
+    ), tuple(Row((w, label), f"{diff}|{metric}|{w}|0.1",
+                 cells={f"strength {st}": PLANTED_DIFF.format(st).replace("KEY", f"{diff}|{metric}|{w}")
+                        for st in ("0.1", "0.2", "0.4")})
+             for w in ("thoughts", "thought_free")
+             for diff, metric, label in (("interq - tis", "final", "InterQ - TIS"),
+                                         ("interq - none", "final", "InterQ - none"),
+                                         ("tis - none", "final", "TIS - none"),
+                                         ("exact_prefix - none", "final", "exact prefix - none"),
+                                         ("interq - exact_prefix", "final", "InterQ - exact prefix"),
+                                         ("interq - tis", "final_engine", "InterQ - TIS, on the planted engine")))),
+    Block("dualclip-predictions", "mismatch.md", DUAL, "predictions", (
+        ("prediction", None), ("measured", "{measured}"), ("verdict", "{verdict}"),
+    ), tuple(Row((label,), key) for label, key in (
+        ("(E1)", "estimator|E1"),
+        ("(P1) with thoughts", "planted|P1 thoughts, strength 0.4"),
+        ("(P1) thought-free", "planted|P1 thought_free, strength 0.4"),
+        ("(P2) with thoughts", "planted|P2 thoughts, strength 0.4"),
+        ("(P2) thought-free", "planted|P2 thought_free, strength 0.4")))),
     # docs/granularity.md, "The budget experiment: room to farm"
     Block("budget-gate", "granularity.md", "granularity-budget/run", "budget_gate", (
         ("action budget", "{action budget}"),
@@ -248,7 +312,8 @@ class Rec(dict):
 
 
 class Table:
-    """A run's table, indexed by ``"value|value"`` of its key columns (its leading non-float columns)."""
+    """A run's table, indexed by ``"value|value"`` of its key columns (its leading non-float columns; a key may go
+    on into the columns after them, e.g. a planted strength)."""
 
     def __init__(self, name: str, df: pd.DataFrame):
         self.name, self.df = name, df
@@ -257,11 +322,13 @@ class Table:
 
     def __getitem__(self, key: str) -> Rec:
         parts = key.split("|")
-        if len(parts) > len(self.keys):
-            raise KeyError(f"{self.name}: {key!r} has more parts than its key columns {self.keys}")
+        if len(parts) > len(self.df.columns):
+            raise KeyError(f"{self.name}: {key!r} has more parts than the table has columns")
         hit = pd.Series(True, index=self.df.index)
-        for col, part in zip(self.keys, parts, strict=False):
-            cell = self.df[col].astype(str)
+        # parts past the key columns match the next columns too, a number by its shortest form ("0.4")
+        for col, part in zip(self.df.columns, parts, strict=False):
+            values = self.df[col]
+            cell = values.map("{:g}".format) if pd.api.types.is_float_dtype(values) else values.astype(str)
             hit &= (cell == part) | cell.str.startswith(part + ":")
         rows = self.df[hit]
         if len(rows) != 1:
