@@ -148,6 +148,7 @@ EXPERIMENT_TABLE = (*(Dose(d) for d in DOSES), estimator.EXPERIMENT, planted.EXP
 #: The ``-e`` choices: every experiment but those that run in every selection.
 EXPERIMENTS = tuple(e.name for e in EXPERIMENT_TABLE if not e.always)
 MismatchConfig.EXPERIMENTS = EXPERIMENTS  # the config (in the lab's compute code) takes them from this table
+MismatchConfig.EXPERIMENT_TABLE = EXPERIMENT_TABLE
 #: Config fields every experiment shares (the others each belong to one experiment's ``fields``).
 SHARED_FIELDS = ("base", "grpo", "seeds", "arms", "dose_tasks", "experiments", "cache_dir", "dump_dir", "eval_on")
 

@@ -77,6 +77,9 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
     EXPERIMENTS: ClassVar[tuple[str, ...]] = DOSES
     """The ``-e`` choices: the doses, and any other experiment of the lab's table, which sets them
     (``labs/mismatch/__init__.py``: adding an experiment does not touch this module, which computes cells)."""
+    EXPERIMENT_TABLE: ClassVar[tuple] = ()
+    """The lab's experiments, whose ``validate`` checks the fields each owns (set by ``labs/mismatch/__init__.py``
+    from its table, as ``EXPERIMENTS``: this module, which the cells import, does not import the lab)."""
     PROTOCOLS: ClassVar[dict[str, str]] = {"two-core": "two_core", "dual-clip": "dual_clip"}
     SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "smooth", "dose_tasks", "dump_dir",
                                             "planted_strengths", "planted_arms", "planted_variants", "planted_seeds",
@@ -219,9 +222,7 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
         valid = type(self).EXPERIMENTS
         if not self.experiments or any(e not in valid for e in self.experiments):
             raise ConfigError("--experiment", f"got {list(self.experiments)}; valid: {', '.join(valid)}")
-        from creditlab.labs.mismatch import EXPERIMENT_TABLE  # the experiments check the fields they own
-
-        for e in EXPERIMENT_TABLE:
+        for e in type(self).EXPERIMENT_TABLE:  # the experiments check the fields they own
             e.validate(self)
         g = self.grpo
         if g.eval_every < 1:
