@@ -25,13 +25,7 @@ def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_
 
     cfg = MismatchConfig.from_dict(config)
     base = base_policy(cfg.base, cache_dir=cache_dir)
-    members = [(a, s) for a in arms for s in seeds]
-    # consecutive models share a learner precision: one quantizer call per precision (StackedTinyLM)
-    members.sort(key=lambda m: (arm_triple(m[0], dose)[1] == "fp32", list(ARMS).index(m[0]), m[1]))
-    configs = []
-    for a, s in members:
-        engine, learner, corr = arm_triple(a, dose)
-        configs.append(replace(cfg.grpo, rollout_precision=engine, learner_precision=learner, correction=corr, seed=s))
+    members, configs = stack_members(cfg, dose, arms, seeds)
     stack = StackedTinyLM([base] * len(members))
     on_rollouts = None
     if dump_dir:
@@ -64,6 +58,19 @@ def run_stack(dose: str, arms: list[str], seeds: list[int], config: dict, cache_
     for (a, s), model_rows in zip(members, rows, strict=True):
         out += [{"arm": a, "dose": dose, "seed": s, **r} for r in model_rows]
     return out
+
+
+def stack_members(cfg: MismatchConfig, dose: str, arms: list[str], seeds: list[int]):
+    """The ``(arm, seed)`` models of a stacked cell at ``dose`` in stack order, and each one's GRPOConfig (its
+    engine, learner, correction and seed): consecutive models share a learner precision, so the stack makes one
+    quantizer call per precision (StackedTinyLM)."""
+    members = [(a, s) for a in arms for s in seeds]
+    members.sort(key=lambda m: (arm_triple(m[0], dose)[1] == "fp32", list(ARMS).index(m[0]), m[1]))
+    configs = []
+    for a, s in members:
+        engine, learner, corr = arm_triple(a, dose)
+        configs.append(replace(cfg.grpo, rollout_precision=engine, learner_precision=learner, correction=corr, seed=s))
+    return members, configs
 
 
 class UpdateProgress:

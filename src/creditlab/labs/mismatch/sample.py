@@ -21,7 +21,7 @@ import pandas as pd
 from creditlab.lab.experiment import Experiment, Tables
 from creditlab.lab.protocol import Table
 from creditlab.lab.runner import Cell
-from creditlab.labs.mismatch.config import ARMS, DOSES, LABELS, MismatchConfig, arm_triple
+from creditlab.labs.mismatch.config import DOSES, LABELS, MismatchConfig
 
 __all__ = ["COMPARED", "Sample", "sample_cell", "token_summary"]
 
@@ -37,20 +37,15 @@ def sample_cell(config: dict, dose: str, arms: list[str], updates: int, cache_di
     from creditlab.core.advantages import grpo_advantages
     from creditlab.core.correction import correction_weights, parse_correction
     from creditlab.envs.toolshop import thought_mask
-    from creditlab.labs.mismatch.cells import UpdateProgress
+    from creditlab.labs.mismatch.cells import UpdateProgress, stack_members
     from creditlab.models.tiny_lm import StackedTinyLM
     from creditlab.train.toolshop_base import base_policy
     from creditlab.train.toolshop_grpo import train_grpo_stacked
 
     cfg = MismatchConfig.from_dict(config)
     base = base_policy(cfg.base, cache_dir=cache_dir)
-    members = [(a, 0) for a in arms]
-    members.sort(key=lambda m: (arm_triple(m[0], dose)[1] == "fp32", list(ARMS).index(m[0]), m[1]))  # as run_stack
-    configs = []
-    for a, s in members:
-        engine, learner, corr = arm_triple(a, dose)
-        configs.append(replace(cfg.grpo, rollout_precision=engine, learner_precision=learner, correction=corr, seed=s,
-                               updates=updates))
+    members, configs = stack_members(cfg, dose, arms, [0])  # the stack of that dose's seed-0 cell
+    configs = [replace(c, updates=updates) for c in configs]
     out: list[dict] = []
 
     def keep(k, m, batch, rewards, old):
