@@ -68,7 +68,7 @@ def test_the_mismatch_lab_is_its_doses_its_own_experiments_and_the_comparison_ac
     from creditlab.labs.mismatch import EXPERIMENTS
     from creditlab.labs.mismatch.config import DOSES
 
-    own = ("estimator", "planted", "sample")
+    own = ("estimator", "planted", "sample", "transfer")
     assert EXPERIMENTS == (*DOSES, *own) == MismatchConfig.EXPERIMENTS
     assert [e.name for e in MISMATCH.experiments] == [*DOSES, *own, "comparison"]
     comparison = MISMATCH.experiments[-1]

@@ -359,9 +359,13 @@ def _docs_mismatch_dual_clip():
     return own + scope + [i for i in items if i.startswith("**(A")]
 
 
+def _docs_mismatch_transfer():
+    return _items(_section("diagnose.md", "#### Predictions (registered before the transfer run)"), numbered=False)
+
+
 DOCS_PREDICTIONS = {"coverage": _docs_coverage, "fork": _docs_fork, "granularity": _docs_granularity,
                     "mismatch": _docs_mismatch, "mismatch/two-core": _docs_mismatch_two_core,
-                    "mismatch/dual-clip": _docs_mismatch_dual_clip}
+                    "mismatch/dual-clip": _docs_mismatch_dual_clip, "mismatch/transfer": _docs_mismatch_transfer}
 
 
 @pytest.mark.parametrize("name", sorted(DOCS_PREDICTIONS))

@@ -38,6 +38,7 @@ __all__ = [
     "expected_open_fraction",
     "mixing_score",
     "p_cover",
+    "trajectory_ess",
     "rollback",
     "verifier_density",
 ]
@@ -144,6 +145,21 @@ def rollback(scores: torch.Tensor) -> torch.Tensor:
     if scores.shape[-1] == 0:
         raise InputError("scores: needs at least one update")
     return scores.max(-1).values - scores[..., -1]
+
+
+def trajectory_ess(log_w: torch.Tensor) -> torch.Tensor:
+    """Effective sample size, as a share of the rows, of the weights ``exp(log_w)`` over the last dimension:
+    ``(sum w)^2 / (N sum w^2)`` in ``[1/N, 1]`` (1 when every weight is equal), computed in log space so that
+    a log weight of hundreds of nats neither overflows nor underflows. ``log_w``: ``(..., N)`` finite, N >= 1.
+    Computed in float64. For the trajectory-level importance ratio ``w = pi / mu`` of a batch it says what share of its trajectories
+    an unbiased sequence-level correction effectively keeps."""
+    log_w = _as_tensor(log_w)
+    check_tensor("log_w", log_w, floating=True, finite=True)
+    log_w = log_w.to(torch.float64)
+    n = log_w.shape[-1]
+    if n == 0:
+        raise InputError("log_w: needs at least one row")
+    return torch.exp(2 * torch.logsumexp(log_w, -1) - torch.logsumexp(2 * log_w, -1) - math.log(n))
 
 
 def concentration(values: torch.Tensor, top_frac: float) -> tuple[float, float]:
@@ -326,6 +342,8 @@ def batch_check_values(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     * ``mismatch/sequence_ratio_length``: median ``|sum_t delta_t|`` over the longest length quartile of
       the rows by usable tokens, rows of one length never split (NaN below ``seq_min_rows`` rows with
       tokens or with one length only);
+    * ``mismatch/trajectory_ess``: the effective sample size, as a share of the rows with usable tokens, of
+      the sequence ratios ``exp(sum_t delta_t)`` (:func:`trajectory_ess`; NaN below ``seq_min_rows`` rows);
     * ``baseline/degenerate_groups`` (with ``group_ids`` ``(B,)`` integer codes in ``[0, B)`` and
       ``rewards`` ``(B,)``): share of the groups whose rewards are all equal (rows with a NaN reward
       left out).
@@ -412,6 +430,11 @@ def batch_check_values(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
         med = vals.gather(0, torch.stack([lo_i, hi_i])).mean() if B else _nan(S)
         spread = torch.where(has, n_row, -math.inf).max() > torch.where(has, n_row, math.inf).min() if B else R > 0
         out["mismatch/sequence_ratio_length"] = torch.where((R >= p.seq_min_rows) & spread, med, _nan(S))
+        # trajectory ESS: the share of the rows (with usable tokens) that the sequence ratios exp(sum_t delta_t)
+        # effectively keep, (sum w)^2 / (R sum w^2), in log space (:func:`trajectory_ess`)
+        lw = torch.where(has, delta.sum(1), -math.inf)
+        ess = torch.exp(2 * torch.logsumexp(lw, 0) - torch.logsumexp(2 * lw, 0) - torch.log(R.to(_F64).clamp_min(1)))
+        out["mismatch/trajectory_ess"] = torch.where(R >= p.seq_min_rows, ess, _nan(S))
         if group_ids is not None and rewards is not None:
             check_tensor("group_ids", group_ids, shape=(B,), integer=True)
             check_tensor("rewards", rewards, shape=(B,), floating=True)

@@ -39,7 +39,7 @@ from creditlab.lab.experiment import ExperimentLab
 from creditlab.lab.protocol import Table
 from creditlab.lab.report import knobs_table, small_run_note
 from creditlab.labs._toolshop import BasePolicyLab, base_knob, optim_knob, seeds_knob
-from creditlab.labs.mismatch import comparison, estimator, planted, sample
+from creditlab.labs.mismatch import comparison, estimator, planted, sample, transfer
 from creditlab.labs.mismatch.cells import ENTROPY_BINS, gate_metrics, run_dose_cell, run_stack
 from creditlab.labs.mismatch.comparison import (
     PREDICTIONS_STATED,
@@ -144,7 +144,7 @@ def _knob_rows(cfg: MismatchConfig) -> list[tuple[str, str, str]]:
 #: The lab's experiments, in report order (``-e`` selects among them; adding one is one line here): one per
 #: dose, in the order of :data:`DOSES`, and the comparison across the doses a run selects (in every run).
 EXPERIMENT_TABLE = (*(Dose(d) for d in DOSES), estimator.EXPERIMENT, planted.EXPERIMENT, sample.EXPERIMENT,
-                    comparison.EXPERIMENT)
+                    transfer.EXPERIMENT, comparison.EXPERIMENT)
 #: The ``-e`` choices: every experiment but those that run in every selection.
 EXPERIMENTS = tuple(e.name for e in EXPERIMENT_TABLE if not e.always)
 MismatchConfig.EXPERIMENTS = EXPERIMENTS  # the config (in the lab's compute code) takes them from this table

@@ -444,6 +444,8 @@ def predictions(cfg: MismatchConfig) -> tuple[Prediction, ...]:
     selected doses first, in the selection's order (the table's rows), then every other dose, never judged
     (listed so that what a run records does not depend on its selection)."""
     doses = [d for d in cfg.experiments if d in DOSES]
+    if cfg.protocol not in REGISTRATIONS:  # the transfer protocol: its experiment's own prediction only
+        return ()
     if cfg.protocol == "dual-clip":
         return ablation_predictions(doses, DOSES)
     rules = _Rules(REGISTRATIONS[cfg.protocol], cfg.grpo.updates, cfg.smooth)
@@ -859,6 +861,8 @@ class Comparison(Experiment):
 
     def predictions_text(self, cfg: MismatchConfig) -> tuple[str, ...]:
         """The registration's scope (the paragraph that frames (a)-(d), not judged itself), then (a)-(d)."""
+        if cfg.protocol not in REGISTRATIONS:
+            return ()
         return (REGISTRATIONS[cfg.protocol].stated[0], *super().predictions_text(cfg))
 
     def predictions_section(self, cfg: MismatchConfig) -> str:

@@ -56,7 +56,7 @@ CHECKPOINT_EVERY = 25
 #: holds it to the modules the cells import.
 COMPUTE_CODE = ("errors.py", "core/", "envs/", "models/", "train/", "lab/runner.py", "lab/store.py",
                 "labs/_toolshop.py", "labs/mismatch/cells.py", "labs/mismatch/config.py", "labs/mismatch/estimator.py",
-                "labs/mismatch/planted.py", "labs/mismatch/sample.py")
+                "labs/mismatch/planted.py", "labs/mismatch/sample.py", "labs/mismatch/transfer.py")
 UNIT, DIFF = (0.0, 1.0), (-1.0, 1.0)
 METRICS = ("final", "best", "rollback", "aulc")
 
@@ -80,12 +80,13 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
     EXPERIMENT_TABLE: ClassVar[tuple] = ()
     """The lab's experiments, whose ``validate`` checks the fields each owns (set by ``labs/mismatch/__init__.py``
     from its table, as ``EXPERIMENTS``: this module, which the cells import, does not import the lab)."""
-    PROTOCOLS: ClassVar[dict[str, str]] = {"two-core": "two_core", "dual-clip": "dual_clip"}
+    PROTOCOLS: ClassVar[dict[str, str]] = {"two-core": "two_core", "dual-clip": "dual_clip", "transfer": "transfer"}
     SELECTION: ClassVar[tuple[str, ...]] = ("experiments", "cache_dir", "smooth", "dose_tasks", "dump_dir",
                                             "planted_strengths", "planted_arms", "planted_variants", "planted_seeds",
                                             "planted_updates", "planted_tasks", "estimator_doses",
                                             "estimator_batches", "estimator_planted_batches", "estimator_qat_updates",
-                                            "sample_updates")
+                                            "sample_updates", "transfer_worlds", "transfer_points", "transfer_seeds",
+                                            "transfer_tasks")
 
     base: BaseConfig = field(default_factory=lambda: _base_config())
     """Supervised warm start of the shared base policy (cached): chains of 5 to 8 tool calls, each
@@ -146,6 +147,16 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
     """Updates of QAT training (no correction) that make the estimator's QAT checkpoint."""
     sample_updates: int = 2
     """Updates of the per-token sample (experiment ``sample``; passed to its cell, not in the run's identity)."""
+    transfer_worlds: tuple[str, ...] = ("thoughts40", "thoughts24")
+    """Worlds of the transfer experiment (``labs/mismatch/transfer.py``): the 2-core protocol's 40-thought world and
+    the lab's 24-thought world. This and the other transfer fields are passed to its cells (SELECTION)."""
+    transfer_points: tuple[str, ...] = ("naive@fp8", "naive@nvfp4", "qat@nvfp4", "naive@mxfp4", "qat@mxfp4")
+    """Points of the transfer experiment's phase map (``arm@dose``, arm naive or qat); the fp32 arm trains beside
+    them in every cell (the world's noise band)."""
+    transfer_seeds: int = 4
+    """Paired seeds of the transfer experiment."""
+    transfer_tasks: int = 128
+    """Held-out trajectories per engine in the transfer experiment's gate."""
     eval_on: str = field(default="engine", metadata={"absent": "fp32"})
     """The engine that scores held-out success: ``engine`` (each arm's own rollout engine, the quantized
     endpoint users deploy: ``eval/*``, with the fp32 engine's score beside it in ``eval_fp32/*``) or ``fp32``
@@ -159,12 +170,15 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
         quantized arms naive, QAT, QAT+TIS and QAT+InterQ (stacked in one cell: the lab's corrections at
         little cost), far too short for the predictions, which are about hundreds of updates. With ``-e estimator``,
         ``-e planted`` or ``-e sample``: those experiments at a size that only shows they run (2 batches at NVFP4 and
-        a planted dose; the thought-free planted world at one strength, 2 updates; one update of tokens)."""
+        a planted dose; the thought-free planted world at one strength, 2 updates; one update of tokens); with ``-e
+        transfer``: the 24-thought world (its base ships) with the naive learner at NVFP4 and fp32, one seed."""
         return cls(grpo=_grpo_config(updates=4, tasks_per_update=4, group_size=4, eval_every=2, eval_tasks=32),
                    seeds=1, smooth=1, arms=("fp32", "naive", "qat", "qat_tis", "qat_interq"), experiments=("nvfp4",),
                    planted_strengths=(0.4,), planted_arms=("none", "interq"), planted_variants=("thought_free",),
                    planted_seeds=1, planted_updates=2, planted_tasks=16, estimator_doses=("nvfp4", "planted:0.4"),
-                   estimator_batches=2, estimator_planted_batches=2, estimator_qat_updates=1, sample_updates=1)
+                   estimator_batches=2, estimator_planted_batches=2, estimator_qat_updates=1, sample_updates=1,
+                   transfer_worlds=("thoughts24",), transfer_points=("naive@nvfp4",), transfer_seeds=1,
+                   transfer_tasks=16)
 
     @classmethod
     def two_core(cls) -> MismatchConfig:
@@ -197,6 +211,16 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
                    arms=("qat", "qat_tis", "qat_interq", "qat_mis_low", "qat_interq_tis"),
                    experiments=("mxfp4", "estimator", "planted", "sample"), eval_on="engine")
 
+    @classmethod
+    def transfer(cls) -> MismatchConfig:
+        """The protocol registered for ``creditlab diagnose``'s calibration across trajectory lengths (``--protocol
+        transfer``; docs/diagnose.md, "The transfer experiment"): the dual-clip protocol's trainer and budget (dual
+        clip 3, held-out success on each arm's rollout engine, 100 updates of 8 tasks x 4 rollouts, 128 held-out
+        tasks every 10 updates) in two worlds, 40 and 24 thoughts per action, the phase map's points naive at FP8,
+        NVFP4 and MXFP4 and QAT at NVFP4 and MXFP4 with the fp32 arm, on 4 paired seeds."""
+        dual = cls.dual_clip()
+        return replace(dual, protocol="transfer", experiments=("transfer",), seeds=4)
+
     def dose_runs(self, dose: str) -> tuple[tuple[str, ...], int]:
         """(arms, seeds) that run at ``dose``: ``map_arms`` x ``map_seeds`` for a ``map_doses`` dose,
         else ``arms`` x ``seeds``."""
@@ -205,8 +229,9 @@ class MismatchConfig(BasePolicyConfig, LabConfig):
     def validate(self) -> None:
         check_count(self.seeds, "--seeds")
         check_count(self.map_seeds, "map_seeds")
-        if self.protocol not in ("paper", "two-core", "dual-clip"):
-            raise ConfigError("--protocol", f"unknown protocol {self.protocol!r}; valid: paper, two-core, dual-clip")
+        if self.protocol not in ("paper", "two-core", "dual-clip", "transfer"):
+            raise ConfigError("--protocol", f"unknown protocol {self.protocol!r}; valid: paper, two-core, dual-clip, "
+                                            "transfer")
         if self.eval_on not in ("engine", "fp32"):
             raise ConfigError("eval_on", f"must be 'engine' or 'fp32', got {self.eval_on!r}")
         for a in self.map_arms:
