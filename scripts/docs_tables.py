@@ -269,7 +269,63 @@ BLOCKS: tuple[Block, ...] = (
         ("(P1) with thoughts", "planted|P1 thoughts, strength 0.4"),
         ("(P1) thought-free", "planted|P1 thought_free, strength 0.4"),
         ("(P2) with thoughts", "planted|P2 thoughts, strength 0.4"),
-        ("(P2) thought-free", "planted|P2 thought_free, strength 0.4")))),
+        ("(P2) thought-free", "planted|P2 thought_free, strength 0.4"),
+        ("(A1)", "comparison|(A1) at mxfp4"),
+        ("(A2)", "comparison|(A2) at mxfp4"),
+        ("(A3)", "comparison|(A3) at mxfp4"),
+        ("(A4)", "comparison|(A4) at mxfp4")))),
+    Block("dualclip-ablation", "mismatch.md", DUAL, "means", (
+        ("arm", None),
+        ("final (own engine)", INTERVAL.format("final")),
+        ("final (fp32 engine)", INTERVAL.format("final_fp32")),
+        ("rollback", INTERVAL.format("rollback")),
+        ("K3 late (per token)", "{k3_late:.2f|sci}"),
+        ("K3 late / early", INTERVAL.format("k3_growth")),
+    ), tuple(Row((label,), f"mxfp4|{arm}") for label, arm in (
+        ("QAT", "qat"), ("QAT+TIS", "qat_tis"), ("QAT+InterQ", "qat_interq"), ("QAT+MIS(delta<-1)", "qat_mis_low"),
+        ("QAT+InterQxTIS", "qat_interq_tis")))),
+    Block("dualclip-ablation-diffs", "mismatch.md", DUAL, "diff_vs_qat", (
+        ("difference", None),
+        ("final (own engine)", PAIRED.format("final")),
+        ("final (fp32 engine)", PAIRED.format("final_fp32")),
+        ("AULC", PAIRED.format("aulc")),
+    ), (
+        Row(("(A1) QAT+TIS - QAT",), "qat_tis - qat|mxfp4"),
+        Row(("(A2) QAT+MIS(delta<-1) - QAT+TIS",), "qat_mis_low - qat_tis|mxfp4", table="diff_vs_qat_tis"),
+        Row(("(A3) QAT+InterQ - QAT",), "qat_interq - qat|mxfp4"),
+        Row(("(A4) QAT+InterQxTIS - QAT+TIS",), "qat_interq_tis - qat_tis|mxfp4", table="diff_vs_qat_tis"),
+        Row(("QAT+MIS(delta<-1) - QAT",), "qat_mis_low - qat|mxfp4"),
+        Row(("QAT+InterQxTIS - QAT",), "qat_interq_tis - qat|mxfp4"),
+        Row(("QAT+InterQ - QAT+TIS",), "qat_interq - qat_tis|mxfp4", table="diff_vs_qat_tis"),
+    )),
+    # written by scripts/dual_clip_effect.py --write from the two runs (tests/test_dual_clip_effect.py keeps it current)
+    Block("dualclip-effect", "mismatch.md", "mismatch-dualclip/dual_clip_effect", "grad_norms", (
+        ("arm", None), ("run", None),
+        ("updates", "{updates} ({seeds} seeds)"),
+        ("largest pre-clip gradient norm", "{grad_norm_max:.3g}"),
+        ("updates above 2", "{share_above_2:.1%}"),
+    ), tuple(Row((label, run), f"{run}|{arm}") for label, arm in (("QAT", "qat"), ("QAT+TIS", "qat_tis"),
+                                                                 ("QAT+InterQ", "qat_interq"))
+             for run in ("2-core (no dual clip)", "dual-clip"))),
+    Block("dualclip-effect-final", "mismatch.md", "mismatch-dualclip/dual_clip_effect", "final_fp32", (
+        ("arm", None),
+        ("final on the fp32 engine, dual-clip run - 2-core run", "{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]"),
+        ("seeds", "{n}"),
+    ), tuple(Row((label,), arm) for label, arm in (("QAT", "qat"), ("QAT+TIS", "qat_tis"), ("QAT+InterQ", "qat_interq")))),
+    Block("dualclip-tokens", "mismatch.md", DUAL, "token_summary", (
+        ("arm", None),
+        ("policy tokens", "{tokens}"),
+        ("thoughts among them", "{thought_share:.0%}"),
+        ("delta < -1", "{delta_below_-1:.2%}"),
+        ("calls among those", "{calls_among_them:.0%}"),
+        ("TIS weight there", "{w_tis_there:.2f}"),
+        ("InterQ weight there", "{w_interq_there:.2f}"),
+        ("TIS cap reached", "{tis_capped:.2%}"),
+        ("mean abs(W_interq - W_global)", "{interq_vs_global:.4f}"),
+        ("InterQ's mean abs(W - 1)", "{interq_abs_w1:.3f}"),
+    ), tuple(Row((label,), arm) for label, arm in (
+        ("QAT", "qat"), ("QAT+TIS", "qat_tis"), ("QAT+InterQ", "qat_interq"), ("QAT+MIS(delta<-1)", "qat_mis_low"),
+        ("QAT+InterQxTIS", "qat_interq_tis")))),
     # docs/granularity.md, "The budget experiment: room to farm"
     Block("budget-gate", "granularity.md", "granularity-budget/run", "budget_gate", (
         ("action budget", "{action budget}"),

@@ -732,7 +732,8 @@ def _plot_success(curves: pd.DataFrame, doses: list[str], cfg: MismatchConfig, o
         runs = _runs_for(curves, dose)
         for arm in [a for a in ARMS if a in set(runs["arm"])]:
             _band(ax, runs[runs["arm"] == arm], "success", arm)
-        ax.set_title(f"engine {dose}: held-out success (fp32, sampled)")
+        scorer = "each arm's own engine" if cfg.eval_on == "engine" else "fp32 engine"
+        ax.set_title(f"engine {dose}: held-out success ({scorer}, sampled)", fontsize=10)
         ax.set_xlabel("update")
         ax.set_ylim(0, 1)
     axes[0][0].set_ylabel("success (mean over seeds; band: min-max)")
