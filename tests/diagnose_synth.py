@@ -3,6 +3,8 @@ failure the checks look for."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -119,3 +121,35 @@ def padded_tensors(rows: list[dict]):
         roll[b, :n] = torch.tensor(r["rollout_logprobs"], dtype=torch.float64)
         pm[b, :n] = torch.tensor(r["policy_mask"])
     return old, roll, pm
+
+
+def agent_process_row(rng: np.random.Generator, step: int, group: int, *, turns: int, policy_tokens: int, k3: float,
+                      tool: int = 20) -> dict:
+    """One trajectory of a long agent run: ``turns`` turns of ``policy_tokens / turns`` policy tokens, each
+    followed by ``tool`` tool tokens, and a per-token log ratio drawn as the same process whatever the length:
+    ``delta = learner - engine ~ N(-k3, 2 k3)`` independently per policy token, so that K3 per token is ``k3``
+    (for a Gaussian log ratio ``E[exp(delta) - 1 - delta] = sigma^2 / 2``) and ``E[exp(delta)] = 1``, as a ratio
+    of two distributions has."""
+    per = policy_tokens // turns
+    L = turns * (per + tool)
+    pm = np.tile(np.r_[np.ones(per, dtype=bool), np.zeros(tool, dtype=bool)], turns)
+    tid = np.repeat(np.arange(turns), per + tool)
+    sigma = math.sqrt(2 * k3)
+    lp = -rng.uniform(0.1 + 6 * sigma, 3.0 + 6 * sigma, L)  # both sides stay below 0 without clipping
+    delta = -k3 + sigma * rng.standard_normal(L)
+    rollout = np.where(pm, lp - delta, 0.0)
+    return {"step": step, "group": group, "reward": float(rng.random() < 0.5), "logprobs": lp.tolist(),
+            "rollout_logprobs": rollout.tolist(), "policy_mask": pm.tolist(), "turn_ids": tid.tolist()}
+
+
+def agent_process_rows(seed: int = 0, *, turns: int, policy_tokens: int, k3: float, k3_end: float | None = None,
+                       steps: int = 8, rows_per_step: int = 16) -> list[dict]:
+    """A dump of :func:`agent_process_row` rows, groups of 4; with ``k3_end``, K3 per token moves geometrically
+    from ``k3`` at the first step to ``k3_end`` at the last (a mismatch that grows over training)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in range(steps):
+        k = k3 if k3_end is None else k3 * (k3_end / k3) ** (s / max(steps - 1, 1))
+        out += [agent_process_row(rng, s, i // 4, turns=turns, policy_tokens=policy_tokens, k3=k)
+                for i in range(rows_per_step)]
+    return out

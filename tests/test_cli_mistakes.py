@@ -215,9 +215,9 @@ def test_a_judge_that_dies_mid_run_stops_submitting_and_keeps_finished_rows(serv
     first = out.read_text()
     # distinct items (identical requests in flight are shared, so they would hang together as one)
     _write(inp, [GOOD] + [{**GOOD, "id": f"more{k}", "prompt": f"Aspirin, case {k}?"} for k in range(12)])
-    server.reset(fault_rate=1.0, fault_kinds=("timeout",), hang=3.0)  # from now on every request hangs
+    server.reset(fault_rate=1.0, fault_kinds=("timeout",), hang=1.5)  # from now on every request hangs
     try:
-        r = _cli("fork", "score", "--in", inp, "--out", out, "--base-url", server.url, "--timeout", "1",
+        r = _cli("fork", "score", "--in", inp, "--out", out, "--base-url", server.url, "--timeout", "0.5",
                  "--max-retries", "1")
     finally:
         server.reset()

@@ -90,7 +90,8 @@ def test_batch_values_are_the_checks_values_on_the_same_batch(tmp_path, case):
     old, roll, pm = padded_tensors(rows)
     groups = torch.as_tensor(np.unique([r["group"] for r in rows], return_inverse=True)[1])
     live = batch_values(old, roll, pm, group_ids=groups, rewards=torch.tensor([r["reward"] for r in rows]))
-    assert set(live) == {metric_name(c) for c in LIVE_CHECKS} | {metric_name("mismatch.prefix_drift") + "/first_turn"}
+    assert set(live) == {metric_name(c) for c in LIVE_CHECKS} | {metric_name("mismatch.prefix_drift") + "/first_turn",
+                                                                 metric_name("mismatch.trajectory_ess")}
     for cid in LIVE_CHECKS:
         v, want = float(live[metric_name(cid)]), res[cid].value
         if want is None:  # the check is skipped: the batch cannot give the value
@@ -103,6 +104,12 @@ def test_batch_values_are_the_checks_values_on_the_same_batch(tmp_path, case):
                "topk": "mismatch.one_sided", "lengths": "mismatch.sequence_ratio_length",
                "drift": "mismatch.prefix_drift", "padding": "mismatch.placeholder_logprobs",
                "zero_engine": "mismatch.placeholder_logprobs"}
+    # the transfer experiment's candidate units: the dump check's details, the batch's values
+    units, vals = res["mismatch.prefix_drift"].details.get("units"), batch_check_values(old, roll, pm, CHECK_PARAMS)
+    if units is not None:
+        for unit, key in (("total", "mismatch/prefix_drift"), ("per_token", "mismatch/k3"),
+                          ("ess", "mismatch/trajectory_ess")):
+            assert units[unit] == pytest.approx(float(vals[key]), rel=1e-9, abs=1e-15, nan_ok=True), (case, unit)
     if case in flagged:  # each planted failure reaches its threshold live too
         assert res[flagged[case]].status in ("warn", "fail")
     if case == "long":  # every turn is read, live as in the dump
@@ -114,7 +121,7 @@ def test_batch_values_read_nothing_on_the_host_and_run_on_meta(host_reads):
     groups, rewards = torch.arange(16) // 4, torch.rand(16, generator=torch.Generator().manual_seed(0))
     with host_reads:
         values = batch_values(old, roll, rm, group_ids=groups, rewards=rewards)
-    assert host_reads.calls == [] and len(values) == len(LIVE_CHECKS) + 1
+    assert host_reads.calls == [] and len(values) == len(LIVE_CHECKS) + 2  # + first_turn, trajectory_ess
     meta = torch.device("meta")
     out = batch_check_values(old.to(meta), roll.to(meta), rm.bool().to(meta), CHECK_PARAMS,
                              group_ids=groups.to(meta), rewards=rewards.to(meta))

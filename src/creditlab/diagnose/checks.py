@@ -491,6 +491,40 @@ def turn_profile(ctx: Context) -> dict[str, np.ndarray]:
                 "current_rms": np.sqrt(mean(tt.sum_delta2)), "prefix_rms": np.sqrt(mean(tt.sum_prefix2))}
 
 
+def mismatch_units(ctx: Context) -> dict[str, float]:
+    """The candidate units of the mismatch lab's transfer experiment on this dump, and what its domain is
+    judged by, each as :func:`creditlab.core.diagnostics.batch_check_values` computes it on one batch (a dump
+    of one step gives the same values):
+
+    * ``total``: the RMS prefix log ratio at the last turn with ``TURN_MIN_TOKENS`` usable tokens (NaN
+      below 2 such turns), ``mismatch.prefix_drift``'s statistic;
+    * ``per_token``: K3 per usable policy token (``mismatch.k3``'s);
+    * ``ess``: the trajectory ESS share of the sequence ratios ``exp(sum_t delta_t)`` of each step's rows
+      with usable tokens (steps of ``SEQ_MIN_ROWS``+ such rows; the median over those steps, NaN when none);
+    * ``policy_tokens``: usable policy tokens per row, ``turns``: turns with usable tokens per row (means
+      over the rows with usable tokens)."""
+    r, tt = ctx.tokens.rows, ctx.tokens.turns
+    rows = r.usable > 0
+    n = float(r.usable.sum())
+    prof = turn_profile(ctx)
+    good = np.flatnonzero(prof["tokens"] >= TURN_MIN_TOKENS)
+    total = float(prof["prefix_rms"][good[-1]]) if good.size >= 2 else math.nan
+    ess = []
+    code = ctx.step_code[rows]
+    lw_all = r.sum_delta[rows]
+    for s in np.unique(code):
+        lw = lw_all[code == s]
+        if lw.size >= SEQ_MIN_ROWS:
+            m = lw.max()
+            w = np.exp(lw - m)
+            ess.append(float(w.sum() ** 2 / (lw.size * (w * w).sum())))
+    turns = np.bincount(tt.row[tt.n > 0], minlength=r.usable.shape[0])
+    return {"total": total, "per_token": float(r.sum_k3.sum() / n) if n else math.nan,
+            "ess": float(np.median(ess)) if ess else math.nan, "ess_steps": len(ess),
+            "policy_tokens": float(r.usable[rows].mean()) if rows.any() else math.nan,
+            "turns": float(turns[rows].mean()) if rows.any() else math.nan}
+
+
 @register_check(
     "mismatch.prefix_drift", title="Prefix vs current log ratio by turn", needs=TOKEN_COLUMNS,
     threshold=Threshold(DRIFT_WARN, DRIFT_FAIL, note="RMS prefix log ratio at the last turn (nats), measured on "
@@ -513,10 +547,11 @@ def check_prefix_drift(ctx: Context) -> Outcome:
         not_drawn = (f" The plot draws turns 0-{ctx.max_turns - 1} (--max-turns {ctx.max_turns}); the "
                      f"{hidden.size:,} later turn{'s' if hidden.size > 1 else ''} with {TURN_MIN_TOKENS}+ tokens "
                      f"({_span(hidden)}) {'are' if hidden.size > 1 else 'is'} left out of it, not of the value.")
+    units = mismatch_units(ctx)
     if good.size < 2:
         return Outcome("skipped", None, f"Needs policy tokens in at least 2 turns ({TURN_MIN_TOKENS}+ tokens each); "
                        f"this dump has {good.size}: without a history there is nothing to compound.",
-                       series=series)
+                       {"units": units}, series=series)
     first, last = int(prof["turn"][good[0]]), int(prof["turn"][good[-1]])
     p0, pK = float(prof["prefix_rms"][good[0]]), float(prof["prefix_rms"][good[-1]])
     c0, cK = float(prof["current_rms"][good[0]]), float(prof["current_rms"][good[-1]])
@@ -534,7 +569,7 @@ def check_prefix_drift(ctx: Context) -> Outcome:
     details = {"turn_first": first, "turn_last": last, "prefix_rms_first": p0, "prefix_rms_last": pK,
                "current_rms_first": c0, "current_rms_last": cK,
                "prefix_mean_last": float(prof["prefix_mean"][good[-1]]), "current_flat": flat,
-               "turns": int(good.size), "turns_not_drawn": int(hidden.size)}
+               "turns": int(good.size), "turns_not_drawn": int(hidden.size), "units": units}
     return Outcome(status, pK, msg, details, series)
 
 

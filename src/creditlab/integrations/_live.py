@@ -5,7 +5,9 @@ Each step the integrations compute the values of the checks that one training ba
 (:func:`creditlab.core.diagnostics.batch_check_values`); the trainer reads them with its other
 metrics of the step. The metric of check ``mismatch.k3`` is ``creditlab/mismatch/k3`` (the check id with
 ``/`` for ``.``; verl puts its ``rollout_corr/`` before it); ``mismatch.prefix_drift`` also logs the RMS
-at the first counted turn, ``creditlab/mismatch/prefix_drift/first_turn``, which its threshold compares with.
+at the first counted turn, ``creditlab/mismatch/prefix_drift/first_turn``, which its threshold compares with,
+and every step carries ``creditlab/mismatch/trajectory_ess`` (the trajectory ESS share of the batch's sequence
+ratios, a candidate unit of the mismatch lab's transfer experiment, ``mismatch.prefix_drift``'s ``details.units``).
 
 :class:`LiveWarnings` reads the values once they are numbers and logs one warning line when a check
 crosses its warn threshold (the check registry's :class:`~creditlab.diagnose.checks.Threshold`, so the
