@@ -26,6 +26,7 @@ import pytest
 import creditlab.diagnose.readers as readers
 from creditlab.cli.main import main
 from creditlab.diagnose import read_dump, run_checks, write_dump
+from creditlab.diagnose.calibration import calibration
 from creditlab.diagnose.report import diagnose
 from creditlab.diagnose.steps import describe_steps, parse_steps
 from creditlab.diagnose.trainer_metrics import trainer_metrics
@@ -85,7 +86,10 @@ def _new(paths, **kw):
 
 #: Details a check gained after the in-memory reader was frozen (tests/reference): new keys, compared elsewhere
 #: (the transfer experiment's candidate units: tests/integrations/test_live_checks.py).
-ADDED_DETAILS = {"mismatch.prefix_drift": {"units"}}
+ADDED_DETAILS = {c: {"units", "domain", "in_domain"} for c in ("mismatch.prefix_drift", "mismatch.sequence_ratio_length")}
+#: Checks whose verdict follows the transfer run's calibration (diagnose/calibration.json) once it exists: their
+#: status, value and message are today's only while there is none.
+CALIBRATED = () if calibration() is None else ("mismatch.prefix_drift", "mismatch.sequence_ratio_length")
 
 
 def assert_same_as_inmemory(paths, **kw) -> None:
@@ -96,9 +100,10 @@ def assert_same_as_inmemory(paths, **kw) -> None:
     assert old[0] == new[0]  # the input warnings
     assert [r.id for r in old[1]] == [r.id for r in new[1]]
     for a, b in zip(old[1], new[1], strict=True):
-        assert a.status == b.status, (a.id, a.message, b.message)
-        assert _same(a.value, b.value), (a.id, a.value, b.value)
-        assert a.message == b.message, a.id
+        if a.id not in CALIBRATED:
+            assert a.status == b.status, (a.id, a.message, b.message)
+            assert _same(a.value, b.value), (a.id, a.value, b.value)
+            assert a.message == b.message, a.id
         for k in a.details.keys() | (b.details.keys() - ADDED_DETAILS.get(b.id, set())):
             assert _same(a.details.get(k), b.details.get(k)), (a.id, k, a.details.get(k), b.details.get(k))
         for k in a.series.keys() | b.series.keys():

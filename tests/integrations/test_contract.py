@@ -51,7 +51,7 @@ from creditlab.core import correction, credit
 from creditlab.diagnose import read_dump, run_checks, write_dump
 from creditlab.errors import ConfigError, CreditlabError
 from creditlab.integrations import CONTRACT, INTEGRATIONS
-from creditlab.integrations._live import FIRST_TURN, LIVE_CHECKS, PREFIX, metric_name
+from creditlab.integrations._live import FIRST_TURN, LIVE_CHECKS, PREFIX, TRAJECTORY_ESS, metric_name
 
 SRC = Path(ci.__file__).resolve().parent
 #: The names each integration gave its duties before the contract (removed, CHANGELOG 0.2.0).
@@ -69,7 +69,7 @@ RESPONSES = ["take aspirin with water . rest .", "take aspirin with water . aspi
              "drink tea .", "rest . take aspirin with water . sleep ."]
 #: the metric names a live check may have, after the trainer's prefix
 LIVE_SUFFIXES = ({metric_name(c)[len(PREFIX):] for c in LIVE_CHECKS}
-                 | {metric_name("mismatch.prefix_drift")[len(PREFIX):] + FIRST_TURN})
+                 | {metric_name("mismatch.prefix_drift")[len(PREFIX):] + FIRST_TURN, TRAJECTORY_ESS})
 
 
 # --------------------------------------------------------------------------------------------

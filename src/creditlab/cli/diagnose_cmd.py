@@ -13,7 +13,7 @@ from creditlab.cli._apps import app
 
 __all__ = ["diagnose"]
 
-_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skipped": "dim"}
+_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "cyan", "skipped": "dim"}
 
 
 @app.command("diagnose")

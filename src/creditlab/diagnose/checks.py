@@ -29,6 +29,7 @@ from creditlab.core.diagnostics import CheckParams, mixing_score, p_cover
 from creditlab.core.registry import Registry
 from creditlab.diagnose._tokens import COPY_MIN_TOKENS, MEASURABLE, POSITIVE_TOL, RUN_GAP, RUN_MIN, MismatchRows
 from creditlab.diagnose._trl_logs import FORMAT_TRL
+from creditlab.diagnose.calibration import Calibration, MeasuredThreshold, calibration
 from creditlab.diagnose._trl_logs import NO_LOGPROBS as TRL_NO_LOGPROBS
 from creditlab.diagnose.readers import FORMAT_VERL, Dump
 from creditlab.diagnose.schema import TOKEN_COLUMNS
@@ -48,7 +49,9 @@ __all__ = [
     "run_checks",
 ]
 
-STATUSES = ("ok", "warn", "fail", "skipped")
+STATUSES = ("ok", "warn", "fail", "info", "skipped")
+"""``info``: the check measured its value, and no calibrated verdict exists for it (its threshold was not
+measured, or not in a unit that carries over to this run): the value and what it means, never a pass."""
 MIN_PHASE_ROWS, MIN_PHASE_SHARE = 4, 0.5
 """A trend needs a per-row value in at least this many rows, and this share of the rows, of both the
 first and the last quarter of steps."""
@@ -67,19 +70,40 @@ class Threshold:
     fail: float | None
     direction: str = "above"
     note: str = ""
+    measured: bool = False
+    """A measured threshold (a calibration's): ``warn`` is the worst value measured safe, so only a value beyond
+    it warns, and ``fail`` the best value measured unsafe, which fails itself (:meth:`level`)."""
+
+    def level(self, value: float) -> str:
+        """``fail``, ``warn`` or ``ok`` of ``value`` on the value alone (a measured threshold: strictly beyond
+        ``warn``, at or beyond ``fail``; otherwise at or beyond each, or below for ``direction`` "below")."""
+        above = self.direction == "above"
+
+        def past(t: float, inclusive: bool) -> bool:
+            return (value >= t if inclusive else value > t) if above else (value <= t if inclusive else value < t)
+
+        if self.fail is not None and past(self.fail, True if self.measured else above):
+            return "fail"
+        if self.warn is not None and past(self.warn, not self.measured and above):
+            return "warn"
+        return "ok"
 
     def text(self) -> str:
-        op = ">=" if self.direction == "above" else "<"
+        if self.measured:
+            op_w, op_f = (">", ">=") if self.direction == "above" else ("<", "<=")
+        else:
+            op_w = op_f = ">=" if self.direction == "above" else "<"
         parts = []
         if self.warn is not None:
-            parts.append(f"warn {op} {format_value(self.warn)}")
+            parts.append(f"warn {op_w} {format_value(self.warn)}")
         if self.fail is not None:
-            parts.append(f"fail {op} {format_value(self.fail)}")
+            parts.append(f"fail {op_f} {format_value(self.fail)}")
         s = ", ".join(parts)
         return f"{s}; {self.note}" if self.note and s else (self.note or s)
 
     def to_json(self) -> dict[str, Any]:
-        return {"warn": self.warn, "fail": self.fail, "direction": self.direction, "note": self.note}
+        return {"warn": self.warn, "fail": self.fail, "direction": self.direction, "note": self.note,
+                "measured": self.measured}
 
 
 @dataclass
@@ -525,11 +549,57 @@ def mismatch_units(ctx: Context) -> dict[str, float]:
             "turns": float(turns[rows].mean()) if rows.any() else math.nan}
 
 
+#: What each candidate unit of the transfer experiment is, for the thresholds' notes and the messages.
+UNIT_WORDS = {"total": "RMS prefix log ratio at the last turn (nats)", "per_token": "K3 per policy token",
+              "ess": "trajectory ESS share of the sequence ratios", "seq_ratio": "median |log product ratio| in the "
+                                                                                 "longest length quartile (nats)"}
+
+
+def measured_threshold(check_id: str, legacy: Threshold) -> Threshold:
+    """A check's threshold under the package's calibration (:mod:`creditlab.diagnose.calibration`): the measured
+    one when the transfer run calibrated it, none (the check says ``info``) when the run gave it no calibrated
+    verdict, and ``legacy`` while no calibration exists."""
+    cal = calibration()
+    if cal is None:
+        return legacy
+    t = cal.thresholds.get(check_id)
+    if t is None:
+        return Threshold(None, None, note=f"no calibrated verdict: {cal.why} (status info)")
+    return Threshold(t.warn, t.fail, t.direction, note=f"{UNIT_WORDS[t.unit]}, measured by {cal.run} in "
+                     f"{' and '.join(cal.worlds)} ({cal.policy_tokens[0]:,.0f}-{cal.policy_tokens[1]:,.0f} policy "
+                     "tokens per trajectory); outside that domain it warns at most", measured=True)
+
+
+def calibrated_status(ctx: Context, check_id: str, units: dict[str, float], legacy: tuple[str, float | None],
+                      details: dict[str, Any]) -> tuple[str, float | None, str]:
+    """(status, value, sentence to add) of a calibrated check: ``legacy`` (status, value) while no calibration
+    exists; else the value in the calibration's unit judged by its measured threshold, ``info`` where the run
+    gave no calibrated verdict, and no ``fail`` outside the measured domain. ``details`` gains ``domain`` and
+    ``in_domain``."""
+    cal: Calibration | None = calibration()
+    if cal is None:
+        return legacy[0], legacy[1], ""
+    inside = cal.in_domain(units["policy_tokens"], units["turns"])
+    details.update(domain=cal.domain(), in_domain=inside)
+    t: MeasuredThreshold | None = cal.thresholds.get(check_id)
+    if t is None:
+        return "info", legacy[1], f" No calibrated verdict: {cal.why}."
+    value = units[t.unit]
+    if value is None or not math.isfinite(value):
+        return "skipped", None, f" Its calibrated unit ({UNIT_WORDS[t.unit]}) cannot be computed on this dump."
+    status = Threshold(t.warn, t.fail, t.direction, measured=True).level(value)
+    extra = f" In the calibrated unit, {UNIT_WORDS[t.unit]}, it is {format_value(value)}."
+    if not inside:
+        status = "warn" if status == "fail" else status
+        extra += " " + cal.outside(units["policy_tokens"], units["turns"])
+    return status, value, extra
+
+
 @register_check(
     "mismatch.prefix_drift", title="Prefix vs current log ratio by turn", needs=TOKEN_COLUMNS,
-    threshold=Threshold(DRIFT_WARN, DRIFT_FAIL, note="RMS prefix log ratio at the last turn (nats), measured on "
-                                                     "trajectories of about 300 policy tokens; needs >= 2 turns and "
-                                                     "growth over the first turn"),
+    threshold=measured_threshold("mismatch.prefix_drift", Threshold(
+        DRIFT_WARN, DRIFT_FAIL, note="RMS prefix log ratio at the last turn (nats), measured on trajectories of "
+                                     "about 300 policy tokens; needs >= 2 turns and growth over the first turn")),
     fix=f"{_FIX_INTERQ}: they reweight each token by a bounded estimate of its execution-prefix ratio, which "
         "token-level TIS/MIS never see.")
 def check_prefix_drift(ctx: Context) -> Outcome:
@@ -570,7 +640,8 @@ def check_prefix_drift(ctx: Context) -> Outcome:
                "current_rms_first": c0, "current_rms_last": cK,
                "prefix_mean_last": float(prof["prefix_mean"][good[-1]]), "current_flat": flat,
                "turns": int(good.size), "turns_not_drawn": int(hidden.size), "units": units}
-    return Outcome(status, pK, msg, details, series)
+    status, value, extra = calibrated_status(ctx, "mismatch.prefix_drift", units, (status, pK), details)
+    return Outcome(status, value, msg + extra, details, series)
 
 
 def _span(turns: np.ndarray) -> str:
@@ -736,8 +807,8 @@ def _quartiles(n: np.ndarray) -> np.ndarray:
 
 @register_check(
     "mismatch.sequence_ratio_length", title="Sequence ratio by response length", needs=TOKEN_COLUMNS,
-    threshold=Threshold(SEQ_WARN, SEQ_FAIL, note="median |log product ratio| in the longest length quartile "
-                                                 "(nats)"),
+    threshold=measured_threshold("mismatch.sequence_ratio_length", Threshold(
+        SEQ_WARN, SEQ_FAIL, note="median |log product ratio| in the longest length quartile (nats)")),
     fix="Use token-level or length-normalised weights (`tis`, `interq`, or the geometric mean `geo`) instead of "
         "a product of token ratios (`seq_is`).")
 def check_sequence_ratio(ctx: Context) -> Outcome:
@@ -781,7 +852,10 @@ def check_sequence_ratio(ctx: Context) -> Outcome:
            f"{format_value(out['geo_abs'][-1])}.")
     details = {"longest_quartile": [out["lo"][-1], out["hi"][-1]], "median_abs_log_ratio_shortest": out["prod_abs"][0],
                "median_weight_longest": out["prod_med"][-1], "median_abs_log_geo_longest": out["geo_abs"][-1]}
-    return Outcome(status, value, msg, details, series)
+    units = {**mismatch_units(ctx), "seq_ratio": value}
+    details["units"] = units
+    status, value, extra = calibrated_status(ctx, "mismatch.sequence_ratio_length", units, (status, value), details)
+    return Outcome(status, value, msg + extra, details, series)
 
 
 CHECK_PARAMS = CheckParams(logprob_tol=POSITIVE_TOL, run_min=RUN_MIN, run_gap=RUN_GAP, measurable=MEASURABLE,

@@ -13,9 +13,10 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 
-from creditlab.diagnose.checks import TURN_MIN_TOKENS, CheckResult
+from creditlab.diagnose.calibration import calibration
+from creditlab.diagnose.checks import TURN_MIN_TOKENS, UNIT_WORDS, CheckResult
 
-__all__ = ["PLOTS", "plot_result"]
+__all__ = ["PHASE_PLOTS", "PLOTS", "plot_phase", "plot_result"]
 
 
 def _figure(figsize: tuple[float, float] = (7, 4.2)):
@@ -202,3 +203,56 @@ def plot_result(r: CheckResult, out: Path) -> Path | None:
         return None
     name, fn = PLOTS[r.id]
     return fn(r, Path(out) / name)
+
+
+PHASE_PLOTS = {"mismatch.prefix_drift": "phase_map_prefix_drift.png",
+               "mismatch.sequence_ratio_length": "phase_map_sequence_ratio.png"}
+"""Calibrated check id -> the file of its phase-map plot (:func:`plot_phase`)."""
+_CLASS_COLORS = {"rolls back": "#c0392b", "stable": "#27ae60", "mixed": "#d9a400"}
+_WORLD_MARKS = ("o", "s", "^", "D")
+
+
+def plot_phase(r: CheckResult, out: Path) -> Path | None:
+    """Where this dump sits on the transfer run's phase map: the run's points (x: the check's unit at the base
+    policy, y: the rollback of training, mean and 95% interval over seeds; colour: rolls back / stable / mixed;
+    marker: the world), the measured thresholds, and this dump's value (a vertical line; outside the measured
+    domain, dashed). The unit is the calibration's for the check, else the prefix drift's statistic (total).
+    None without a calibration, a point or a value for this dump."""
+    cal = calibration()
+    units = r.details.get("units") if r.details else None
+    if cal is None or r.id not in PHASE_PLOTS or not cal.points or not units:
+        return None
+    t = cal.thresholds.get(r.id)
+    unit = t.unit if t is not None else ("seq_ratio" if r.id == "mismatch.sequence_ratio_length" else "total")
+    mine = units.get(unit)
+    pts = [p for p in cal.points if p.get(unit) is not None and p[unit] > 0]
+    if mine is None or not np.isfinite(mine) or not pts:
+        return None
+    fig, ax = _figure((7, 4.2))
+    worlds = list(cal.worlds)
+    for p in pts:
+        lo, hi = p["rollback_lo"], p["rollback_hi"]
+        yerr = None if lo is None or hi is None else [[max(p["rollback"] - lo, 0)], [max(hi - p["rollback"], 0)]]
+        ax.errorbar(p[unit], p["rollback"], yerr=yerr, fmt=_WORLD_MARKS[worlds.index(p["world"]) % 4],
+                    color=_CLASS_COLORS.get(p["class"], "gray"), capsize=2, alpha=0.85)
+        ax.annotate(f"{p['arm']}@{p['dose']}", (p[unit], p["rollback"]), fontsize=6, alpha=0.7,
+                    xytext=(3, 3), textcoords="offset points")
+    if t is not None:
+        for level, color in (("warn", "#d9a400"), ("fail", "#c0392b")):
+            ax.axvline(getattr(t, level), color=color, lw=1, ls=":", label=f"{level} threshold")
+    inside = r.details.get("in_domain", True)
+    ax.axvline(mine, color="#2c3e50", lw=1.6, ls="-" if inside else "--",
+               label=f"this dump: {mine:.3g}" + ("" if inside else " (outside the measured domain)"))
+    for w, m in zip(worlds, _WORLD_MARKS, strict=False):
+        ax.plot([], [], m, color="gray", ls="", label=w)
+    for k, c in _CLASS_COLORS.items():
+        ax.plot([], [], "o", color=c, ls="", label=k)
+    if min(p[unit] for p in pts) > 0 and mine > 0:
+        ax.set_xscale("log")
+    ax.set_xlabel(f"{UNIT_WORDS[unit]} at the base policy")
+    ax.set_ylabel("rollback (best - final held-out success)")
+    verdict = "calibrated" if t is not None else "no calibrated verdict"
+    ax.set_title(f"{r.id} on the transfer run's phase map ({verdict}; {r.status})", fontsize=9)
+    ax.legend(fontsize=7, loc="best")
+    ax.grid(alpha=0.3)
+    return _save(fig, Path(out) / PHASE_PLOTS[r.id])

@@ -30,7 +30,7 @@ import numpy as np
 from creditlab._outlock import OutLock
 from creditlab.diagnose._trl_logs import FORMAT_TRL
 from creditlab.diagnose.checks import CheckResult, format_value, run_checks
-from creditlab.diagnose.plots import PLOTS, plot_result
+from creditlab.diagnose.plots import PHASE_PLOTS, PLOTS, plot_phase, plot_result
 from creditlab.diagnose.readers import Dump, read_dump
 from creditlab.diagnose.steps import StepSelection, describe_steps
 from creditlab.diagnose.trainer_metrics import trainer_metrics
@@ -39,7 +39,9 @@ from creditlab.errors import ConfigError, CreditlabError, InputError
 __all__ = ["REPORT_MARK", "WRITTEN_BY", "Diagnosis", "diagnose", "exit_code", "record_error", "write_report"]
 
 FAIL_ON = ("fail", "warn")
-SCHEMA_VERSION = 1
+#: The statuses diagnose.json counts, in the report's order (``info``: measured, no calibrated verdict).
+COUNTED = ("fail", "warn", "ok", "info", "skipped")
+SCHEMA_VERSION = 2  # 2: the status info (counts.info) and threshold.measured
 WRITTEN_BY = "creditlab diagnose"
 """``diagnose.json``'s ``written_by``: the mark of a ``diagnose.json`` (and of the plots it lists) that a rerun
 may replace."""
@@ -127,17 +129,22 @@ def write_report(dump: Dump, results: Sequence[CheckResult], out: str | os.PathL
     except OSError as err:
         raise ConfigError("--out", f"cannot create the directory {out}: {err.strerror or err}") from None
     files: list[Path] = []
+    phase: dict[str, str] = {}
     for r in results:
         p = plot_result(r, out)
         r.plot = p.name if p is not None else None
         if p is not None:
             files.append(p)
-    for name, _ in PLOTS.values():  # a plot of an earlier run into this directory would now be stale
+        q = plot_phase(r, out)  # where the dump sits on the transfer run's phase map (calibrated checks)
+        if q is not None:
+            phase[r.id] = q.name
+            files.append(q)
+    for name in [n for n, _ in PLOTS.values()] + list(PHASE_PLOTS.values()):  # an earlier run's plot would be stale
         if (out / name) not in files and (out / name).exists():
             (out / name).unlink()  # _own_report checked that the earlier run wrote it
     summary = summarize(dump)
     code = exit_code(results, fail_on, dump.warnings)
-    counts = {s: sum(r.status == s for r in results) for s in ("fail", "warn", "ok", "skipped")}
+    counts = {s: sum(r.status == s for r in results) for s in COUNTED}
 
     lines = [REPORT_MARK, "# creditlab diagnose", ""]
     src = ", ".join(f"`{f}`" for f in summary["files"][:5]) + (
@@ -148,7 +155,8 @@ def write_report(dump: Dump, results: Sequence[CheckResult], out: str | os.PathL
               "", steps_line(summary), "", f"Reward: {summary['reward_source']}.", ""]
     if dump.warnings:
         lines += [f"Input warnings ({len(dump.warnings)}):", ""] + [f"* {w}" for w in dump.warnings] + [""]
-    lines += [f"Verdict: {counts['fail']} fail, {counts['warn']} warn, {counts['ok']} ok, {counts['skipped']} skipped "
+    lines += [f"Verdict: {counts['fail']} fail, {counts['warn']} warn, {counts['ok']} ok, {counts['info']} info "
+              f"(measured, no calibrated verdict), {counts['skipped']} skipped "
               f"(exit code {code} with `--fail-on {fail_on}`).", "",
               "| check | status | value | threshold | evidence |", "|---|---|---|---|---|"]
     for r in results:
@@ -162,8 +170,14 @@ def write_report(dump: Dump, results: Sequence[CheckResult], out: str | os.PathL
             lines += [f"Fix: {r.fix}", ""]
         elif r.status == "ok":
             lines += [f"If it fires: {r.fix}", ""]
+        elif r.status == "info":
+            lines += [f"If the value is a concern: {r.fix}", ""]
         if r.plot:
             lines += [f"![{r.id}]({r.plot})", ""]
+        if r.id in phase:
+            lines += ["Where this dump sits on the phase map of the transfer run that calibrated this check (the "
+                      "run's points: the unit at the base policy against the rollback of training):", "",
+                      f"![{r.id} on the phase map]({phase[r.id]})", ""]
     report = out / "report.md"
     report.write_text("\n".join(lines), encoding="utf-8")
     files.append(report)
@@ -209,7 +223,8 @@ def _own_report(out: Path) -> str | None:
     listed = set(old.get("files") or []) if old is not None else set()
     own = {md: md.is_file() and _is_own_report(md), js: old is not None}
     foreign = [p for p in (md, js) if p.exists() and not own[p]]
-    foreign += [out / name for name, _ in PLOTS.values() if (out / name).exists() and name not in listed]
+    foreign += [out / name for name in [n for n, _ in PLOTS.values()] + list(PHASE_PLOTS.values())
+                if (out / name).exists() and name not in listed]
     if foreign:
         first = foreign[0]
         more = f" (and {', '.join(p.name for p in foreign[1:])})" if len(foreign) > 1 else ""
@@ -246,12 +261,12 @@ def record_error(out: str | os.PathLike, err: CreditlabError, paths: Sequence[st
     try:
         payload = {"version": SCHEMA_VERSION, "written_by": WRITTEN_BY, "files": ["report.md", "diagnose.json"],
                    "exit_code": 2, "fail_on": fail_on, "error": msg,
-                   "counts": {s: 0 for s in ("fail", "warn", "ok", "skipped")},
+                   "counts": {s: 0 for s in COUNTED},
                    "input": {"paths": [str(p) for p in paths]}, "warnings": [], "checks": []}
         (out / "diagnose.json").write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
         (out / "report.md").write_text(f"{REPORT_MARK}\n# creditlab diagnose\n\nError (exit code 2): {msg}\n\n"
                                        "No check ran.\n", encoding="utf-8")
-        for name, _ in PLOTS.values():
+        for name in [n for n, _ in PLOTS.values()] + list(PHASE_PLOTS.values()):
             (out / name).unlink(missing_ok=True)
     except OSError as os_err:
         note = f" ({out} holds {earlier}, which could not be replaced: {os_err.strerror or os_err})"

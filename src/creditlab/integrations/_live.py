@@ -25,9 +25,11 @@ from typing import Any
 import torch
 
 from creditlab.core.diagnostics import batch_check_values
+from creditlab.diagnose.calibration import calibration
 from creditlab.diagnose.checks import CHECK_PARAMS, CHECKS, DRIFT_GROWTH, format_value
 
-__all__ = ["LIVE_CHECKS", "PREFIX", "LiveWarnings", "batch_values", "metric_name", "to_floats"]
+__all__ = ["FIRST_TURN", "LIVE_CHECKS", "PREFIX", "TRAJECTORY_ESS", "LiveWarnings", "batch_values", "metric_name",
+           "to_floats"]
 
 LOG = logging.getLogger("creditlab.integrations")
 PREFIX = "creditlab/"
@@ -35,6 +37,10 @@ PREFIX = "creditlab/"
 LIVE_CHECKS = ("mismatch.k3", "mismatch.prefix_drift", "mismatch.one_sided", "mismatch.placeholder_logprobs",
                "mismatch.nonfinite_logprobs", "mismatch.sequence_ratio_length", "baseline.degenerate_groups")
 FIRST_TURN = "/first_turn"
+#: The live value beside the checks': the trajectory ESS share of the batch's sequence ratios.
+TRAJECTORY_ESS = "mismatch/trajectory_ess"
+#: The transfer experiment's candidate units -> their key among batch_check_values' values.
+UNIT_KEYS = {"total": "mismatch/prefix_drift", "per_token": "mismatch/k3", "ess": TRAJECTORY_ESS}
 
 
 def metric_name(check_id: str, prefix: str = PREFIX) -> str:
@@ -60,6 +66,10 @@ def batch_values(old_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tens
         return {metric_name("baseline.degenerate_groups"): values["baseline/degenerate_groups"]}
     values = batch_check_values(old_logprobs, rollout_logprobs, policy_mask.bool(), CHECK_PARAMS,
                                 group_ids=group_ids, rewards=rewards)
+    cal = calibration()
+    unit = cal.thresholds.get("mismatch.prefix_drift") if cal is not None else None
+    if unit is not None:  # the check's value is in the calibrated unit, as the dump check's
+        values["mismatch/prefix_drift"] = values[UNIT_KEYS[unit.unit]]
     return {PREFIX + k: v for k, v in values.items()}
 
 
@@ -76,6 +86,10 @@ def _crossed(check_id: str, value: float, metrics: Mapping[str, Any], prefix: st
     """Whether ``value`` is at the warn level of the check's threshold (a threshold without a warn level,
     "warn when any is": above 0); the prefix drift must also have grown over the first turn."""
     th = CHECKS[check_id].threshold
+    if th.warn is None and th.fail is None:  # no calibrated verdict (status info): nothing to cross
+        return False
+    if th.measured:
+        return th.level(value) in ("warn", "fail")
     if th.warn is None:
         hit = value > 0 if th.direction == "above" else value < 0
     else:
