@@ -275,6 +275,7 @@ def _cases():
         "diagnostics.mixing_score": (diagnostics.mixing_score, (n_pos, n_neg), {}),
         "diagnostics.aulc": (diagnostics.aulc, (scores,), {}),
         "diagnostics.rollback": (diagnostics.rollback, (scores,), {}),
+        "diagnostics.trajectory_ess": (diagnostics.trajectory_ess, (scores,), {}),
         "diagnostics.concentration": (diagnostics.concentration, (scores.flatten(), 0.2), {}),  # Python floats
         "masks.effective_policy_mask": (masks.effective_policy_mask, (pm, vm), {}),
         "masks.effective_policy_mask[no valid_mask]": (masks.effective_policy_mask, (pm,), {}),

@@ -87,6 +87,7 @@ RUNS = {
     "diagnostics.mixing_score": lambda: diag.mixing_score(f(B), f(B)),
     "diagnostics.aulc": lambda: diag.aulc(f(B, T)),
     "diagnostics.rollback": lambda: diag.rollback(f(B, T)),
+    "diagnostics.trajectory_ess": lambda: diag.trajectory_ess(f(B, T)),
     "diagnostics.batch_check_values": lambda: diag.batch_check_values(
         f(B, L), f(B, L), b(B, L), diag.CheckParams(1e-4, 4, 0.5, 1e-5, 100, 0.05, 20, 16, 8), group_ids=i(B),
         rewards=f(B)),
