@@ -183,6 +183,8 @@ def test_wheel_contents_and_metadata(dists):
         entry_points = next(z.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "creditlab/py.typed" in names
     assert "creditlab/diagnose/examples/toolshop_fp8.jsonl.gz" in names
+    if (ROOT / "src" / "creditlab" / "diagnose" / "calibration.json").is_file():  # diagnose's measured thresholds
+        assert "creditlab/diagnose/calibration.json" in names
     assert "creditlab/diagnose/examples/__main__.py" in names
     assert not [n for n in names if n.startswith(("docs/", "tests/", "benchmarks/")) or n.endswith(".pyc")]
     assert re.search(r"^creditlab\s*=\s*creditlab\.cli\.main:main$", entry_points, re.M), entry_points
