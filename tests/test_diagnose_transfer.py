@@ -198,3 +198,62 @@ def test_the_report_shows_the_dump_on_the_phase_map(tmp_path, use_cal, monkeypat
     monkeypatch.setattr(plots_mod, "calibration", lambda: None)
     diagnose([dump], out)
     assert not (out / "phase_map_prefix_drift.png").exists()
+
+
+def _run_dir(tmp_path: Path, rollbacks: dict, verdict: str) -> Path:
+    """A transfer run's tables as the lab writes them, from hand-made gate values and per-seed rollbacks."""
+    import pandas as pd
+
+    from creditlab.labs.mismatch.transfer import transfer_map, unit_calibration
+
+    run = tmp_path / "run"
+    run.mkdir(parents=True)
+    gate = pd.DataFrame([{"world": w, "arm": a, "dose": d, "policy_tokens": pt, "turns": tu, "total": t,
+                          "per_token": k, "ess": e, "seq_ratio": sr}
+                         for (w, a, d), (pt, tu, t, k, e, sr) in {
+                             ("thoughts40", "qat", "mxfp4"): (310.0, 7.2, 2.0, 2.8e-3, 0.22, 0.8),
+                             ("thoughts40", "naive", "mxfp4"): (310.0, 7.2, 21.7, 2.0e-2, 0.2, 7.2),
+                             ("thoughts24", "qat", "mxfp4"): (196.0, 6.9, 1.5, 3.1e-3, 0.5, 0.5),
+                             ("thoughts24", "naive", "mxfp4"): (196.0, 6.9, 9.0, 1.5e-2, 0.28, 5.0)}.items()])
+    summary = pd.DataFrame([{"world": w, "arm": a, "dose": d, "seed": s, "rollback": r, "final": 0.4}
+                            for (w, a, d), rb in rollbacks.items() for s, r in enumerate(rb)])
+    tmap = transfer_map(summary, gate)
+    units = unit_calibration(tmap, ["thoughts40", "thoughts24"])
+    gate.to_parquet(run / "transfer_gate.parquet")
+    tmap.to_parquet(run / "transfer_map.parquet")
+    units.to_parquet(run / "transfer_units.parquet")
+    pd.DataFrame([{"experiment": "transfer", "prediction": "T1 a unit transfers", "measured": "-",
+                   "verdict": verdict}]).to_parquet(run / "predictions.parquet")
+    (run / "lab.json").write_text(json.dumps({"predictions": {"recorded_at": "2026-12-05T05:08:33Z", "sha256": "ab",
+                                                              "source": {"commit": "e5cbdb4"}}}))
+    return run
+
+
+def test_the_calibration_script_takes_the_rule_as_registered(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import diagnose_calibration as script
+
+    fp = {(w, "fp32", "fp32"): [0.0, 0.01, 0.0, 0.02] for w in ("thoughts40", "thoughts24")}
+    rolls, stable = [0.2, 0.3, 0.25, 0.0], [0.0, 0.0, 0.01, 0.0]
+    run = _run_dir(tmp_path, {**fp, ("thoughts40", "qat", "mxfp4"): stable, ("thoughts40", "naive", "mxfp4"): rolls,
+                              ("thoughts24", "qat", "mxfp4"): stable, ("thoughts24", "naive", "mxfp4"): rolls}, "holds")
+    raw = script.build(run)
+    # every unit separates; per_token has the largest margin: log(1.5e-2 / 3.1e-3) > log(9.0 / 2.0) > log(0.5 / 0.28)
+    assert raw["unit"] == "per_token" and raw["verdict"] == "holds"
+    t = raw["thresholds"]["mismatch.prefix_drift"]
+    assert (t["unit"], t["warn"], t["fail"], t["direction"]) == ("per_token", 3.1e-3, 1.5e-2, "above")
+    assert raw["thresholds"]["mismatch.sequence_ratio_length"] is None  # calibrated only when total is picked
+    assert raw["policy_tokens"] == [196.0, 310.0] and raw["turns"] == [6.9, 7.2]
+    assert raw["manifest"]["commit"] == "e5cbdb4" and len(raw["points"]) == 4
+    out = tmp_path / "calibration.json"
+    assert script.main(["--run", str(run), "--out", str(out)]) == 0
+    assert script.main(["--run", str(run), "--out", str(out), "--check"]) == 0
+    cal = load_calibration(out)
+    assert cal.unit == "per_token" and cal.in_domain(250, 7.0) and not cal.in_domain(6000, 24)
+    # the 24-thought world never rolls back: no calibrated verdict, and the reason says which way
+    run2 = _run_dir(tmp_path / "b", {**fp, ("thoughts40", "qat", "mxfp4"): stable,
+                                     ("thoughts40", "naive", "mxfp4"): rolls, ("thoughts24", "qat", "mxfp4"): stable,
+                                     ("thoughts24", "naive", "mxfp4"): stable}, "not judged")
+    raw2 = script.build(run2)
+    assert raw2["unit"] is None and all(v is None for v in raw2["thresholds"].values())
+    assert "did not bracket the onset" in raw2["why"]
