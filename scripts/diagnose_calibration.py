@@ -1,7 +1,7 @@
 """Write ``src/creditlab/diagnose/calibration.json`` from the mismatch lab's committed transfer run.
 
-    python scripts/diagnose_calibration.py            write it
-    python scripts/diagnose_calibration.py --check    exit 1 when the committed file differs from the run's tables
+    python scripts/diagnose_calibration.py            write it, and the units table docs/diagnose.md shows
+    python scripts/diagnose_calibration.py --check    exit 1 when a committed file differs from the run's tables
     --run DIR                                         another run directory (default results/mismatch-transfer/run)
 
 It reads the run's tables as the lab wrote them: ``predictions`` (T1's verdict), ``transfer_units`` (the picked
@@ -27,6 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "results" / "mismatch-transfer" / "run"
 OUT = ROOT / "src" / "creditlab" / "diagnose" / "calibration.json"
 UNIT_COLUMNS = ("total", "per_token", "ess")
+#: The run's ``transfer_units`` table with plain column names (``stable_worst[pooled]`` -> ``stable_worst_pooled``),
+#: beside the run: docs/diagnose.md's generated block reads it.
+UNITS_TABLE = "units.parquet"
+
+
+def units_table(run: Path) -> pd.DataFrame:
+    units = pd.read_parquet(run / "transfer_units.parquet")
+    return units.rename(columns=lambda c: c.replace("[", "_").replace("]", ""))
 
 
 def _float(x) -> float | None:
@@ -102,14 +110,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)
-    text = json.dumps(build(args.run.resolve()), indent=2) + "\n"
+    run = args.run.resolve()
+    text = json.dumps(build(run), indent=2) + "\n"
+    units, units_path = units_table(run), run.parent / UNITS_TABLE
     if args.check:
-        if not args.out.is_file() or args.out.read_text() != text:
-            print(f"{args.out}: stale; rerun python scripts/diagnose_calibration.py")
-            return 1
-        return 0
+        stale = [str(p) for p, same in (
+            (args.out, args.out.is_file() and args.out.read_text() == text),
+            (units_path, units_path.is_file() and units.equals(pd.read_parquet(units_path))))
+            if not same]
+        for p in stale:
+            print(f"{p}: stale; rerun python scripts/diagnose_calibration.py")
+        return 1 if stale else 0
     args.out.write_text(text)
-    print(f"wrote {args.out}")
+    units.to_parquet(units_path, index=False)
+    print(f"wrote {args.out} and {units_path}")
     return 0
 
 
