@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from creditlab.diagnose.calibration import calibration
 from creditlab.diagnose.checks import CHECKS, DRIFT_FAIL, DRIFT_WARN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,8 +35,9 @@ def test_the_prefix_drift_thresholds_are_the_runs_calibration():
     assert set(cal.index) == {"warn", "fail"}, "the run found a crossing: both thresholds are measured"
     assert DRIFT_WARN == pytest.approx(_down_to_two_digits(float(cal.loc["warn", "prefix_rms"])))
     assert DRIFT_FAIL == pytest.approx(_down_to_two_digits(float(cal.loc["fail", "prefix_rms"])))
-    t = CHECKS["mismatch.prefix_drift"].threshold
-    assert (t.warn, t.fail) == (DRIFT_WARN, DRIFT_FAIL)
     doc = (ROOT / "docs" / "diagnose.md").read_text(encoding="utf-8")
-    assert f">= {DRIFT_WARN:g} / >= {DRIFT_FAIL:g}, and >= 1.5x the first turn's" in doc
     assert "results/mismatch-2core/run/lab.json" in doc
+    if calibration() is None:  # the 2-core thresholds are the check's until the transfer run calibrates it
+        t = CHECKS["mismatch.prefix_drift"].threshold
+        assert (t.warn, t.fail) == (DRIFT_WARN, DRIFT_FAIL)
+        assert f">= {DRIFT_WARN:g} / >= {DRIFT_FAIL:g}, and >= 1.5x the first turn's" in doc
