@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from creditlab.core.diagnostics import CheckParams, mixing_score, p_cover
+from creditlab.core.diagnostics import CheckParams, mixing_score, p_cover, trajectory_ess
 from creditlab.core.registry import Registry
 from creditlab.diagnose._tokens import COPY_MIN_TOKENS, MEASURABLE, POSITIVE_TOL, RUN_GAP, RUN_MIN, MismatchRows
 from creditlab.diagnose._trl_logs import FORMAT_TRL
@@ -184,6 +184,12 @@ class Context:
     def tokens(self) -> MismatchRows:
         """The rows' token sums, copied files left out (the dump must have token columns)."""
         return self.dump.mismatch()
+
+    @cached_property
+    def units(self) -> dict[str, float]:
+        """The transfer experiment's candidate units on this dump (:func:`mismatch_units`), computed once for the
+        checks that read them."""
+        return mismatch_units(self)
 
     @property
     def n_steps(self) -> int:
@@ -533,15 +539,10 @@ def mismatch_units(ctx: Context) -> dict[str, float]:
     prof = turn_profile(ctx)
     good = np.flatnonzero(prof["tokens"] >= TURN_MIN_TOKENS)
     total = float(prof["prefix_rms"][good[-1]]) if good.size >= 2 else math.nan
-    ess = []
     code = ctx.step_code[rows]
     lw_all = r.sum_delta[rows]
-    for s in np.unique(code):
-        lw = lw_all[code == s]
-        if lw.size >= SEQ_MIN_ROWS:
-            m = lw.max()
-            w = np.exp(lw - m)
-            ess.append(float(w.sum() ** 2 / (lw.size * (w * w).sum())))
+    ess = [float(trajectory_ess(torch.from_numpy(lw))) for lw in (lw_all[code == s] for s in np.unique(code))
+           if lw.size >= SEQ_MIN_ROWS]
     turns = np.bincount(tt.row[tt.n > 0], minlength=r.usable.shape[0])
     return {"total": total, "per_token": float(r.sum_k3.sum() / n) if n else math.nan,
             "ess": float(np.median(ess)) if ess else math.nan, "ess_steps": len(ess),
@@ -587,7 +588,7 @@ def calibrated_status(ctx: Context, check_id: str, units: dict[str, float], lega
     value = units[t.unit]
     if value is None or not math.isfinite(value):
         return "skipped", None, f" Its calibrated unit ({UNIT_WORDS[t.unit]}) cannot be computed on this dump."
-    status = Threshold(t.warn, t.fail, t.direction, measured=True).level(value)
+    status = measured_threshold(check_id, CHECKS[check_id].threshold).level(value)
     extra = f" In the calibrated unit, {UNIT_WORDS[t.unit]}, it is {format_value(value)}."
     if not inside:
         status = "warn" if status == "fail" else status
@@ -617,7 +618,7 @@ def check_prefix_drift(ctx: Context) -> Outcome:
         not_drawn = (f" The plot draws turns 0-{ctx.max_turns - 1} (--max-turns {ctx.max_turns}); the "
                      f"{hidden.size:,} later turn{'s' if hidden.size > 1 else ''} with {TURN_MIN_TOKENS}+ tokens "
                      f"({_span(hidden)}) {'are' if hidden.size > 1 else 'is'} left out of it, not of the value.")
-    units = mismatch_units(ctx)
+    units = ctx.units
     if good.size < 2:
         return Outcome("skipped", None, f"Needs policy tokens in at least 2 turns ({TURN_MIN_TOKENS}+ tokens each); "
                        f"this dump has {good.size}: without a history there is nothing to compound.",
@@ -852,7 +853,7 @@ def check_sequence_ratio(ctx: Context) -> Outcome:
            f"{format_value(out['geo_abs'][-1])}.")
     details = {"longest_quartile": [out["lo"][-1], out["hi"][-1]], "median_abs_log_ratio_shortest": out["prod_abs"][0],
                "median_weight_longest": out["prod_med"][-1], "median_abs_log_geo_longest": out["geo_abs"][-1]}
-    units = {**mismatch_units(ctx), "seq_ratio": value}
+    units = {**ctx.units, "seq_ratio": value}
     details["units"] = units
     status, value, extra = calibrated_status(ctx, "mismatch.sequence_ratio_length", units, (status, value), details)
     return Outcome(status, value, msg + extra, details, series)

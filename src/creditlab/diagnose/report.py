@@ -42,6 +42,8 @@ FAIL_ON = ("fail", "warn")
 #: The statuses diagnose.json counts, in the report's order (``info``: measured, no calibrated verdict).
 COUNTED = ("fail", "warn", "ok", "info", "skipped")
 SCHEMA_VERSION = 2  # 2: the status info (counts.info) and threshold.measured
+#: Every plot file a run may write into ``--out`` (one per check, and the phase maps of the calibrated checks).
+PLOT_FILES = (*(name for name, _ in PLOTS.values()), *PHASE_PLOTS.values())
 WRITTEN_BY = "creditlab diagnose"
 """``diagnose.json``'s ``written_by``: the mark of a ``diagnose.json`` (and of the plots it lists) that a rerun
 may replace."""
@@ -139,7 +141,7 @@ def write_report(dump: Dump, results: Sequence[CheckResult], out: str | os.PathL
         if q is not None:
             phase[r.id] = q.name
             files.append(q)
-    for name in [n for n, _ in PLOTS.values()] + list(PHASE_PLOTS.values()):  # an earlier run's plot would be stale
+    for name in PLOT_FILES:  # a plot of an earlier run into this directory would now be stale
         if (out / name) not in files and (out / name).exists():
             (out / name).unlink()  # _own_report checked that the earlier run wrote it
     summary = summarize(dump)
@@ -223,8 +225,7 @@ def _own_report(out: Path) -> str | None:
     listed = set(old.get("files") or []) if old is not None else set()
     own = {md: md.is_file() and _is_own_report(md), js: old is not None}
     foreign = [p for p in (md, js) if p.exists() and not own[p]]
-    foreign += [out / name for name in [n for n, _ in PLOTS.values()] + list(PHASE_PLOTS.values())
-                if (out / name).exists() and name not in listed]
+    foreign += [out / name for name in PLOT_FILES if (out / name).exists() and name not in listed]
     if foreign:
         first = foreign[0]
         more = f" (and {', '.join(p.name for p in foreign[1:])})" if len(foreign) > 1 else ""
@@ -266,7 +267,7 @@ def record_error(out: str | os.PathLike, err: CreditlabError, paths: Sequence[st
         (out / "diagnose.json").write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
         (out / "report.md").write_text(f"{REPORT_MARK}\n# creditlab diagnose\n\nError (exit code 2): {msg}\n\n"
                                        "No check ran.\n", encoding="utf-8")
-        for name in [n for n, _ in PLOTS.values()] + list(PHASE_PLOTS.values()):
+        for name in PLOT_FILES:
             (out / name).unlink(missing_ok=True)
     except OSError as os_err:
         note = f" ({out} holds {earlier}, which could not be replaced: {os_err.strerror or os_err})"
