@@ -84,7 +84,8 @@ def build(run: Path) -> dict:
         "in the transfer run a world did not bracket the onset of rollback (it lacks a point that rolled back or "
         "one that did not), so no threshold could be measured in a unit that carries over")
     rec = lab.get("predictions", {})
-    manifest = {"file": str((run / "lab.json").relative_to(ROOT)) if run.is_relative_to(ROOT) else str(run / "lab.json"),
+    lab_file = run / "lab.json"
+    manifest = {"file": str(lab_file.relative_to(ROOT)) if run.is_relative_to(ROOT) else str(lab_file),
                 "commit": (rec.get("source") or {}).get("commit"), "recorded": rec.get("recorded_at"),
                 "predictions_sha256": rec.get("sha256")}
     points = []

@@ -311,7 +311,8 @@ BLOCKS: tuple[Block, ...] = (
         ("arm", None),
         ("final on the fp32 engine, dual-clip run - 2-core run", "{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]"),
         ("seeds", "{n}"),
-    ), tuple(Row((label,), arm) for label, arm in (("QAT", "qat"), ("QAT+TIS", "qat_tis"), ("QAT+InterQ", "qat_interq")))),
+    ), tuple(Row((label,), arm)
+             for label, arm in (("QAT", "qat"), ("QAT+TIS", "qat_tis"), ("QAT+InterQ", "qat_interq")))),
     Block("dualclip-tokens", "mismatch.md", DUAL, "token_summary", (
         ("arm", None),
         ("policy tokens", "{tokens}"),

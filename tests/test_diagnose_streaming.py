@@ -86,7 +86,8 @@ def _new(paths, **kw):
 
 #: Details a check gained after the in-memory reader was frozen (tests/reference): new keys, compared elsewhere
 #: (the transfer experiment's candidate units: tests/integrations/test_live_checks.py).
-ADDED_DETAILS = {c: {"units", "domain", "in_domain"} for c in ("mismatch.prefix_drift", "mismatch.sequence_ratio_length")}
+ADDED_DETAILS = {c: {"units", "domain", "in_domain"}
+                 for c in ("mismatch.prefix_drift", "mismatch.sequence_ratio_length")}
 #: Checks whose verdict follows the transfer run's calibration (diagnose/calibration.json) once it exists: their
 #: status, value and message are today's only while there is none.
 CALIBRATED = () if calibration() is None else ("mismatch.prefix_drift", "mismatch.sequence_ratio_length")

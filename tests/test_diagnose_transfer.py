@@ -193,7 +193,8 @@ def test_the_report_shows_the_dump_on_the_phase_map(tmp_path, use_cal, monkeypat
     js = json.loads((out / "diagnose.json").read_text())
     assert "phase_map_prefix_drift.png" in js["files"] and js["version"] == 2
     entry = next(c for c in js["checks"] if c["id"] == "mismatch.prefix_drift")
-    assert entry["details"]["in_domain"] is True and entry["details"]["domain"]["worlds"] == ["thoughts40", "thoughts24"]
+    assert entry["details"]["in_domain"] is True
+    assert entry["details"]["domain"]["worlds"] == ["thoughts40", "thoughts24"]
     # a second run into the same directory without a calibration removes the stale plot
     monkeypatch.setattr(plots_mod, "calibration", lambda: None)
     diagnose([dump], out)

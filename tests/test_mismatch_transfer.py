@@ -38,7 +38,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_trajectory_ess_golden():
     # w = (1, 3): (1 + 3)^2 / (2 (1 + 9)) = 0.8
-    assert float(trajectory_ess(torch.tensor([0.0, math.log(3.0)], dtype=torch.float64))) == pytest.approx(0.8, rel=1e-12)
+    w13 = torch.tensor([0.0, math.log(3.0)], dtype=torch.float64)
+    assert float(trajectory_ess(w13)) == pytest.approx(0.8, rel=1e-12)
     assert float(trajectory_ess(torch.zeros(7))) == pytest.approx(1.0, rel=1e-12)
     # one weight dominating: 1 / N; log weights of hundreds of nats neither overflow nor underflow
     assert float(trajectory_ess(torch.tensor([800.0, 0.0, 0.0, -900.0]))) == pytest.approx(0.25, rel=1e-12)

@@ -151,8 +151,8 @@ def trajectory_ess(log_w: torch.Tensor) -> torch.Tensor:
     """Effective sample size, as a share of the rows, of the weights ``exp(log_w)`` over the last dimension:
     ``(sum w)^2 / (N sum w^2)`` in ``[1/N, 1]`` (1 when every weight is equal), computed in log space so that
     a log weight of hundreds of nats neither overflows nor underflows. ``log_w``: ``(..., N)`` finite, N >= 1.
-    Computed in float64. For the trajectory-level importance ratio ``w = pi / mu`` of a batch it says what share of its trajectories
-    an unbiased sequence-level correction effectively keeps."""
+    Computed in float64. For the trajectory-level importance ratio ``w = pi / mu`` of a batch it says what share
+    of its trajectories an unbiased sequence-level correction effectively keeps."""
     log_w = _as_tensor(log_w)
     check_tensor("log_w", log_w, floating=True, finite=True)
     log_w = log_w.to(torch.float64)

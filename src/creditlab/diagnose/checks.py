@@ -29,8 +29,8 @@ from creditlab.core.diagnostics import CheckParams, mixing_score, p_cover, traje
 from creditlab.core.registry import Registry
 from creditlab.diagnose._tokens import COPY_MIN_TOKENS, MEASURABLE, POSITIVE_TOL, RUN_GAP, RUN_MIN, MismatchRows
 from creditlab.diagnose._trl_logs import FORMAT_TRL
-from creditlab.diagnose.calibration import Calibration, MeasuredThreshold, calibration
 from creditlab.diagnose._trl_logs import NO_LOGPROBS as TRL_NO_LOGPROBS
+from creditlab.diagnose.calibration import Calibration, MeasuredThreshold, calibration
 from creditlab.diagnose.readers import FORMAT_VERL, Dump
 from creditlab.diagnose.schema import TOKEN_COLUMNS
 from creditlab.errors import ConfigError, InputError

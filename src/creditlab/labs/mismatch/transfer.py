@@ -30,7 +30,6 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from creditlab.lab.experiment import Experiment, Prediction, Tables, Verdict
@@ -297,7 +296,8 @@ def _prediction() -> Prediction:
         if "transfer_units" not in t:
             return None
         cal = t["transfer_units"].frame
-        parts = [f"{r['unit']}: {'separates' if r['separates'] else 'overlaps' if r['bracketed'] else 'onset not bracketed'}"
+        how = {(True, True): "separates", (False, True): "overlaps"}
+        parts = [f"{r['unit']}: {how.get((bool(r['separates']), bool(r['bracketed'])), 'onset not bracketed')}"
                  + (f" (margin {r['margin']:.3g})" if r["separates"] else "") for _, r in cal.iterrows()]
         picked = cal[cal["picked"]]
         return "; ".join(parts) + (f"; picked {picked['unit'].iloc[0]}" if len(picked) else "; none picked")
@@ -328,7 +328,8 @@ class Transfer(Experiment):
         check_count(cfg.transfer_seeds, "transfer_seeds")
         check_count(cfg.transfer_tasks, "transfer_tasks")
         if not cfg.transfer_worlds or any(w not in TRANSFER_WORLDS for w in cfg.transfer_worlds):
-            raise ConfigError("transfer_worlds", f"got {list(cfg.transfer_worlds)}; valid: {', '.join(TRANSFER_WORLDS)}")
+            raise ConfigError("transfer_worlds",
+                              f"got {list(cfg.transfer_worlds)}; valid: {', '.join(TRANSFER_WORLDS)}")
         if not cfg.transfer_points or len(set(cfg.transfer_points)) != len(cfg.transfer_points):
             raise ConfigError("transfer_points", f"needs distinct points, got {list(cfg.transfer_points)}")
         transfer_points(cfg)
