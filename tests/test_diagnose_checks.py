@@ -30,10 +30,12 @@ def clean(tmp_path_factory):
 
 def test_every_check_passes_on_a_clean_dump(clean):
     assert list(clean) == list(CHECKS)
-    for cid in ("mismatch.k3", "mismatch.prefix_drift", "mismatch.one_sided", "mismatch.placeholder_logprobs",
-                "mismatch.sequence_ratio_length", "reward.length_hacking", "reward.process_hacking",
-                "baseline.degenerate_groups"):
+    for cid in ("mismatch.k3", "mismatch.one_sided", "mismatch.placeholder_logprobs", "reward.length_hacking",
+                "reward.process_hacking", "baseline.degenerate_groups"):
         assert clean[cid].status == "ok", (cid, clean[cid].message)
+    for cid in ("mismatch.prefix_drift", "mismatch.sequence_ratio_length"):  # measured, with no calibrated verdict
+        assert clean[cid].status == "info" and "No calibrated verdict" in clean[cid].message, cid
+        assert clean[cid].value is not None and clean[cid].value < 0.05, (cid, clean[cid].value)
     for cid in ("credit.coverage", "credit.mixing"):  # no turns column
         assert clean[cid].status == "skipped" and "turns" in clean[cid].message
     for r in clean.values():
@@ -97,14 +99,13 @@ def test_k3_fails_on_a_large_mismatch_and_warns_when_it_rises_late(tmp_path):
     assert late.series["k3"].shape == (8,)
 
 
-def test_prefix_drift_is_flagged_when_the_prefix_grows_and_the_current_ratio_is_flat(tmp_path):
-    from creditlab.diagnose.checks import DRIFT_WARN
-
+def test_prefix_drift_measures_the_prefix_growing_while_the_current_ratio_is_flat(tmp_path):
     # about 84 policy tokens before the last of 4 turns: a per-token noise of 0.4 sums to an RMS near 3.7
     r = _run(tmp_path, clean_rows(noise=0.4, turns=4), "drift.jsonl")["mismatch.prefix_drift"]
-    assert r.value >= DRIFT_WARN and r.status in ("warn", "fail") and r.details["current_flat"]
+    assert 3.0 < r.value < 5.0 and r.value == r.details["prefix_rms_last"] and r.details["current_flat"]
+    assert r.status == "info" and "grows from" in r.message and "while the current one stays flat" in r.message
     small = _run(tmp_path, clean_rows(noise=0.02, turns=4), "small.jsonl")["mismatch.prefix_drift"]
-    assert small.value < DRIFT_WARN and small.status == "ok"  # grows, but below what training was safe at
+    assert small.value == pytest.approx(r.value / 20, rel=0.25) and small.status == "info"  # linear in the noise
     assert r.details["prefix_rms_last"] > 2 * r.details["prefix_rms_first"]
     one_turn = _run(tmp_path, clean_rows(noise=0.02, turns=1), "one.jsonl")["mismatch.prefix_drift"]
     assert one_turn.status == "skipped" and "2 turns" in one_turn.message
@@ -155,7 +156,7 @@ def test_sequence_ratio_vanishes_with_length(tmp_path):
     rows = [{"step": i // 16, "group": i // 4, "reward": float(i % 2), **token_row(rng, [int(n)], noise=0.05)}
             for i, n in enumerate(rng.integers(10, 1200, 64))]
     r = _run(tmp_path, rows, "long.jsonl")["mismatch.sequence_ratio_length"]
-    assert r.status == "fail" and r.value >= 1.0
+    assert r.status == "info" and r.value >= 1.0
     assert r.series["prod_abs"][-1] > 3 * r.series["prod_abs"][0]
     assert r.details["median_abs_log_geo_longest"] < 0.01  # the geometric mean does not vanish
 

@@ -60,8 +60,9 @@ def test_the_shipped_example_reads_as_documented(tmp_path):
     assert _code(["diagnose", str(EXAMPLE), "--out", str(tmp_path / "ex"), "--quiet", "--fail-on", "warn"]) == 1
     js = json.loads((tmp_path / "ex" / "diagnose.json").read_text())
     statuses = {c["id"]: c["status"] for c in js["checks"]}
-    # the history ratio grows to 0.62 nats: below the 2.2 at which the mismatch lab's training was still safe
-    assert statuses["mismatch.prefix_drift"] == "ok" and statuses["credit.coverage"] == "warn"
+    # the history ratio grows to 0.62 nats, which the transfer run gave no calibrated verdict on
+    assert statuses["mismatch.prefix_drift"] == "info" and statuses["credit.coverage"] == "warn"
+    assert statuses["mismatch.sequence_ratio_length"] == "info" and js["counts"]["info"] == 2
     assert statuses["mismatch.k3"] == "warn"
     assert statuses["mismatch.placeholder_logprobs"] == "ok" and statuses["credit.mixing"] == "skipped"
     for c in js["checks"]:  # the documented verdict table of the example is the one it produces
@@ -87,5 +88,5 @@ def test_max_turns_changes_no_verdict_of_the_shipped_example(tmp_path):
     drift = {m: got[m]["mismatch.prefix_drift"] for m in got}
     assert drift[16]["message"] == drift[64]["message"] and drift[16]["details"]["turns_not_drawn"] == 0
     assert drift[2]["details"]["turns_not_drawn"] == 3
-    assert drift[2]["message"].endswith("The plot draws turns 0-1 (--max-turns 2); the 3 later turns with 20+ "
-                                        "tokens (turns 2-4) are left out of it, not of the value.")
+    assert ("The plot draws turns 0-1 (--max-turns 2); the 3 later turns with 20+ tokens (turns 2-4) are left out "
+            "of it, not of the value. No calibrated verdict: ") in drift[2]["message"]

@@ -453,7 +453,7 @@ def test_prefix_drift_that_shrinks_says_shrinks(tmp_path, capsys):
         r["turn_ids"] = [0] * 30 + [1] * 30
     code, js, _ = _diag(write_dump(rows, tmp_path / "shrink.jsonl"), tmp_path / "o", capsys)
     r = _checks(js)["mismatch.prefix_drift"]
-    assert r["status"] == "ok"
+    assert r["status"] == "info" and code == 0
     assert r["message"].startswith("The RMS prefix log ratio shrinks from 0.178 at turn 0 to 0.092 nats at turn 1")
     assert "grows" not in r["message"]
 
@@ -482,11 +482,13 @@ def test_prefix_drift_reads_every_turn_whatever_max_turns_draws(tmp_path, capsys
         got[m] = (code, _checks(js)["mismatch.prefix_drift"])
         assert (tmp_path / f"o{m}" / "prefix_by_turn.png").exists()
     (c16, r16), (c32, r32) = got[16], got[32]
-    assert c16 == c32 == 1 and r16["status"] == r32["status"] == "fail"
-    assert r16["value"] == r32["value"] > 8.1 and r16["details"]["turn_last"] == r32["details"]["turn_last"] == 29
+    assert c16 == c32 == 0 and r16["status"] == r32["status"] == "info"
+    # the late bias of 0.05 nats on 24 tokens a turn, summed over turns 16-28 and half of turn 29: about 16.2
+    assert r16["value"] == r32["value"] == pytest.approx(16.2, rel=0.05)
+    assert r16["details"]["turn_last"] == r32["details"]["turn_last"] == 29
     assert r16["details"]["turns"] == 30 and r16["details"]["turns_not_drawn"] == 14
-    assert r16["message"].endswith("The plot draws turns 0-15 (--max-turns 16); the 14 later turns with 20+ "
-                                   "tokens (turns 16-29) are left out of it, not of the value.")
+    assert ("The plot draws turns 0-15 (--max-turns 16); the 14 later turns with 20+ tokens (turns 16-29) are "
+            "left out of it, not of the value. No calibrated verdict:") in r16["message"]
     assert r32["details"]["turns_not_drawn"] == 0 and "--max-turns" not in r32["message"]
     report = (tmp_path / "o16" / "report.md").read_text()
     assert "the 14 later turns with 20+ tokens (turns 16-29) are left out of it" in report

@@ -63,20 +63,20 @@ def _results(path):
 
 def test_fp32_engine_and_learner_pass_every_mismatch_check(dumps):
     res = _results(dumps["fp32"])
-    for cid in MISMATCH:
-        assert res[cid].status == "ok", (cid, res[cid].message)
+    for cid in MISMATCH:  # the two checks the transfer run left without a calibrated verdict report their value
+        want = "info" if cid in ("mismatch.prefix_drift", "mismatch.sequence_ratio_length") else "ok"
+        assert res[cid].status == want, (cid, res[cid].message)
     assert res["mismatch.k3"].value < 1e-10 and res["mismatch.prefix_drift"].value < 1e-4
     assert "flat" in res["mismatch.prefix_drift"].message
 
 
 def test_fp8_engine_with_an_fp32_learner_shows_prefix_drift(dumps):
-    """The check sees the history ratio compound while the current one stays small, and passes it: its
-    size here is below the value at which the mismatch lab's training was still safe (DRIFT_WARN)."""
-    from creditlab.diagnose.checks import DRIFT_WARN
-
+    """The check sees the history ratio compound while the current one stays small, and reports it (status
+    info: the transfer run gave it no calibrated verdict), over a thousand times the fp32 engine's."""
     res = _results(dumps["fp8"])
     drift = res["mismatch.prefix_drift"]
-    assert drift.status == "ok" and 0 < drift.value < DRIFT_WARN, drift.message
+    assert drift.status == "info" and drift.value > 1e3 * _results(dumps["fp32"])["mismatch.prefix_drift"].value
+    assert 0.05 < drift.value < 2, drift.message
     assert "grows from" in drift.message
     assert drift.details["prefix_rms_last"] > 3 * drift.details["prefix_rms_first"]
     assert drift.details["turn_last"] >= 3

@@ -114,7 +114,7 @@ def test_no_calibrated_verdict_is_info_with_the_reason_and_no_live_warning(tmp_p
                        entry.fix, entry.fn)
     monkeypatch.setattr(live_mod, "CHECKS", {**{c: live_mod.CHECKS[c] for c in live_mod.LIVE_CHECKS},
                                              "mismatch.prefix_drift": info})
-    assert not live_mod._crossed("mismatch.prefix_drift", 1e6, {}, live_mod.PREFIX)
+    assert not live_mod._crossed("mismatch.prefix_drift", 1e6)
 
 
 def test_live_values_follow_the_calibrated_unit(tmp_path, use_cal):

@@ -26,7 +26,7 @@ import torch
 
 from creditlab.core.diagnostics import batch_check_values
 from creditlab.diagnose.calibration import calibration
-from creditlab.diagnose.checks import CHECK_PARAMS, CHECKS, DRIFT_GROWTH, format_value
+from creditlab.diagnose.checks import CHECK_PARAMS, CHECKS, format_value
 
 __all__ = ["FIRST_TURN", "LIVE_CHECKS", "PREFIX", "TRAJECTORY_ESS", "LiveWarnings", "batch_values", "metric_name",
            "to_floats"]
@@ -82,22 +82,17 @@ def to_floats(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(values.keys(), flat, strict=True))
 
 
-def _crossed(check_id: str, value: float, metrics: Mapping[str, Any], prefix: str) -> bool:
+def _crossed(check_id: str, value: float) -> bool:
     """Whether ``value`` is at the warn level of the check's threshold (a threshold without a warn level,
-    "warn when any is": above 0); the prefix drift must also have grown over the first turn."""
+    "warn when any is": above 0)."""
     th = CHECKS[check_id].threshold
     if th.warn is None and th.fail is None:  # no calibrated verdict (status info): nothing to cross
         return False
     if th.measured:
         return th.level(value) in ("warn", "fail")
     if th.warn is None:
-        hit = value > 0 if th.direction == "above" else value < 0
-    else:
-        hit = value >= th.warn if th.direction == "above" else value < th.warn
-    if hit and check_id == "mismatch.prefix_drift":
-        first = metrics.get(metric_name(check_id, prefix) + FIRST_TURN)
-        hit = first is not None and math.isfinite(float(first)) and value >= DRIFT_GROWTH * float(first)
-    return hit
+        return value > 0 if th.direction == "above" else value < 0
+    return value >= th.warn if th.direction == "above" else value < th.warn
 
 
 class LiveWarnings:
@@ -124,7 +119,7 @@ class LiveWarnings:
             v = float(v)
             if not math.isfinite(v):
                 continue
-            if not _crossed(cid, v, metrics, self.prefix):
+            if not _crossed(cid, v):
                 self.active.discard(cid)
                 continue
             if cid in self.active:

@@ -509,7 +509,7 @@ def prefix_drift_calibration(m: pd.DataFrame) -> pd.DataFrame:
 
 #: The checks of ``creditlab diagnose`` that read the execution mismatch of a dump (the agreement table's).
 MISMATCH_CHECKS = ("mismatch.k3", "mismatch.prefix_drift", "mismatch.sequence_ratio_length")
-_SEVERITY = {"skipped": 0, "ok": 0, "warn": 1, "fail": 2}
+_SEVERITY = {"skipped": 0, "info": 0, "ok": 0, "warn": 1, "fail": 2}
 
 
 def diagnose_agreement(summary: pd.DataFrame, dump_dir: str | Path, band: float | None) -> pd.DataFrame:
@@ -616,23 +616,20 @@ def _read_phase_map(m: pd.DataFrame) -> str:
 
 
 def _read_calibration(c: pd.DataFrame) -> str:
-    from creditlab.diagnose.checks import DRIFT_FAIL, DRIFT_WARN
-
     rule = ("x: the learner's value of diagnose's statistic (RMS prefix log ratio at the last turn with 20+ tokens) on "
             "the base policy; a point rolls back when at least half its seeds roll back beyond the fp32 band. ")
     by = c.set_index("threshold")
     if "largest safe" in by.index:
         r = by.loc["largest safe"]
         return (rule + f"No point rolls back: there is no crossing to calibrate on. Training was safe up to "
-                f"{r['prefix_rms']:.3g} ({r['point']}); the thresholds ({DRIFT_WARN:g} / {DRIFT_FAIL:g}) stay as "
-                "they were reasoned.")
+                f"{r['prefix_rms']:.3g} ({r['point']}).")
     f = by.loc["fail"]
     text = rule + f"Rollback begins by {f['prefix_rms']:.3g} ({f['point']}, {f['beyond_fp32_band']}/{f['seeds']} seeds)"
     if "warn" in by.index:
         w = by.loc["warn"]
         text += (f"; the largest point below it that does not roll back is at {w['prefix_rms']:.3g} ({w['point']}): "
                  "the crossing lies between the two")
-    return text + f". The check's thresholds today: warn {DRIFT_WARN:g}, fail {DRIFT_FAIL:g}."
+    return text + "."
 
 
 def _read_agreement(a: pd.DataFrame, band: float | None, summary: pd.DataFrame | None = None) -> str:
