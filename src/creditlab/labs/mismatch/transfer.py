@@ -386,26 +386,35 @@ class Transfer(Experiment):
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
         tmap = tabs["transfer_map"].frame
-        fig, axes = plt.subplots(1, len(UNITS), figsize=(4.2 * len(UNITS), 3.4))
+        fig, axes = plt.subplots(1, len(UNITS), figsize=(4.6 * len(UNITS), 3.8))
         marks = {"thoughts40": "o", "thoughts24": "s"}
         colors = {"rolls back": "tab:red", "stable": "tab:green", "mixed": "tab:orange"}
         for ax, (unit, (col, _, sign)) in zip(axes, UNITS.items(), strict=True):
             for _, r in tmap.iterrows():
+                c = colors[r["class"]]
                 ax.errorbar(r[col], r["rollback"], yerr=[[max(r["rollback"] - r["rollback_lo"], 0)],
                                                          [max(r["rollback_hi"] - r["rollback"], 0)]],
-                            fmt=marks.get(r["world"], "o"), color=colors[r["class"]], alpha=0.8, capsize=2)
-                ax.annotate(f"{r['arm']}@{r['dose']}", (r[col], r["rollback"]), fontsize=6, alpha=0.7)
+                            fmt=marks.get(r["world"], "o"), color=c, alpha=0.8, capsize=2,
+                            mfc=c if r["arm"] == "naive" else "white", mec=c)  # hollow: the QAT learner
+                ax.annotate(r["dose"], (r[col], r["rollback"]), xytext=(4, 3), textcoords="offset points",
+                            fontsize=6, alpha=0.7)
             ax.axhline(float(tmap["band"].max()), color="gray", lw=0.8, ls=":")
             ax.set_xscale("log")
+            ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # 1-2-5: readable, not crowded
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel(f"{unit} ({'higher' if sign > 0 else 'lower'} is worse)")
             ax.set_ylabel("rollback (mean, 95% interval)")
         handles = [plt.Line2D([], [], marker=m, ls="", color="k", label=w) for w, m in marks.items()]
+        handles += [plt.Line2D([], [], marker="o", ls="", color="k", label="naive (fp32) learner"),
+                    plt.Line2D([], [], marker="o", ls="", color="k", mfc="white", label="QAT learner")]
         handles += [plt.Line2D([], [], marker="o", ls="", color=c, label=k) for k, c in colors.items()]
         axes[0].legend(handles=handles, fontsize=7)
-        fig.suptitle("Transfer: the candidate units at the gate against rollback (circle: 40 thoughts, square: 24)",
-                     fontsize=10)
+        fig.suptitle("Transfer: the candidate units at the gate against rollback (label: the engine; dotted: the "
+                     "largest fp32 band)", fontsize=10)
         fig.tight_layout()
         path = out / "mismatch_transfer.png"
         fig.savefig(path, dpi=110)
