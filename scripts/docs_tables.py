@@ -68,6 +68,7 @@ class Block:
 
 MXFP4 = "mismatch-2core/run"
 DUAL = "mismatch-dualclip/run"
+TRANSFER = "mismatch-transfer/run"
 #: The estimator's weightings, as the page names them.
 ESTIMATOR_WEIGHTINGS = {"none": "none", "tis": "TIS", "interq": "InterQ", "global": "global", "prefix": "prefix",
                         "seq_is": "sequence IS (cap 2)", "seq": "oracle"}
@@ -327,6 +328,32 @@ BLOCKS: tuple[Block, ...] = (
     ), tuple(Row((label,), arm) for label, arm in (
         ("QAT", "qat"), ("QAT+TIS", "qat_tis"), ("QAT+InterQ", "qat_interq"), ("QAT+MIS(delta<-1)", "qat_mis_low"),
         ("QAT+InterQxTIS", "qat_interq_tis")))),
+    # docs/diagnose.md, "Results of the transfer run"
+    Block("transfer-map", "diagnose.md", TRANSFER, "transfer_map", (
+        ("world", None), ("point", None),
+        ("policy tokens", "{policy_tokens:.0f}"),
+        ("total (nats)", "{total:.2f}"),
+        ("K3 per token", "{per_token:.2f|sci}"),
+        ("trajectory ESS", "{ess:.3f}"),
+        ("rollback", "{rollback:.3f} [{rollback_lo:+.3f}, {rollback_hi:+.3f}]"),
+        ("seeds beyond the band", "{rolled_back} of {seeds}"),
+        ("final success", "{final:.3f}"),
+        ("class", "{class}"),
+    ), tuple(Row((w, f"{arm}@{dose}"), f"{w}|{arm}|{dose}") for w in ("thoughts40", "thoughts24")
+             for arm, dose in (("naive", "fp8"), ("naive", "nvfp4"), ("qat", "nvfp4"), ("naive", "mxfp4"),
+                               ("qat", "mxfp4")))),
+    Block("transfer-units", "diagnose.md", "mismatch-transfer", "units", (
+        ("unit", None),
+        ("worst stable (40 / 24 thoughts)", "{stable_worst_thoughts40:.3g} / {stable_worst_thoughts24:.3g}"),
+        ("best rolling back (40 / 24 thoughts)", "{rolls_best_thoughts40:.3g} / {rolls_best_thoughts24:.3g}"),
+        ("pooled: worst stable, best rolling back", "{stable_worst_pooled:.3g}, {rolls_best_pooled:.3g}"),
+        ("one threshold separates both worlds", f"{{separates:|{YES_NO}}}"),
+        ("picked", f"{{picked:|{YES_NO}}}"),
+    ), (Row(("total (RMS prefix log ratio)",), "total"), Row(("per token (K3)",), "per_token"),
+        Row(("trajectory ESS",), "ess"))),
+    Block("transfer-predictions", "diagnose.md", TRANSFER, "predictions", (
+        ("prediction", None), ("measured", "{measured}"), ("verdict", "{verdict}"),
+    ), (Row(("(T1)",), "transfer|T1 a unit of the prefix mismatch transfers between trajectory lengths"),)),
     # docs/granularity.md, "The budget experiment: room to farm"
     Block("budget-gate", "granularity.md", "granularity-budget/run", "budget_gate", (
         ("action budget", "{action budget}"),
