@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from cli_inproc import run_inproc
-from creditlab.judge.testing import ChatServer
+from creditlab.judge.testing import FAULTS, ChatServer
 
 GOOD = {"id": "good", "prompt": "Aspirin?", "response": "Take aspirin with water. Get some rest.",
         "rubrics": [{"criterion": "aspirin water", "points": 2}, {"criterion": "rest", "points": 1}]}
@@ -219,8 +219,8 @@ def test_a_judge_that_dies_mid_run_stops_submitting_and_keeps_finished_rows(serv
     try:
         r = _cli("fork", "score", "--in", inp, "--out", out, "--base-url", server.url, "--timeout", "0.5",
                  "--max-retries", "1")
-    finally:
-        server.reset()
+    finally:  # the endpoint is back (reset keeps settings it is not given: restore them all)
+        server.reset(fault_rate=0.0, fault_kinds=FAULTS, hang=5.0)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     err = " ".join(r.stderr.split())
     assert "stopped submitting" in err and f"consecutive failed requests to {server.url}" in err

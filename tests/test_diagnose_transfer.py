@@ -117,6 +117,15 @@ def test_no_calibrated_verdict_is_info_with_the_reason_and_no_live_warning(tmp_p
     assert not live_mod._crossed("mismatch.prefix_drift", 1e6)
 
 
+def test_a_missing_calibration_file_gives_info_and_says_so(tmp_path, use_cal):
+    use_cal(None)  # a broken install: the package's calibration.json is gone
+    r = _checks(tmp_path, "s", k3=5e-3, **SHORT)["mismatch.prefix_drift"]
+    assert r.status == "info" and "calibration.json is missing" in r.message
+    assert r.value == pytest.approx(r.details["units"]["total"]) and "domain" not in r.details
+    t = checks_mod.measured_threshold("mismatch.sequence_ratio_length")
+    assert (t.warn, t.fail) == (None, None) and "calibration.json is missing" in t.note
+
+
 def test_live_values_follow_the_calibrated_unit(tmp_path, use_cal):
     use_cal(_cal(MeasuredThreshold("per_token", 3e-3, 1e-2, "above")))
     rows = agent_process_rows(k3=1e-3, steps=1, **{k: v for k, v in SHORT.items()})
