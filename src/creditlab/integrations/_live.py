@@ -5,7 +5,7 @@ Each step the integrations compute the values of the checks that one training ba
 (:func:`creditlab.core.diagnostics.batch_check_values`); the trainer reads them with its other
 metrics of the step. The metric of check ``mismatch.k3`` is ``creditlab/mismatch/k3`` (the check id with
 ``/`` for ``.``; verl puts its ``rollout_corr/`` before it); ``mismatch.prefix_drift`` also logs the RMS
-at the first counted turn, ``creditlab/mismatch/prefix_drift/first_turn``, which its threshold compares with,
+at the first counted turn, ``creditlab/mismatch/prefix_drift/first_turn``, to read its growth by,
 and every step carries ``creditlab/mismatch/trajectory_ess`` (the trajectory ESS share of the batch's sequence
 ratios, a candidate unit of the mismatch lab's transfer experiment, ``mismatch.prefix_drift``'s ``details.units``).
 
@@ -88,11 +88,9 @@ def _crossed(check_id: str, value: float) -> bool:
     th = CHECKS[check_id].threshold
     if th.warn is None and th.fail is None:  # no calibrated verdict (status info): nothing to cross
         return False
-    if th.measured:
-        return th.level(value) in ("warn", "fail")
     if th.warn is None:
         return value > 0 if th.direction == "above" else value < 0
-    return value >= th.warn if th.direction == "above" else value < th.warn
+    return th.level(value) in ("warn", "fail")  # the check's own rule, measured or reasoned
 
 
 class LiveWarnings:
